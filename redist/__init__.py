@@ -1,0 +1,19 @@
+"""redist: memory-bounded redistribution of sharded JAX arrays.
+
+``plan`` and the types are pure (no JAX import); ``redistribute`` imports JAX on first use.
+"""
+
+from redist.plan import Plan, Step
+from redist.planning import plan
+from redist.simulate import simulate
+from redist.types import DistDim, DistType, MeshShape
+
+__all__ = ["DistDim", "DistType", "MeshShape", "Plan", "Step", "plan", "redistribute", "simulate"]
+
+
+def __getattr__(name: str):
+    if name == "redistribute":
+        from redist.api import redistribute
+
+        return redistribute
+    raise AttributeError(f"module 'redist' has no attribute {name!r}")

@@ -1,0 +1,132 @@
+"""Execution of a :class:`Plan` with ``jax.lax`` collectives inside one ``shard_map``.
+
+| step       | jax.lax                                                    |
+|------------|------------------------------------------------------------|
+| dynslice   | ``dynamic_slice`` at offsets looked up by device index     |
+| allgather  | ``all_gather(tiled=True)``                                  |
+| alltoall   | ``all_to_all(tiled=True)``, split ``to_dim``, concat ``dim`` |
+| allpermute | ``ppermute`` over all mesh axes                            |
+
+Collectives use named mesh axes when their device groups are exactly the groups of some mesh axes
+(in some order); otherwise all axes with ``axis_index_groups`` (groups relabelled by device maps).
+Consecutive dynslices are fused into one ``dynamic_slice``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from redist.plan import Group, Plan, Step
+
+
+def _axis_groups(mesh_axes: Sequence[tuple[str, int]], names: Sequence[str]) -> frozenset:
+    """Groups (member order row-major over ``names``, first major) of the mesh's devices."""
+    sizes = [s for _, s in mesh_axes]
+    pos = [n for n, _ in mesh_axes]
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    order = [pos.index(n) for n in names] + [k for k in range(len(pos)) if pos[k] not in names]
+    moved = ids.transpose(order).reshape(math.prod(sizes[k] for k in order[: len(names)]), -1)
+    return frozenset(tuple(int(v) for v in moved[:, c]) for c in range(moved.shape[1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_axes(mesh_axes: tuple[tuple[str, int], ...], groups: tuple[Group, ...]):
+    """Mesh axis names (major first) whose groups are exactly ``groups``, or ``None``."""
+    sizes = dict(mesh_axes)
+    strides, s = {}, 1
+    for name, size in reversed(mesh_axes):
+        strides[name] = s
+        s *= size
+    first = groups[0]
+    varying = [
+        n for n, _ in mesh_axes
+        if len({(d // strides[n]) % sizes[n] for d in first}) > 1
+    ]  # fmt: skip
+    if math.prod(sizes[n] for n in varying) != len(first) or len(varying) > 4:
+        return None
+    want = frozenset(groups)
+    for names in itertools.permutations(varying):
+        if _axis_groups(mesh_axes, names) == want:
+            return names
+    return None
+
+
+def _device_index(mesh_axes: Sequence[tuple[str, int]]):
+    idx = 0
+    for name, size in mesh_axes:
+        idx = idx * size + lax.axis_index(name)
+    return idx
+
+
+def _collective_args(mesh_axes, step: Step):
+    named = _named_axes(mesh_axes, step.groups)
+    if named is not None:
+        return {"axis_name": named if len(named) > 1 else named[0]}
+    return {
+        "axis_name": tuple(n for n, _ in mesh_axes),
+        "axis_index_groups": [list(g) for g in step.groups],
+    }
+
+
+def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
+    all_names = tuple(n for n, _ in mesh_axes)
+    # Fold consecutive dynslices into one slice: offsets add, the last shape wins.
+    ops: list[tuple[str, object]] = []
+    for step in plan.steps:
+        if step.kind == "dynslice" and ops and ops[-1][0] == "dynslice":
+            offsets, _ = ops[-1][1]
+            ops[-1] = ("dynslice", (offsets + np.asarray(step.offsets), step.after.local_shape))
+        elif step.kind == "dynslice":
+            ops.append(("dynslice", (np.asarray(step.offsets), step.after.local_shape)))
+        else:
+            ops.append((step.kind, step))
+
+    def kernel(x):
+        idx = None
+        for kind, arg in ops:
+            if kind == "dynslice":
+                offsets, shape = arg
+                if idx is None:
+                    idx = _device_index(mesh_axes)
+                row = jnp.asarray(offsets, dtype=jnp.int32)[idx]
+                x = lax.dynamic_slice(x, [row[k] for k in range(x.ndim)], shape)
+            elif kind == "allgather":
+                x = lax.all_gather(x, axis=arg.dim, tiled=True, **_collective_args(mesh_axes, arg))
+            elif kind == "alltoall":
+                x = lax.all_to_all(
+                    x, split_axis=arg.to_dim, concat_axis=arg.dim, tiled=True,
+                    **_collective_args(mesh_axes, arg),
+                )  # fmt: skip
+            else:  # allpermute
+                moved = lax.ppermute(x, all_names, perm=list(arg.perm))
+                receives = np.zeros(math.prod(s for _, s in mesh_axes), dtype=bool)
+                receives[[d for _, d in arg.perm]] = True
+                if receives.all():
+                    x = moved
+                else:
+                    if idx is None:
+                        idx = _device_index(mesh_axes)
+                    x = jnp.where(jnp.asarray(receives)[idx], moved, x)
+        return x
+
+    return kernel
+
+
+def shard_mapped(plan: Plan, mesh, src: PartitionSpec, dst: PartitionSpec):
+    """The ``shard_map`` running ``plan`` on ``mesh`` (a ``Mesh`` or ``AbstractMesh``).
+
+    Its input must be sharded as ``src`` and its output is sharded as ``dst``.
+    """
+    mesh_axes = tuple((n, int(s)) for n, s in mesh.shape.items())
+    return jax.shard_map(
+        _kernel(plan, mesh_axes), mesh=mesh, in_specs=src, out_specs=dst, check_vma=False
+    )

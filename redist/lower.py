@@ -1,0 +1,255 @@
+"""Lowering weak paths to concrete steps with device maps (paper §6, Fig. 10, §7.3).
+
+A concrete state is a type ``t`` over the mesh's prime factors together with a device map
+``phi`` (``phi[h]`` is the physical device at logical point ``h``): physical device ``phi[h]`` holds
+the tile at ``base_offsets(t)[h]``. A collective on axes that are not minor-most in their dimension
+first relabels devices (a new ``phi``, no data moves) so that they are; so no intermediate permutation
+is ever needed. At the end the physical placement is compared with the destination's; only if they
+differ is one ``allpermute`` added, placed before any trailing ``allgather``s where its tiles are
+smaller. Concrete axes are chosen with a bias to the destination type.
+
+Among weak paths of equal cost, the first whose lowering needs no permutation is taken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from redist.cost import step_cost
+from redist.plan import Group, Plan, Step
+from redist.search import WeakStep
+from redist.types import DistDim, DistType, MeshShape, prime_factors
+
+
+class _State:
+    """A concrete type with its device map; mutable scratch used only while lowering."""
+
+    def __init__(self, mesh: MeshShape, t: DistType, phi: np.ndarray):
+        self.mesh, self.t, self.phi = mesh, t, phi
+
+    def physical_offsets(self) -> np.ndarray:
+        out = np.empty((self.mesh.num_devices, self.t.rank), dtype=np.int64)
+        out[self.phi] = self.t.base_offsets(self.mesh)
+        return out
+
+
+def _with_dim(t: DistType, i: int, local: int, axes: tuple[str, ...]) -> DistType:
+    dims = list(t.dims)
+    dims[i] = DistDim(local, axes, dims[i].size)
+    return DistType(tuple(dims))
+
+
+def _radix_index(mesh: MeshShape, axes: Sequence[str]) -> np.ndarray:
+    """Per logical point, the mixed-radix number of its coordinates on ``axes`` (first = fastest)."""
+    coords = mesh.factor_coords
+    out = np.zeros(mesh.num_devices, dtype=np.int64)
+    stride = 1
+    for a in axes:
+        out += stride * coords[:, mesh.factor_index[a]]
+        stride *= mesh.factor_size[a]
+    return out
+
+
+def _relabel(state: _State, i: int, new_order: tuple[str, ...]) -> None:
+    """Reorder dim ``i``'s axes to ``new_order`` keeping every device's tile (rule ALLGATHER/ALLTOALL).
+
+    Finds ``sigma`` with ``beta' = beta o sigma`` and sets ``phi' = phi o sigma``.
+    """
+    mesh, old = state.mesh, state.t.dims[i].axes
+    if new_order == old:
+        return
+    block = _radix_index(mesh, new_order)
+    coords = mesh.factor_coords.copy()
+    stride = 1
+    for a in old:
+        size = mesh.factor_size[a]
+        coords[:, mesh.factor_index[a]] = (block // stride) % size
+        stride *= size
+    sizes = [f.size for f in mesh.factors]
+    sigma = np.ravel_multi_index(tuple(coords.T), sizes)
+    state.phi = state.phi[sigma]
+    state.t = _with_dim(state.t, i, state.t.dims[i].local, new_order)
+
+
+def _groups(state: _State, axes: tuple[str, ...]) -> tuple[Group, ...]:
+    """Device groups varying ``axes`` (the rest fixed), members ordered by ``axes`` (first fastest)."""
+    mesh = state.mesh
+    rank = _radix_index(mesh, axes)
+    others = [f.name for f in mesh.factors if f.name not in axes]
+    key = _radix_index(mesh, others)
+    n = math.prod(mesh.factor_size[a] for a in axes)
+    table = np.empty((mesh.num_devices // n, n), dtype=np.int64)
+    table[key, rank] = state.phi
+    return tuple(tuple(int(d) for d in row) for row in table)
+
+
+def _pick(candidates: Sequence[str], n: int, score, mesh: MeshShape) -> tuple[str, ...]:
+    """Choose factors from ``candidates`` whose sizes multiply to ``n``, lowest ``score`` first."""
+    ranked = sorted(range(len(candidates)), key=lambda k: (score(candidates[k]), k))
+    chosen = []
+    for p in prime_factors(n):
+        for k in ranked:
+            a = candidates[k]
+            if a not in chosen and mesh.factor_size[a] == p:
+                chosen.append(a)
+                break
+        else:  # pragma: no cover - guaranteed by the weak path's validity
+            raise RuntimeError(f"cannot find factors of {n} among {candidates}")
+    return tuple(a for a in candidates if a in chosen)
+
+
+def _order_like(axes: tuple[str, ...], reference: tuple[str, ...]) -> tuple[str, ...]:
+    """Sort ``axes`` by their position in ``reference``; those absent go last, in given order."""
+    pos = {a: k for k, a in enumerate(reference)}
+    return tuple(sorted(axes, key=lambda a: (pos.get(a, len(reference)), axes.index(a))))
+
+
+def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Step:
+    mesh, t = state.mesh, state.t
+    i = w.dim
+    before = t
+    if w.kind == "dynslice":
+        free = [f.name for f in mesh.factors if f.name not in t.axes]
+
+        def score(a: str) -> int:
+            d = dst.dim_of(a)
+            return 0 if d == i else 1 if d is None else 2
+
+        x = _order_like(_pick(free, w.factor, score, mesh), dst.dims[i].axes)
+        local = t.dims[i].local // w.factor
+        state.t = _with_dim(t, i, local, x + t.dims[i].axes)
+        start = np.zeros((mesh.num_devices, t.rank), dtype=np.int64)
+        start[state.phi, i] = local * _radix_index(mesh, x)
+        return Step(
+            "dynslice", i, None, x, before, state.t, 0,
+            offsets=tuple(tuple(int(v) for v in row) for row in start),
+            device_map=tuple(int(v) for v in state.phi),
+        )  # fmt: skip
+    axes_i = t.dims[i].axes
+    if w.kind == "allgather":
+
+        def score(a: str) -> int:
+            d = dst.dim_of(a)
+            return 0 if d is None else 1 if d != i else 2
+
+        x = _pick(axes_i, w.factor, score, mesh)
+    else:  # alltoall
+        j = w.to_dim
+
+        def score(a: str) -> int:
+            d = dst.dim_of(a)
+            return 0 if d == j else 2 if d == i else 1
+
+        x = _order_like(_pick(axes_i, w.factor, score, mesh), dst.dims[j].axes)
+    _relabel(state, i, x + tuple(a for a in axes_i if a not in x))
+    groups = _groups(state, x)
+    rest = state.t.dims[i].axes[len(x) :]
+    new_t = _with_dim(state.t, i, t.dims[i].local * w.factor, rest)
+    if w.kind == "alltoall":
+        new_t = _with_dim(new_t, w.to_dim, t.dims[w.to_dim].local // w.factor, x + t.dims[w.to_dim].axes)
+    state.t = new_t
+    cost = step_cost(w.kind, before=before.local_size, after=new_t.local_size, itemsize=itemsize)
+    return Step(
+        w.kind, i, w.to_dim, x, before, new_t, cost, groups=groups,
+        device_map=tuple(int(v) for v in state.phi),
+    )  # fmt: skip
+
+
+def _permute(state: _State, target: DistType, itemsize: int) -> Step | None:
+    """One allpermute from ``state`` to ``target`` under the identity device map, if needed."""
+    have = state.physical_offsets()
+    want = target.base_offsets(state.mesh)
+    if np.array_equal(have, want):
+        return None
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for d, off in enumerate(map(tuple, have.tolist())):
+        holders.setdefault(off, []).append(d)
+    needs: dict[tuple[int, ...], list[int]] = {}
+    for d, off in enumerate(map(tuple, want.tolist())):
+        needs.setdefault(off, []).append(d)
+    pairs = []
+    for off, dsts in needs.items():
+        srcs = holders.get(off, [])
+        if len(srcs) != len(dsts):  # pragma: no cover - equal local types hold equal multisets
+            raise RuntimeError(f"tile {off} held {len(srcs)} times but needed {len(dsts)} times")
+        stay = set(srcs) & set(dsts)
+        for s, d in zip(sorted(set(srcs) - stay), sorted(set(dsts) - stay)):
+            pairs.append((s, d))
+    identity = np.arange(state.mesh.num_devices)
+    step = Step(
+        "allpermute", None, None, (), state.t, target, target.local_size * itemsize,
+        perm=tuple(sorted(pairs)), device_map=tuple(int(v) for v in identity),
+    )  # fmt: skip
+    state.t, state.phi = target, identity
+    return step
+
+
+def _pregather_target(state: _State, gathers: Sequence[WeakStep], dst: DistType) -> DistType:
+    """The type just before the trailing allgathers: ``dst`` plus the gathered axes, minor-most."""
+    mesh, t = state.mesh, state.t
+    taken: set[str] = set()
+    dims = list(dst.dims)
+    for i in dict.fromkeys(g.dim for g in gathers):
+        n = math.prod(g.factor for g in gathers if g.dim == i)
+        pool = [a for a in t.dims[i].axes] + [f.name for f in mesh.factors]
+        pool = [a for a in dict.fromkeys(pool) if a not in dst.axes and a not in taken]
+        x = _pick(pool, n, lambda a: 0 if a in t.dims[i].axes else 1, mesh)
+        x = _order_like(x, t.dims[i].axes)
+        taken.update(x)
+        dims[i] = DistDim(dst.dims[i].local // n, x + dst.dims[i].axes, dst.dims[i].size)
+    return DistType(tuple(dims))
+
+
+def lower(
+    mesh: MeshShape, src: DistType, dst: DistType, path: Sequence[WeakStep], itemsize: int
+) -> tuple[Step, ...]:
+    """Concrete steps for ``path``: no intermediate permutation, at most one final one."""
+    identity = np.arange(mesh.num_devices)
+    state = _State(mesh, src, identity)
+    steps = [_lower_step(state, w, dst, itemsize) for w in path]
+    last = _permute(state, dst, itemsize)
+    if last is None:
+        return tuple(steps)
+    k = len(path)
+    while k > 0 and path[k - 1].kind == "allgather":
+        k -= 1
+    if k == len(path):
+        return (*steps, last)
+    # Move the permutation before the trailing allgathers, where tiles are smaller.
+    state = _State(mesh, src, identity)
+    steps = [_lower_step(state, w, dst, itemsize) for w in path[:k]]
+    target = _pregather_target(state, path[k:], dst)
+    perm = _permute(state, target, itemsize)
+    if perm is not None:
+        steps.append(perm)
+    for i in dict.fromkeys(g.dim for g in path[k:]):
+        n = math.prod(g.factor for g in path[k:] if g.dim == i)
+        w = WeakStep("allgather", i, None, n, state.t.local_shape, (), 0)
+        steps.append(_lower_step(state, w, dst, itemsize))
+    end = _permute(state, dst, itemsize)
+    if end is not None:  # pragma: no cover - the pre-gather target gathers exactly into dst
+        raise RuntimeError("lowering did not reach the destination placement")
+    return tuple(steps)
+
+
+def make_plan(
+    mesh: MeshShape,
+    src: DistType,
+    dst: DistType,
+    paths: Sequence[Sequence[WeakStep]],
+    dtype: str,
+    itemsize: int,
+) -> Plan:
+    """Lower each candidate path (all of equal weak cost) and keep the best concrete plan."""
+    best = None
+    for path in paths:
+        plan = Plan(mesh, src, dst, dtype, itemsize, lower(mesh, src, dst, path, itemsize))
+        key = (plan.cost_bytes, plan.num_collectives, len(plan.steps))
+        if best is None or key < best[0]:
+            best = (key, plan)
+        if "allpermute" not in plan.kinds:
+            break
+    return best[1]

@@ -1,0 +1,128 @@
+"""Plan and Step: the immutable result of synthesis, and the only thing execution reads.
+
+A plan prints in the paper's notation (minor-to-major axes), one type per line, each step between
+the types it connects. Factor axes ``a#k`` name the prime factors of mesh axis ``a`` (major first).
+
+Example:
+    >>> p = redist.plan((8, 8), P("a"), P(None, "a"), {"a": 8})   # doctest: +SKIP
+    >>> print(p)
+    [1{a#2,a#1,a#0}8, 8]
+      alltoall(0->1, {a#2,a#1,a#0})  8 devices/group  32 B
+    [8, 1{a#2,a#1,a#0}8]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from redist.types import DistType, MeshShape
+
+Group = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """One collective of a plan.
+
+    Attributes:
+        kind: ``"dynslice"``, ``"alltoall"``, ``"allgather"`` or ``"allpermute"``.
+        dim: the array dimension sliced, gathered, or (alltoall) gathered from.
+        to_dim: for alltoall, the dimension that becomes partitioned; else ``None``.
+        axes: mesh factors the step acts on, minor-to-major (empty for allpermute).
+        before, after: the (concrete) types around the step, relative to ``device_map``s.
+        cost_bytes: bytes per device under the paper's cost model.
+        groups: communicating device groups (physical row-major indices), member order = rank.
+        offsets: for dynslice, the start of the slice on every physical device.
+        perm: for allpermute, ``(source, destination)`` pairs of devices whose tile moves.
+        device_map: after the step, ``device_map[h]`` is the physical device at logical point ``h``.
+    """
+
+    kind: str
+    dim: int | None
+    to_dim: int | None
+    axes: tuple[str, ...]
+    before: DistType
+    after: DistType
+    cost_bytes: int
+    groups: tuple[Group, ...] = ()
+    offsets: tuple[tuple[int, ...], ...] = ()
+    perm: tuple[tuple[int, int], ...] = ()
+    device_map: tuple[int, ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0]) if self.groups else 1
+
+    def __str__(self) -> str:
+        axes = "{" + ",".join(self.axes) + "}"
+        if self.kind == "dynslice":
+            head = f"dynslice({self.dim}, {axes})"
+        elif self.kind == "allgather":
+            head = f"allgather({self.dim}, {axes})"
+        elif self.kind == "alltoall":
+            head = f"alltoall({self.dim}->{self.to_dim}, {axes})"
+        else:
+            head = f"allpermute({len(self.perm)} tiles move)"
+        detail = f"  {self.group_size} devices/group" if self.groups else ""
+        return f"{head}{detail}  {self.cost_bytes} B"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A synthesized redistribution: ``src`` to ``dst`` on ``mesh`` through ``steps``.
+
+    Attributes:
+        cost_bytes: total bytes per device under the paper's cost model (Fig. 11).
+        peak_bytes: largest local tile along the sequence, bytes per device.
+    """
+
+    mesh: MeshShape
+    src: DistType
+    dst: DistType
+    dtype: str
+    itemsize: int
+    steps: tuple[Step, ...]
+
+    @property
+    def cost_bytes(self) -> int:
+        return sum(s.cost_bytes for s in self.steps)
+
+    @property
+    def peak_bytes(self) -> int:
+        sizes = [self.src.local_size] + [s.after.local_size for s in self.steps]
+        return max(sizes) * self.itemsize
+
+    @property
+    def bound_bytes(self) -> int:
+        """``max(src tile, dst tile)`` in bytes: the memory bound every plan respects."""
+        return max(self.src.local_size, self.dst.local_size) * self.itemsize
+
+    @property
+    def num_collectives(self) -> int:
+        return sum(s.kind != "dynslice" for s in self.steps)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(s.kind for s in self.steps)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return self.src.global_shape
+
+    def __str__(self) -> str:
+        lines = [
+            f"# {self.global_shape} {self.dtype} on {self.mesh}: {len(self.steps)} steps, "
+            f"cost {self.cost_bytes} B/device, peak {self.peak_bytes} B/device "
+            f"(bound {self.bound_bytes})",
+            str(self.src),
+        ]
+        for s in self.steps:
+            lines.append(f"  {s}")
+            lines.append(str(s.after))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(src={self.src}, dst={self.dst}, mesh={self.mesh}, dtype={self.dtype!r}, "
+            f"steps={self.kinds}, cost_bytes={self.cost_bytes}, peak_bytes={self.peak_bytes})"
+        )

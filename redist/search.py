@@ -1,0 +1,167 @@
+"""Shortest-path search over weak types (paper §5, §7.2).
+
+A weak type (a distributed type up to a permutation of devices) is identified by its local shape
+once the global shape is fixed. Nodes are local shapes whose size stays within
+``max(localsize(src), localsize(dst))``, and whose partition counts can be made from the mesh's
+prime factors. Edges are the multi-axis collectives of §7.1, one per (dimension[s], factor):
+
+| edge                 | local shape change             | condition                               |
+|----------------------|--------------------------------|-----------------------------------------|
+| dynslice(i, n)       | l_i -> l_i / n                 | n | l_i, primes of n free on the mesh    |
+| allgather(i, n)      | l_i -> l_i * n                 | n | (g_i / l_i)                          |
+| alltoall(i -> j, n)  | l_i -> l_i * n, l_j -> l_j / n | n | (g_i / l_i), n | l_j                  |
+
+Weights come from :mod:`redist.cost`. Ties are broken deterministically: lower cost, then fewer
+communicating collectives, then fewer steps, then the lexicographically smaller local shape.
+
+Example:
+    >>> path = weak_path((8, 8), (1, 8), (8, 1), (2, 2, 2), 4)
+    >>> [(s.kind, s.factor) for s in path]
+    [('alltoall', 8)]
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections import Counter
+from typing import NamedTuple
+
+from redist.cost import step_cost
+from redist.types import Shape, prime_factors
+
+
+class WeakStep(NamedTuple):
+    """One weak collective: ``kind`` on ``dim`` (``to_dim`` for alltoall) by ``factor``."""
+
+    kind: str
+    dim: int
+    to_dim: int | None
+    factor: int
+    before: Shape
+    after: Shape
+    cost: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def _fits(counts: Shape, primes: Counter) -> bool:
+    need = Counter(p for c in counts for p in prime_factors(c))
+    return all(primes[p] >= k for p, k in need.items())
+
+
+def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int):
+    counts = tuple(g // l for g, l in zip(global_shape, node))
+    used = Counter(p for c in counts for p in prime_factors(c))
+    free = primes - used
+    size = math.prod(node)
+    rank = len(node)
+    for i in range(rank):
+        # dynslice: split dim i further by free factors.
+        for n in _divisors(node[i]):
+            if Counter(prime_factors(n)) <= free:
+                yield "dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :]
+        for n in _divisors(counts[i]):
+            if size * n <= bound:
+                yield "allgather", i, None, n, node[:i] + (node[i] * n,) + node[i + 1 :]
+            for j in range(rank):
+                if j != i and node[j] % n == 0:
+                    new = list(node)
+                    new[i] *= n
+                    new[j] //= n
+                    yield "alltoall", i, j, n, tuple(new)
+
+
+def _key_add(key: tuple[int, int], kind: str, w: int) -> tuple[int, int]:
+    return (key[0] + w, key[1] + (kind != "dynslice"))
+
+
+@functools.lru_cache(maxsize=4096)
+def weak_paths(
+    global_shape: Shape,
+    src: Shape,
+    dst: Shape,
+    primes: tuple[int, ...],
+    itemsize: int,
+    limit: int = 32,
+) -> tuple[tuple[WeakStep, ...], ...]:
+    """All cheapest memory-bounded weak paths from local shape ``src`` to ``dst`` (up to ``limit``).
+
+    Cheapest means lowest cost, then fewest communicating collectives. Paths come shortest first,
+    in a deterministic order; the first is the one Dijkstra's tie-break (fewer steps) prefers.
+
+    Args:
+        global_shape: the array's global shape.
+        src, dst: local (per-device) shapes of the source and destination types.
+        primes: the mesh's prime factor sizes (a multiset, any order).
+        itemsize: bytes per element, for the cost in bytes.
+        limit: at most this many paths are returned.
+    """
+    pool = Counter(primes)
+    for shape in (src, dst):
+        counts = tuple(g // l for g, l in zip(global_shape, shape))
+        if not _fits(counts, pool):
+            raise ValueError(f"local shape {shape} of global {global_shape} does not fit mesh {primes}")
+    bound = max(math.prod(src), math.prod(dst))
+    best: dict[Shape, tuple[int, int]] = {src: (0, 0)}
+    edges: dict[Shape, list[tuple[WeakStep, tuple[int, int]]]] = {}
+    heap = [(0, 0, src)]
+    done: set[Shape] = set()
+    while heap:
+        cost, ncoll, node = heapq.heappop(heap)
+        if node in done:
+            continue
+        if dst in best and (cost, ncoll) > best[dst]:
+            break
+        done.add(node)
+        size = math.prod(node)
+        out = edges.setdefault(node, [])
+        for kind, i, j, n, new in _edges(node, global_shape, pool, bound):
+            w = step_cost(kind, before=size, after=math.prod(new), itemsize=itemsize)
+            key = _key_add((cost, ncoll), kind, w)
+            out.append((WeakStep(kind, i, j, n, node, new, w), key))
+            if key < best.get(new, (math.inf, 0)):
+                best[new] = key
+                heapq.heappush(heap, (*key, new))
+    if dst not in best:  # pragma: no cover - a normal form always exists (Theorem 4.8)
+        raise RuntimeError(f"no memory-bounded path from {src} to {dst}")
+    # Tight edges form a DAG (dynslice shrinks tiles; every other edge costs bytes).
+    tight = {
+        u: [s for s, key in out if s.after in done and key == best[s.after]]
+        for u, out in edges.items()
+    }
+    hops: dict[Shape, int] = {dst: 0}
+    changed = True
+    while changed:  # hops to dst along tight edges (small graphs: fixed point is quick)
+        changed = False
+        for u, out in tight.items():
+            h = min((hops[s.after] + 1 for s in out if s.after in hops), default=None)
+            if h is not None and h < hops.get(u, math.inf):
+                hops[u] = h
+                changed = True
+    paths: list[tuple[WeakStep, ...]] = []
+    max_len = hops[src] + 2
+
+    def walk(node: Shape, prefix: tuple[WeakStep, ...]) -> None:
+        if len(paths) >= limit:
+            return
+        if node == dst:
+            paths.append(prefix)
+            return
+        nxt = [s for s in tight.get(node, []) if s.after in hops]
+        for s in sorted(nxt, key=lambda s: (hops[s.after], s.kind, s.dim, s.to_dim or 0, s.factor)):
+            if len(prefix) + 1 + hops[s.after] <= max_len:
+                walk(s.after, prefix + (s,))
+
+    walk(src, ())
+    return tuple(sorted(paths, key=len))
+
+
+def weak_path(
+    global_shape: Shape, src: Shape, dst: Shape, primes: tuple[int, ...], itemsize: int
+) -> tuple[WeakStep, ...]:
+    """The cheapest memory-bounded weak path (fewest collectives, then fewest steps)."""
+    return weak_paths(global_shape, src, dst, primes, itemsize)[0]
