@@ -79,6 +79,7 @@ def _collective_args(mesh_axes, step: Step):
 
 def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
     all_names = tuple(n for n, _ in mesh_axes)
+    num_devices = math.prod(s for _, s in mesh_axes)
     # Fold consecutive dynslices into one slice: offsets add, the last shape wins.
     ops: list[tuple[str, object]] = []
     for step in plan.steps:
@@ -106,16 +107,13 @@ def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
                     x, split_axis=arg.to_dim, concat_axis=arg.dim, tiled=True,
                     **_collective_args(mesh_axes, arg),
                 )  # fmt: skip
-            else:  # allpermute
-                moved = lax.ppermute(x, all_names, perm=list(arg.perm))
-                receives = np.zeros(math.prod(s for _, s in mesh_axes), dtype=bool)
-                receives[[d for _, d in arg.perm]] = True
-                if receives.all():
-                    x = moved
-                else:
-                    if idx is None:
-                        idx = _device_index(mesh_axes)
-                    x = jnp.where(jnp.asarray(receives)[idx], moved, x)
+            else:  # allpermute: a full permutation (staying tiles map to themselves), so
+                # every device receives and no select keeps the old buffer alive.
+                moving = dict(arg.perm)
+                targets = set(moving.values())
+                stay = [d for d in range(num_devices) if d not in moving and d not in targets]
+                pairs = sorted(moving.items()) + [(d, d) for d in stay]
+                x = lax.ppermute(x, all_names, perm=pairs)
         return x
 
     return kernel
