@@ -56,7 +56,9 @@ def main(argv):
         if ms.num_devices > len(devices):
             print(f"(planned only: needs {ms.num_devices} devices)\n")
             continue
-        mesh = jax.make_mesh(tuple(p.mesh.values()), tuple(p.mesh), devices=devices[: ms.num_devices])
+        mesh = jax.make_mesh(
+            tuple(p.mesh.values()), tuple(p.mesh), devices=devices[: ms.num_devices]
+        )
         arr = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
         x = jax.device_put(arr, NamedSharding(mesh, PartitionSpec(*p.src)))
         y = redist.redistribute(x, PartitionSpec(*p.dst))

@@ -175,7 +175,9 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None):
         specs = treedef.flatten_up_to(spec)
         for s in specs:
             if not _is_spec(s):
-                raise TypeError(f"{argname} leaves must be PartitionSpec or NamedSharding, got {s!r}")
+                raise TypeError(
+                    f"{argname} leaves must be PartitionSpec or NamedSharding, got {s!r}"
+                )
         return specs
 
     srcs, dsts = per_leaf(src, "src"), per_leaf(dst, "dst")

@@ -149,7 +149,9 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
     rest = state.t.dims[i].axes[len(x) :]
     new_t = _with_dim(state.t, i, t.dims[i].local * w.factor, rest)
     if w.kind == "alltoall":
-        new_t = _with_dim(new_t, w.to_dim, t.dims[w.to_dim].local // w.factor, x + t.dims[w.to_dim].axes)
+        new_t = _with_dim(
+            new_t, w.to_dim, t.dims[w.to_dim].local // w.factor, x + t.dims[w.to_dim].axes
+        )
     state.t = new_t
     cost = step_cost(w.kind, before=before.local_size, after=new_t.local_size, itemsize=itemsize)
     return Step(
@@ -194,10 +196,10 @@ def _pregather_target(state: _State, gathers: Sequence[WeakStep], dst: DistType)
     dims = list(dst.dims)
     for i in dict.fromkeys(g.dim for g in gathers):
         n = math.prod(g.factor for g in gathers if g.dim == i)
-        pool = [a for a in t.dims[i].axes] + [f.name for f in mesh.factors]
+        pool = list(t.dims[i].axes) + [f.name for f in mesh.factors]
         pool = [a for a in dict.fromkeys(pool) if a not in dst.axes and a not in taken]
-        x = _pick(pool, n, lambda a: 0 if a in t.dims[i].axes else 1, mesh)
-        x = _order_like(x, t.dims[i].axes)
+        held = t.dims[i].axes
+        x = _order_like(_pick(pool, n, lambda a, held=held: 0 if a in held else 1, mesh), held)
         taken.update(x)
         dims[i] = DistDim(dst.dims[i].local // n, x + dst.dims[i].axes, dst.dims[i].size)
     return DistType(tuple(dims))

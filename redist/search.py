@@ -54,7 +54,7 @@ def _fits(counts: Shape, primes: Counter) -> bool:
 
 
 def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int):
-    counts = tuple(g // l for g, l in zip(global_shape, node))
+    counts = tuple(g // loc for g, loc in zip(global_shape, node))
     used = Counter(p for c in counts for p in prime_factors(c))
     free = primes - used
     size = math.prod(node)
@@ -102,9 +102,11 @@ def weak_paths(
     """
     pool = Counter(primes)
     for shape in (src, dst):
-        counts = tuple(g // l for g, l in zip(global_shape, shape))
+        counts = tuple(g // loc for g, loc in zip(global_shape, shape))
         if not _fits(counts, pool):
-            raise ValueError(f"local shape {shape} of global {global_shape} does not fit mesh {primes}")
+            raise ValueError(
+                f"local shape {shape} of global {global_shape} does not fit mesh {primes}"
+            )
     bound = max(math.prod(src), math.prod(dst))
     best: dict[Shape, tuple[int, int]] = {src: (0, 0)}
     edges: dict[Shape, list[tuple[WeakStep, tuple[int, int]]]] = {}

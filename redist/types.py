@@ -73,9 +73,13 @@ class MeshShape:
             if not isinstance(name, str):
                 raise TypeError(f"mesh axis names must be strings, got {name!r}")
             if "#" in name:
-                raise ValueError(f"mesh axis name {name!r} may not contain '#' (reserved for factors)")
+                raise ValueError(
+                    f"mesh axis name {name!r} may not contain '#' (reserved for factors)"
+                )
             if not isinstance(size, (int, np.integer)) or size < 1:
-                raise ValueError(f"mesh axis {name!r} must have a positive integer size, got {size!r}")
+                raise ValueError(
+                    f"mesh axis {name!r} must have a positive integer size, got {size!r}"
+                )
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be unique, got {names}")
 
@@ -171,7 +175,9 @@ class DistType:
     ) -> DistType:
         """Build a type from factor axes per dimension, minor-to-major (the paper's order)."""
         if len(shape) != len(axes):
-            raise ValueError(f"shape {tuple(shape)} has rank {len(shape)} but {len(axes)} dims of axes")
+            raise ValueError(
+                f"shape {tuple(shape)} has rank {len(shape)} but {len(axes)} dims of axes"
+            )
         seen: dict[str, int] = {}
         dims = []
         for i, (n, dim_axes) in enumerate(zip(shape, axes)):
@@ -193,7 +199,9 @@ class DistType:
         return cls(tuple(dims))
 
     @classmethod
-    def from_spec(cls, spec: Sequence[SpecEntry], shape: Sequence[int], mesh: MeshShape) -> DistType:
+    def from_spec(
+        cls, spec: Sequence[SpecEntry], shape: Sequence[int], mesh: MeshShape
+    ) -> DistType:
         """Convert a ``PartitionSpec`` (major-to-minor axis names) for an array of ``shape``.
 
         Raises:

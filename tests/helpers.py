@@ -64,8 +64,11 @@ def concrete_optimum(mesh: MeshShape, src: DistType, dst: DistType, itemsize: in
                 yield "allgather", _set(t, i, gathered)
                 for j, e in enumerate(t.dims):
                     if j != i and e.local % n == 0:
-                        yield "alltoall", _set(
-                            _set(t, i, gathered), j, DistDim(e.local // n, xs + e.axes, e.size)
+                        yield (
+                            "alltoall",
+                            _set(
+                                _set(t, i, gathered), j, DistDim(e.local // n, xs + e.axes, e.size)
+                            ),
                         )
 
     by_local: dict[tuple[int, ...], list[DistType]] = {}

@@ -127,7 +127,9 @@ def test_errors(arr):
         redist.redistribute(jax.device_put(arr[:, :, :6], NamedSharding(mesh, P())),
                             P(None, None, ("a", "b", "c")))  # fmt: skip
     with _err(r"uneven sharding is not supported yet"):
-        redist.redistribute(jax.device_put(arr[:, :, :6], NamedSharding(mesh, P())), P(None, None, ("a", "b")))
+        redist.redistribute(
+            jax.device_put(arr[:, :, :6], NamedSharding(mesh, P())), P(None, None, ("a", "b"))
+        )
     with _err(r"dst: PartitionSpec .* has 4 entries but the array has rank 3"):
         redist.redistribute(x, P(None, None, None, "a"))
     with _err(r"src P\('a', 'c'\) .* disagrees with x.sharding"):

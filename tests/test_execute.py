@@ -56,7 +56,9 @@ def test_random_problems_exact_on_devices(axes):
 
 
 @pytest.mark.parametrize(
-    "problem", [q for q in PAPER_PROBLEMS if np.prod(list(q.mesh.values())) <= 8], ids=lambda q: q.name
+    "problem",
+    [q for q in PAPER_PROBLEMS if np.prod(list(q.mesh.values())) <= 8],
+    ids=lambda q: q.name,
 )
 def test_paper_problems_on_devices(problem):
     shape = tuple(n // 4 if n % 32 == 0 and n >= 64 else n for n in problem.shape)

@@ -76,7 +76,7 @@ def test_tiles_cover_the_array_evenly(case):
     mesh, shape, spec = case
     t = DistType.from_spec(spec, shape, mesh)
     offsets = t.base_offsets(mesh)
-    grid = {tuple(o) for o in np.indices([g // l for g, l in zip(shape, t.local_shape)])
+    grid = {tuple(o) for o in np.indices([g // loc for g, loc in zip(shape, t.local_shape)])
             .reshape(len(shape), -1).T * np.array(t.local_shape)}  # fmt: skip
     seen, counts = np.unique(offsets, axis=0, return_counts=True)
     assert {tuple(o) for o in seen} == grid

@@ -1,0 +1,36 @@
+"""Two processes x four CPU devices, one 2x4 mesh, on JAX's multi-controller runtime (gloo)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "multihost.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_redistribute_across_two_processes():
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen([sys.executable, WORKER, port, str(pid)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for pid in (0, 1)
+    ]  # fmt: skip
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    for pid, (code, out, err) in enumerate(outs):
+        assert code == 0, f"process {pid} failed:\n{err[-3000:]}"
+        assert f"process {pid} OK 3" in out
