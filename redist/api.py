@@ -172,7 +172,13 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None):
     def per_leaf(spec, argname):
         if spec is _MISSING or _is_spec(spec):
             return [spec] * len(leaves)
-        specs = treedef.flatten_up_to(spec)
+        try:
+            specs = treedef.flatten_up_to(spec)
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"{argname} must be one layout or a pytree of layouts with the structure of x "
+                f"({treedef}); got {spec!r}"
+            ) from None
         for s in specs:
             if not _is_spec(s):
                 raise TypeError(

@@ -147,5 +147,7 @@ def test_errors(arr):
     xa = jax.device_put(arr, NamedSharding(auto, SRC))
     with _err(r"src cannot be read from a value traced inside jax.jit"):
         jax.jit(lambda v: redist.redistribute(v, DST, mesh=auto))(xa)
+    with _err(r"dst must be one layout or a pytree of layouts with the structure of x"):
+        redist.redistribute({"w": x, "b": x}, {"w": DST})
     with _err(r"expected a PartitionSpec or NamedSharding, got int"):
         redist.redistribute(x, 3)
