@@ -6,6 +6,8 @@ Paper types are written minor-to-major; the specs here are the equivalent ``Part
 
 from __future__ import annotations
 
+import math
+import random
 from typing import NamedTuple
 
 from redist.types import SpecEntry
@@ -56,3 +58,56 @@ def by_name(name: str) -> Problem:
         if p.name == name:
             return p
     raise KeyError(f"no problem named {name!r}; known: {[p.name for p in PAPER_PROBLEMS]}")
+
+
+def random_spec(rng: random.Random, mesh: dict[str, int], rank: int) -> tuple[SpecEntry, ...]:
+    """The paper's §8 recipe: each mesh axis is left replicated or splits a random dimension
+    (uniformly among the ``rank + 1`` choices); axes inside a dimension come in random order."""
+    entries: list[list[str]] = [[] for _ in range(rank)]
+    for name in mesh:
+        k = rng.randrange(rank + 1)
+        if k < rank:
+            entries[k].append(name)
+    for e in entries:
+        rng.shuffle(e)
+    return tuple(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)
+
+
+def random_problem(
+    rng: random.Random,
+    mesh: dict[str, int],
+    *,
+    max_rank: int = 6,
+    min_elems: int = 1,
+    max_elems: int = 4096,
+    name: str = "random",
+) -> Problem:
+    """A random problem whose global size is log-uniform in ``[min_elems, max_elems]``.
+
+    Example:
+        >>> random_problem(random.Random(0), {"a": 2, "b": 2}, max_elems=64).shape  # doctest: +SKIP
+        (2, 8, 2)
+    """
+    if not 1 <= min_elems <= max_elems:
+        raise ValueError(f"need 1 <= min_elems <= max_elems, got {min_elems}, {max_elems}")
+    for _ in range(10_000):
+        rank = rng.randint(1, max_rank)
+        src, dst = random_spec(rng, mesh, rank), random_spec(rng, mesh, rank)
+        base = [
+            math.lcm(*(math.prod(mesh[n] for n in _names(spec[i])) for spec in (src, dst)))
+            for i in range(rank)
+        ]
+        target = math.exp(rng.uniform(math.log(min_elems), math.log(max_elems)))
+        room = target / math.prod(base)
+        if room < 1:
+            continue
+        weights = [rng.expovariate(1.0) for _ in range(rank)]
+        total = sum(weights)
+        shape = tuple(b * max(1, int(room ** (w / total))) for b, w in zip(base, weights))
+        if min_elems <= math.prod(shape) <= max_elems:
+            return Problem(name, dict(mesh), shape, src, dst)
+    raise ValueError(f"cannot draw a problem of {min_elems}-{max_elems} elements on mesh {mesh}")
+
+
+def _names(entry: SpecEntry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -7,39 +7,17 @@ import itertools
 import math
 import random
 
+from redist import problems
 from redist.cost import step_cost
 from redist.types import DistDim, DistType, MeshShape
 
 MESHES = ({"a": 2, "b": 2, "c": 2}, {"a": 4, "b": 2}, {"a": 8}, {"a": 2, "b": 3})
 
 
-def random_spec(rng: random.Random, mesh: dict[str, int], rank: int):
-    """The paper's §8 recipe: each axis replicated or splitting a random dim, random order."""
-    entries: list[list[str]] = [[] for _ in range(rank)]
-    for name in mesh:
-        if rng.random() < 0.6:
-            entries[rng.randrange(rank)].append(name)
-    for e in entries:
-        rng.shuffle(e)
-    return tuple(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)
-
-
 def random_problem(rng: random.Random, mesh: dict[str, int], max_rank: int = 6, max_elems=4096):
-    rank = rng.randint(1, max_rank)
-    src, dst = random_spec(rng, mesh, rank), random_spec(rng, mesh, rank)
-    shape = []
-    for i in range(rank):
-        need = 1
-        for spec in (src, dst):
-            e = spec[i]
-            names = () if e is None else (e,) if isinstance(e, str) else e
-            need = math.lcm(need, math.prod(mesh[n] for n in names))
-        shape.append(need * rng.choice([1, 1, 2, 3]))
-    while math.prod(shape) > max_elems:
-        k = max(range(rank), key=lambda i: shape[i])
-        shape[k] = max(1, shape[k] // 2)
-        return random_problem(rng, mesh, max_rank, max_elems)
-    return tuple(shape), src, dst
+    """``(shape, src, dst)`` of a random problem of at most ``max_elems`` elements."""
+    p = problems.random_problem(rng, mesh, max_rank=max_rank, max_elems=max_elems)
+    return p.shape, p.src, p.dst
 
 
 def concrete_optimum(mesh: MeshShape, src: DistType, dst: DistType, itemsize: int) -> int:
