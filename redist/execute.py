@@ -77,6 +77,22 @@ def _collective_args(mesh_axes, step: Step):
     }
 
 
+def _all_to_all(x, step: Step, args: dict):
+    """Tiled all-to-all moving ``step.axes`` from ``step.dim`` (gathered) to ``step.to_dim``.
+
+    When the gathered dimension is effectively leading (the dimensions before it have size 1),
+    the chunks are stacked on a new leading axis first, so that received chunks land in place:
+    XLA:CPU then needs half a tile less of temporaries than for ``all_to_all(tiled=True)``.
+    """
+    i, j, n = step.dim, step.to_dim, step.group_size
+    if math.prod(x.shape[:i]) != 1:
+        return lax.all_to_all(x, split_axis=j, concat_axis=i, tiled=True, **args)
+    shape = x.shape
+    y = jnp.moveaxis(x.reshape(shape[:j] + (n, shape[j] // n) + shape[j + 1 :]), j, 0)
+    y = jnp.moveaxis(lax.all_to_all(y, split_axis=0, concat_axis=0, tiled=True, **args), 0, i)
+    return y.reshape(y.shape[:i] + (y.shape[i] * y.shape[i + 1],) + y.shape[i + 2 :])
+
+
 def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
     all_names = tuple(n for n, _ in mesh_axes)
     num_devices = math.prod(s for _, s in mesh_axes)
@@ -103,10 +119,7 @@ def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
             elif kind == "allgather":
                 x = lax.all_gather(x, axis=arg.dim, tiled=True, **_collective_args(mesh_axes, arg))
             elif kind == "alltoall":
-                x = lax.all_to_all(
-                    x, split_axis=arg.to_dim, concat_axis=arg.dim, tiled=True,
-                    **_collective_args(mesh_axes, arg),
-                )  # fmt: skip
+                x = _all_to_all(x, arg, _collective_args(mesh_axes, arg))
             else:  # allpermute: a full permutation (staying tiles map to themselves), so
                 # every device receives and no select keeps the old buffer alive.
                 moving = dict(arg.perm)

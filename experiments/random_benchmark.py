@@ -1,0 +1,211 @@
+"""Random-problem benchmark against XLA's own resharding (the paper's §8, Fig. 13-14).
+
+Usage:
+    python -m experiments.random_benchmark --workdir=workdir/bench --config=configs/default.py
+    python -m experiments.random_benchmark --config=configs/default.py --config.num_problems=10
+
+For every problem, on the same input array and in the same process: our plan (synthesis time), our
+compiled program, and XLA's resharding (``jax.jit(lambda v: v, out_shardings=dst)``, what
+``jax.device_put`` and ``jax.reshard`` run). Writes under ``--workdir``: ``config.json``,
+``results.jsonl``, ``summary.json``, ``report.md`` and PNG figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+import zlib
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Benchmark config file.")
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/random_benchmark", "Where outputs go.")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"a:2,b:2"`` -> ``{"a": 2, "b": 2}``."""
+    out = {}
+    for part in text.split(","):
+        name, _, size = part.strip().partition(":")
+        if not name or not size.isdigit():
+            raise ValueError(f"mesh must look like 'a:2,b:2,c:2', got {text!r}")
+        out[name] = int(size)
+    return out
+
+
+def problems_of(config):
+    """The problems a config asks for: named ones (scaled), or random ones of the paper's recipe."""
+    from redist import problems
+
+    if config.problems:
+        out = []
+        for name in config.problems.split(","):
+            p = problems.by_name(name.strip())
+            out.append(p._replace(shape=_scaled(p, config.scale)))
+        return out
+    mesh = parse_mesh(config.mesh)
+    rng = random.Random(config.seed)
+    itemsize = _itemsize(config.dtype)
+    lo, hi = (int(mb * 2**20 / itemsize) for mb in (config.min_mb, config.max_mb))
+    return [
+        problems.random_problem(rng, mesh, max_rank=config.max_rank, min_elems=lo, max_elems=hi,
+                                name=f"r{k:04d}")  # fmt: skip
+        for k in range(config.num_problems)
+    ]
+
+
+def _itemsize(dtype: str) -> int:
+    from redist.planning import dtype_info
+
+    return dtype_info(dtype)[1]
+
+
+def _scaled(p, scale: float) -> tuple[int, ...]:
+    if scale == 1.0:
+        return p.shape
+    from redist.problems import _names
+
+    out = []
+    for i, n in enumerate(p.shape):
+        parts = math.lcm(*(math.prod(p.mesh[a] for a in _names(s[i] if i < len(s) else None))
+                           for s in (p.src, p.dst)))  # fmt: skip
+        out.append(max(parts, int(n * scale) // parts * parts))
+    return tuple(out)
+
+
+def _ensure_devices(n: int) -> None:
+    if "jax" not in sys.modules:
+        flag = f"--xla_force_host_platform_device_count={n}"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+def measure_problem(p, config) -> dict:
+    """Plan, compile, time and check ours and XLA's program for one problem."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    import redist
+    from experiments.measure import compile_stats, interleaved_times
+    from redist.search import weak_paths
+    from redist.synthesize import synthesize
+
+    ndev = math.prod(p.mesh.values())
+    mesh = jax.make_mesh(tuple(p.mesh.values()), tuple(p.mesh), devices=jax.devices()[:ndev],
+                         axis_types=(AxisType.Auto,) * len(p.mesh))  # fmt: skip
+    src, dst = PartitionSpec(*p.src), PartitionSpec(*p.dst)
+    synthesize.cache_clear()
+    weak_paths.cache_clear()
+    t0 = time.perf_counter()
+    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype)
+    synthesis_s = time.perf_counter() - t0
+
+    rng = np.random.default_rng(zlib.crc32(p.name.encode()))
+    arr = rng.standard_normal(p.shape, dtype=np.float32).astype(config.dtype)
+    x = jax.device_put(arr, NamedSharding(mesh, src))
+    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh))
+    xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
+    ours_c, ours_s = compile_stats(ours, x)
+    xla_c, xla_s = compile_stats(xla, x)
+    timing = interleaved_times([lambda: ours_c(x), lambda: xla_c(x)], config.repeats, config.warmup)
+    exact = {}
+    if config.check:
+        for name, f in (("ours", ours_c), ("xla", xla_c)):
+            y = f(x)
+            exact[name] = bool(
+                y.sharding.is_equivalent_to(NamedSharding(mesh, dst), len(p.shape))
+                and np.array_equal(np.asarray(y), arr)
+            )
+            del y
+    bound = plan.bound_bytes
+
+    def side(stats, t, extra):
+        return {
+            "median_s": t["median"],
+            "min_s": t["min"],
+            "collectives": [[c.kind, c.bytes] for c in stats.collectives],
+            "collective_bytes": stats.collective_bytes,
+            "temp_bytes": stats.temp_bytes,
+            "temp_over_bound": stats.temp_bytes / bound,
+            "full_remat": stats.full_remat,
+            **extra,
+        }
+
+    return {
+        "name": p.name,
+        "mesh": p.mesh,
+        "shape": list(p.shape),
+        "dtype": config.dtype,
+        "src": str(src),
+        "dst": str(dst),
+        "src_type": str(plan.src),
+        "dst_type": str(plan.dst),
+        "global_bytes": plan.src.global_size * plan.itemsize,
+        "bound_bytes": bound,
+        "synthesis_s": synthesis_s,
+        "plan": str(plan),
+        "plan_kinds": list(plan.kinds),
+        "plan_cost_bytes": plan.cost_bytes,
+        "plan_peak_bytes": plan.peak_bytes,
+        "ours": side(ours_s, timing[0], {"exact": exact.get("ours")}),
+        "xla": side(xla_s, timing[1], {"exact": exact.get("xla")}),
+        "speedup": timing[1]["median"] / timing[0]["median"],
+        "speedup_min": timing[1]["min"] / timing[0]["min"],
+    }
+
+
+def _progress(k: int, n: int, text: str) -> None:
+    width = 30
+    done = int(width * k / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {k}/{n} {text:<40}")
+    sys.stderr.flush()
+
+
+def run(config, workdir: str) -> dict:
+    """Run the benchmark of ``config``; write outputs under ``workdir``; return the summary."""
+    from experiments import report
+
+    problems = problems_of(config)
+    _ensure_devices(max(math.prod(p.mesh.values()) for p in problems))
+    import jax
+
+    need = max(math.prod(p.mesh.values()) for p in problems)
+    if jax.device_count() < need:
+        raise ValueError(f"the problems need {need} devices, but JAX has {jax.device_count()}")
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    results = []
+    start = time.perf_counter()
+    with open(os.path.join(workdir, "results.jsonl"), "w") as f:
+        for k, p in enumerate(problems):
+            _progress(k, len(problems), p.name)
+            r = measure_problem(p, config)
+            results.append(r)
+            f.write(json.dumps(r) + "\n")
+            f.flush()
+            _progress(k + 1, len(problems), f"{p.name} speed-up {r['speedup']:.2f}x")
+    sys.stderr.write("\n")
+    summary = report.summarize(results, time.perf_counter() - start)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(report.markdown(results, summary, config))
+    if config.figures:
+        report.figures(results, workdir)
+    return summary
+
+
+def main(argv):
+    del argv
+    summary = run(_CONFIG.value, _WORKDIR.value)
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
