@@ -53,8 +53,9 @@ def problems_of(config):
     itemsize = _itemsize(config.dtype)
     lo, hi = (int(mb * 2**20 / itemsize) for mb in (config.min_mb, config.max_mb))
     return [
-        problems.random_problem(rng, mesh, max_rank=config.max_rank, min_elems=lo, max_elems=hi,
-                                name=f"r{k:04d}")  # fmt: skip
+        problems.random_problem(
+            rng, mesh, max_rank=config.max_rank, min_elems=lo, max_elems=hi, name=f"r{k:04d}"
+        )  # fmt: skip
         for k in range(config.num_problems)
     ]
 

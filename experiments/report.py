@@ -95,8 +95,10 @@ def markdown(results: list[dict], summary: dict, config) -> str:
         "",
         "| figure | value |",
         "|---|---|",
-        *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
-          for k, v in summary.items()),  # fmt: skip
+        *(
+            f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
+            for k, v in summary.items()
+        ),  # fmt: skip
         "",
         f"## Where we lose most ({min(n, len(results))} slowest ratios)",
         "",

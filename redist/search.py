@@ -44,8 +44,17 @@ class WeakStep(NamedTuple):
     cost: int
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(2, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=65536)
+def _products(primes: tuple[int, ...]) -> tuple[int, ...]:
+    """Products > 1 of the sub-multisets of ``primes`` (sorted), e.g. ``(2, 2, 3) -> 2, 3, 4, 6, 12``."""
+    out = {1}
+    for p in primes:
+        out |= {q * p for q in out}
+    return tuple(sorted(out - {1}))
+
+
+def _divisors(n: int) -> tuple[int, ...]:
+    return _products(prime_factors(n))
 
 
 def _fits(counts: Shape, primes: Counter) -> bool:
@@ -61,8 +70,8 @@ def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int):
     rank = len(node)
     for i in range(rank):
         # dynslice: split dim i further by free factors.
-        for n in _divisors(node[i]):
-            if Counter(prime_factors(n)) <= free:
+        for n in _products(tuple(sorted(free.elements()))):
+            if node[i] % n == 0:
                 yield "dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :]
         for n in _divisors(counts[i]):
             if size * n <= bound:
