@@ -95,14 +95,19 @@ def compile_stats(jitted, *args) -> tuple[object, CompileStats]:
 
 
 def interleaved_times(
-    fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 1
+    fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 1, min_time_s: float = 0.0
 ) -> list[dict[str, float]]:
-    """Median and min seconds of each thunk, run alternately (order rotated every repeat)."""
+    """Median and min seconds of each thunk, run alternately (order reversed every repeat).
+
+    At least ``repeats`` rounds, and more until every thunk has run for ``min_time_s`` in all
+    (short programs get more rounds, so their medians are as trustworthy as long ones').
+    """
     for _ in range(warmup):
         for f in fns:
             _block(f())
     times: list[list[float]] = [[] for _ in fns]
-    for r in range(repeats):
+    r = 0
+    while r < repeats or min(sum(ts) for ts in times) < min_time_s and r < 100 * repeats:
         order = list(range(len(fns)))
         if r % 2:
             order.reverse()
@@ -110,6 +115,7 @@ def interleaved_times(
             t = time.perf_counter()
             _block(fns[k]())
             times[k].append(time.perf_counter() - t)
+        r += 1
     return [{"median": statistics.median(ts), "min": min(ts)} for ts in times]
 
 

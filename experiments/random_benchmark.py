@@ -103,17 +103,21 @@ def measure_problem(p, config) -> dict:
     synthesize.cache_clear()
     weak_paths.cache_clear()
     t0 = time.perf_counter()
-    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype)
+    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=config.cost_model)
     synthesis_s = time.perf_counter() - t0
 
     rng = np.random.default_rng(zlib.crc32(p.name.encode()))
     arr = rng.standard_normal(p.shape, dtype=np.float32).astype(config.dtype)
     x = jax.device_put(arr, NamedSharding(mesh, src))
-    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh))
+    ours = jax.jit(
+        lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=config.cost_model)
+    )
     xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
     ours_c, ours_s = compile_stats(ours, x)
     xla_c, xla_s = compile_stats(xla, x)
-    timing = interleaved_times([lambda: ours_c(x), lambda: xla_c(x)], config.repeats, config.warmup)
+    timing = interleaved_times(
+        [lambda: ours_c(x), lambda: xla_c(x)], config.repeats, config.warmup, config.min_time_s
+    )
     exact = {}
     if config.check:
         for name, f in (("ours", ours_c), ("xla", xla_c)):
@@ -155,6 +159,8 @@ def measure_problem(p, config) -> dict:
         "plan_peak_bytes": plan.peak_bytes,
         "ours": side(ours_s, timing[0], {"exact": exact.get("ours")}),
         "xla": side(xla_s, timing[1], {"exact": exact.get("xla")}),
+        "same_collectives": [c.kind for c in ours_s.collectives] == [c.kind for c in xla_s.collectives]
+        and ours_s.collective_bytes == xla_s.collective_bytes,
         "speedup": timing[1]["median"] / timing[0]["median"],
         "speedup_min": timing[1]["min"] / timing[0]["min"],
     }

@@ -34,8 +34,12 @@ def summarize(results: list[dict], wall_s: float) -> dict:
         if r["ours"]["collective_bytes"] > r["xla"]["collective_bytes"]
         and r["xla"]["temp_over_bound"] <= 1.0 + 1e-9
     ]
+    same = [r["speedup"] for r in results if r.get("same_collectives")]
     return {
         "problems": len(results),
+        "same_collectives_problems": len(same),
+        "same_collectives_speedup_geomean": _geomean(same),
+        "same_collectives_speedup_range": [min(same), max(same)] if same else None,
         "wall_s": wall_s,
         "speedup_geomean": _geomean(sp),
         "speedup_min": min(sp),

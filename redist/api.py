@@ -111,7 +111,7 @@ def _jitted(plan, mesh, src: PartitionSpec, dst: PartitionSpec):
     return jax.jit(shard_mapped(plan, mesh, src, dst))
 
 
-def _redistribute_array(x, src, dst, mesh):
+def _redistribute_array(x, src, dst, mesh, cost_model):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
     mesh = _resolve_mesh(x, src, dst, mesh)
@@ -132,7 +132,7 @@ def _redistribute_array(x, src, dst, mesh):
                     "pass the array's own sharding as src, or omit src"
                 )
             src_spec = xs.spec
-    plan = synthesize(m, s, d, name, itemsize)
+    plan = synthesize(m, s, d, name, itemsize, cost_model)
     if not plan.steps:
         return x
     if isinstance(x, jax.core.Tracer):
@@ -140,7 +140,7 @@ def _redistribute_array(x, src, dst, mesh):
     return _jitted(plan, mesh, src_spec, dst_spec)(x)
 
 
-def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None):
+def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None, cost_model: str = "bytes"):
     """Move ``x`` from layout ``src`` to layout ``dst`` with a synthesized, memory-bounded plan.
 
     Call as ``redistribute(x, dst)`` (source read from ``x.sharding``) or ``redistribute(x, src,
@@ -153,6 +153,8 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None):
         dst: the destination layout (three-argument form).
         mesh: the mesh; optional when a spec is a ``NamedSharding``, ``x`` has a
             ``NamedSharding``, or a mesh is set with ``jax.set_mesh``.
+        cost_model: what the plan search minimizes, ``"bytes"`` (the paper's model) or
+            ``"bytes+copies"`` (see :func:`redist.plan`).
 
     Layouts are ``PartitionSpec`` or ``NamedSharding``; for a pytree ``x`` a single layout applies
     to every leaf, or give a pytree of layouts with the structure of ``x``.
@@ -166,7 +168,7 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None):
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return _redistribute_array(x, src, dst, mesh)
+        return _redistribute_array(x, src, dst, mesh, cost_model)
     leaves, treedef = jax.tree.flatten(x)
 
     def per_leaf(spec, argname):
@@ -187,5 +189,5 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None):
         return specs
 
     srcs, dsts = per_leaf(src, "src"), per_leaf(dst, "dst")
-    out = [_redistribute_array(v, s, d, mesh) for v, s, d in zip(leaves, srcs, dsts)]
+    out = [_redistribute_array(v, s, d, mesh, cost_model) for v, s, d in zip(leaves, srcs, dsts)]
     return jax.tree.unflatten(treedef, out)

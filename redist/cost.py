@@ -14,7 +14,10 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 COMMUNICATING = ("alltoall", "allgather", "allpermute")
+COST_MODELS = ("bytes", "bytes+copies")
 KINDS = ("dynslice",) + COMMUNICATING
 
 
@@ -27,3 +30,34 @@ def step_cost(kind: str, *, before: int, after: int, itemsize: int) -> int:
     if kind in ("alltoall", "allpermute"):
         return before * itemsize
     raise ValueError(f"unknown step kind {kind!r}; expected one of {KINDS}")
+
+
+def local_copy_elems(kind: str, before: tuple[int, ...], after: tuple[int, ...], dim: int) -> int:
+    """Elements a step copies locally beyond its communication (row-major tiles).
+
+    A ``dynslice`` materializes its slice; an ``allgather`` or ``alltoall`` whose gathered
+    dimension ``dim`` is not leading (a dimension before it has size > 1) must interleave the
+    received pieces, which costs a copy of the output. Backends differ; on CPU a local copy costs
+    about as much as a transfer, on accelerators much less.
+
+    Example:
+        >>> local_copy_elems("allgather", (4, 2), (4, 4), dim=1)
+        16
+    """
+    if kind == "dynslice":
+        return math.prod(after)
+    if kind in ("allgather", "alltoall") and math.prod(after[:dim]) > 1:
+        return math.prod(after)
+    return 0
+
+
+def search_weight(
+    kind: str, before: tuple[int, ...], after: tuple[int, ...], dim: int, itemsize: int, model: str
+) -> int:
+    """The edge weight of a weak step under ``model`` (bytes per device)."""
+    w = step_cost(kind, before=math.prod(before), after=math.prod(after), itemsize=itemsize)
+    if model == "bytes":
+        return w
+    if model == "bytes+copies":
+        return w + local_copy_elems(kind, before, after, dim) * itemsize
+    raise ValueError(f"cost_model must be one of {COST_MODELS}, got {model!r}")

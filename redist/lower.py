@@ -249,7 +249,8 @@ def make_plan(
     best = None
     for path in paths:
         plan = Plan(mesh, src, dst, dtype, itemsize, lower(mesh, src, dst, path, itemsize))
-        key = (plan.cost_bytes, plan.num_collectives, len(plan.steps))
+        permute = sum(s.cost_bytes for s in plan.steps if s.kind == "allpermute")
+        key = (sum(w.cost for w in path) + permute, plan.num_collectives, len(plan.steps))
         if best is None or key < best[0]:
             best = (key, plan)
         if "allpermute" not in plan.kinds:

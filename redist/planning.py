@@ -90,6 +90,8 @@ def plan(
     dst: SpecLike,
     mesh: MeshLike,
     dtype: Any = "float32",
+    *,
+    cost_model: str = "bytes",
 ) -> Plan:
     """Synthesize the redistribution of an array of ``shape`` from ``src`` to ``dst`` on ``mesh``.
 
@@ -100,6 +102,9 @@ def plan(
         src, dst: ``PartitionSpec`` (or ``NamedSharding``, or a tuple of entries).
         mesh: a ``Mesh``, an ``AbstractMesh``, or a ``{axis name: size}`` mapping.
         dtype: element type, for byte counts.
+        cost_model: what the search minimizes: ``"bytes"`` (the paper's model, Fig. 11) or
+            ``"bytes+copies"`` (also the local copies that interleaving costs, which matter on
+            CPU where a copy is as dear as a transfer).
 
     Returns:
         An immutable :class:`Plan`; ``print`` it to read the steps in the paper's notation.
@@ -114,4 +119,4 @@ def plan(
     name, itemsize = dtype_info(dtype)
     s = dist_type(src, shape, m, argname="src")
     d = dist_type(dst, shape, m, argname="dst")
-    return synthesize(m, s, d, name, itemsize)
+    return synthesize(m, s, d, name, itemsize, cost_model)

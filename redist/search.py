@@ -28,7 +28,7 @@ import math
 from collections import Counter
 from typing import NamedTuple
 
-from redist.cost import step_cost
+from redist.cost import search_weight
 from redist.types import Shape, prime_factors
 
 
@@ -95,6 +95,7 @@ def weak_paths(
     dst: Shape,
     primes: tuple[int, ...],
     itemsize: int,
+    cost_model: str = "bytes",
     limit: int = 32,
 ) -> tuple[tuple[WeakStep, ...], ...]:
     """All cheapest memory-bounded weak paths from local shape ``src`` to ``dst`` (up to ``limit``).
@@ -107,6 +108,8 @@ def weak_paths(
         src, dst: local (per-device) shapes of the source and destination types.
         primes: the mesh's prime factor sizes (a multiset, any order).
         itemsize: bytes per element, for the cost in bytes.
+        cost_model: ``"bytes"`` (the paper's Fig. 11) or ``"bytes+copies"`` (also local copies,
+            see :func:`redist.cost.local_copy_elems`).
         limit: at most this many paths are returned.
     """
     pool = Counter(primes)
@@ -128,10 +131,9 @@ def weak_paths(
         if dst in best and (cost, ncoll) > best[dst]:
             break
         done.add(node)
-        size = math.prod(node)
         out = edges.setdefault(node, [])
         for kind, i, j, n, new in _edges(node, global_shape, pool, bound):
-            w = step_cost(kind, before=size, after=math.prod(new), itemsize=itemsize)
+            w = search_weight(kind, node, new, i, itemsize, cost_model)
             key = _key_add((cost, ncoll), kind, w)
             out.append((WeakStep(kind, i, j, n, node, new, w), key))
             if key < best.get(new, (math.inf, 0)):
@@ -172,7 +174,12 @@ def weak_paths(
 
 
 def weak_path(
-    global_shape: Shape, src: Shape, dst: Shape, primes: tuple[int, ...], itemsize: int
+    global_shape: Shape,
+    src: Shape,
+    dst: Shape,
+    primes: tuple[int, ...],
+    itemsize: int,
+    cost_model: str = "bytes",
 ) -> tuple[WeakStep, ...]:
     """The cheapest memory-bounded weak path (fewest collectives, then fewest steps)."""
-    return weak_paths(global_shape, src, dst, primes, itemsize)[0]
+    return weak_paths(global_shape, src, dst, primes, itemsize, cost_model)[0]

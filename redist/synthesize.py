@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+from redist.cost import COST_MODELS
 from redist.lower import make_plan
 from redist.plan import Plan
 from redist.search import weak_paths
@@ -11,8 +12,19 @@ from redist.types import DistType, MeshShape
 
 
 @functools.lru_cache(maxsize=4096)
-def synthesize(mesh: MeshShape, src: DistType, dst: DistType, dtype: str, itemsize: int) -> Plan:
+def synthesize(
+    mesh: MeshShape,
+    src: DistType,
+    dst: DistType,
+    dtype: str,
+    itemsize: int,
+    cost_model: str = "bytes",
+) -> Plan:
     """The memory-bounded, near-optimal plan from ``src`` to ``dst`` (cached on its inputs).
+
+    ``cost_model`` is what the search minimizes: ``"bytes"`` (the paper's Fig. 11) or
+    ``"bytes+copies"`` (bytes plus local copies; see :mod:`redist.cost`). Either way the plan
+    reports the paper's ``cost_bytes`` and stays within the memory bound.
 
     Raises:
         ValueError: if the global shapes differ.
@@ -21,5 +33,9 @@ def synthesize(mesh: MeshShape, src: DistType, dst: DistType, dtype: str, itemsi
         raise ValueError(
             f"source global shape {src.global_shape} differs from destination {dst.global_shape}"
         )
-    paths = weak_paths(src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize)
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    paths = weak_paths(
+        src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, cost_model
+    )
     return make_plan(mesh, src, dst, paths, dtype, itemsize)

@@ -1,0 +1,51 @@
+"""Smoke tests of the experiment runners on tiny configs."""
+
+import json
+import os
+
+from configs import smoke
+from experiments import paper_problems, random_benchmark
+from experiments.measure import hlo_collectives
+
+
+def test_random_benchmark_smoke(tmp_path):
+    config = smoke.get_config()
+    summary = random_benchmark.run(config, str(tmp_path))
+    assert summary["problems"] == 3
+    assert summary["ours_exact"] == 3 and summary["xla_exact"] == 3
+    assert summary["ours_temp_over_bound_max"] <= 2.0 + 1e-3
+    for name in ("config.json", "results.jsonl", "summary.json", "report.md"):
+        assert os.path.getsize(tmp_path / name) > 0
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert len(rows) == 3 and all(r["speedup"] > 0 for r in rows)
+    assert "Where we lose most" in (tmp_path / "report.md").read_text()
+
+
+def test_named_problems_config():
+    config = smoke.get_config()
+    config.problems = "P2,ex4_9"
+    config.scale = 0.25
+    probs = random_benchmark.problems_of(config)
+    assert [p.name for p in probs] == ["P2", "ex4_9"]
+    assert probs[0].shape == (20, 20, 18, 16)
+
+
+def test_paper_problems_side_by_side():
+    text = paper_problems.describe("P2")
+    assert "dynslice" in text and "all-to-all" in text
+    assert "XLA    collectives:" in text
+
+
+def test_hlo_collective_parser():
+    hlo = """
+  %all-to-all = (f32[16,32,8]{2,1,0}, f32[16,32,8]{2,1,0}) all-to-all(%a, %b), channel_id=1
+  %ag = bf16[4,8]{1,0} all-gather(%x), dimensions={0}
+  ROOT %p = f32[32]{0} collective-permute(%y), source_target_pairs={{0,1}}
+  %add = f32[4] add(%q, %r)
+"""
+    got = [(c.kind, c.bytes) for c in hlo_collectives(hlo)]
+    assert got == [
+        ("all-to-all", 2 * 16 * 32 * 8 * 4),
+        ("all-gather", 64),
+        ("collective-permute", 128),
+    ]
