@@ -186,3 +186,27 @@ def test_property_reverse_plan_costs_are_symmetric_in_bound(mesh, seed):
     there, back = redist.plan(shape, src, dst, mesh), redist.plan(shape, dst, src, mesh)
     assert there.bound_bytes == back.bound_bytes
     assert max(there.peak_bytes, back.peak_bytes) <= there.bound_bytes
+
+
+@pytest.mark.parametrize("mesh", MESHES_ALL, ids=str)
+def test_bytes_plus_copies_model_is_exact_bounded_and_prefers_leading_gathers(mesh):
+    rng = random.Random(f"copies{mesh}")
+    for _ in range(60):
+        shape, src, dst = random_problem(rng, mesh, max_rank=4)
+        p = redist.plan(shape, src, dst, mesh, cost_model="bytes+copies")
+        assert p.peak_bytes <= p.bound_bytes
+        _simulate(p)
+    # Gathering the leading dimension last avoids interleaving the whole array.
+    q = redist.plan((54, 233512), ("a", "c"), (), {"a": 2, "b": 2, "c": 2}, cost_model="bytes+copies")
+    assert q.steps[-1].kind == "allgather" and q.steps[-1].dim == 0
+    with pytest.raises(ValueError, match="cost_model must be one of"):
+        redist.plan((8,), ("a",), (), {"a": 2}, cost_model="time")
+
+
+def test_local_copy_model():
+    from redist.cost import local_copy_elems
+
+    assert local_copy_elems("allgather", (4, 2), (4, 4), 1) == 16
+    assert local_copy_elems("allgather", (1, 2), (1, 4), 1) == 0  # leading in effect
+    assert local_copy_elems("alltoall", (2, 8), (4, 4), 0) == 0
+    assert local_copy_elems("dynslice", (8,), (4,), 0) == 4
