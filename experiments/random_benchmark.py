@@ -159,7 +159,8 @@ def measure_problem(p, config) -> dict:
         "plan_peak_bytes": plan.peak_bytes,
         "ours": side(ours_s, timing[0], {"exact": exact.get("ours")}),
         "xla": side(xla_s, timing[1], {"exact": exact.get("xla")}),
-        "same_collectives": [c.kind for c in ours_s.collectives] == [c.kind for c in xla_s.collectives]
+        "same_collectives": [c.kind for c in ours_s.collectives]
+        == [c.kind for c in xla_s.collectives]
         and ours_s.collective_bytes == xla_s.collective_bytes,
         "speedup": timing[1]["median"] / timing[0]["median"],
         "speedup_min": timing[1]["min"] / timing[0]["min"],

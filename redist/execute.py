@@ -93,6 +93,41 @@ def _all_to_all(x, step: Step, args: dict):
     return y.reshape(y.shape[:i] + (y.shape[i] * y.shape[i + 1],) + y.shape[i + 2 :])
 
 
+def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
+    """An alltoall whose results go to permuted devices, as ``n`` rounds of ``ppermute``.
+
+    In round ``k`` the member of rank ``r`` sends its chunk ``(r + k) % n`` to the device that
+    finally holds that chunk's receiver's result; receivers place it by the sender's rank. Bytes
+    moved are those of the alltoall alone, and no staging copy of the whole tile is needed.
+    """
+    i, j, n = step.dim, step.to_dim, step.group_size
+    dest = np.arange(num_devices)
+    for s, d in step.perm:
+        dest[s] = d
+    chunk = x.shape[j] // n
+    out_shape = list(x.shape)
+    out_shape[i] *= n
+    out_shape[j] = chunk
+    out = jnp.zeros(out_shape, x.dtype)
+    for k in range(n):
+        send = np.zeros(num_devices, np.int32)
+        place = np.zeros(num_devices, np.int32)
+        pairs = []
+        for group in step.groups:
+            for r, d in enumerate(group):
+                t = (r + k) % n
+                send[d] = t
+                e = int(dest[group[t]])
+                pairs.append((d, e))
+                place[e] = r
+        piece = lax.dynamic_slice_in_dim(x, jnp.asarray(send * chunk)[idx], chunk, axis=j)
+        if any(a != b for a, b in pairs):
+            piece = lax.ppermute(piece, all_names, perm=pairs)
+        start = jnp.asarray(place * x.shape[i])[idx]
+        out = lax.dynamic_update_slice_in_dim(out, piece, start, axis=i)
+    return out
+
+
 def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
     all_names = tuple(n for n, _ in mesh_axes)
     num_devices = math.prod(s for _, s in mesh_axes)
@@ -118,6 +153,10 @@ def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
                 x = lax.dynamic_slice(x, [row[k] for k in range(x.ndim)], shape)
             elif kind == "allgather":
                 x = lax.all_gather(x, axis=arg.dim, tiled=True, **_collective_args(mesh_axes, arg))
+            elif kind == "alltoall" and arg.perm:
+                if idx is None:
+                    idx = _device_index(mesh_axes)
+                x = _all_to_all_permuted(x, arg, all_names, idx, num_devices)
             elif kind == "alltoall":
                 x = _all_to_all(x, arg, _collective_args(mesh_axes, arg))
             else:  # allpermute: a full permutation (staying tiles map to themselves), so

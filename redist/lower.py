@@ -13,6 +13,7 @@ Among weak paths of equal cost, the first whose lowering needs no permutation is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -219,7 +220,7 @@ def lower(
     while k > 0 and path[k - 1].kind == "allgather":
         k -= 1
     if k == len(path):
-        return (*steps, last)
+        return _fuse_permutation((*steps, last))
     # Move the permutation before the trailing allgathers, where tiles are smaller.
     state = _State(mesh, src, identity)
     steps = [_lower_step(state, w, dst, itemsize) for w in path[:k]]
@@ -234,7 +235,20 @@ def lower(
     end = _permute(state, dst, itemsize)
     if end is not None:  # pragma: no cover - the pre-gather target gathers exactly into dst
         raise RuntimeError("lowering did not reach the destination placement")
-    return tuple(steps)
+    return _fuse_permutation(steps)
+
+
+def _fuse_permutation(steps: Sequence[Step]) -> tuple[Step, ...]:
+    """Fold an allpermute into the alltoall just before it: each chunk goes straight to the
+    device that finally needs it, so the permutation costs no extra transfer."""
+    out = list(steps)
+    for k in range(1, len(out)):
+        if out[k].kind == "allpermute" and out[k - 1].kind == "alltoall":
+            fused = dataclasses.replace(
+                out[k - 1], after=out[k].after, perm=out[k].perm, device_map=out[k].device_map
+            )
+            return (*out[: k - 1], fused, *out[k + 1 :])
+    return tuple(out)
 
 
 def make_plan(

@@ -33,7 +33,9 @@ class Step:
         cost_bytes: bytes per device under the paper's cost model.
         groups: communicating device groups (physical row-major indices), member order = rank.
         offsets: for dynslice, the start of the slice on every physical device.
-        perm: for allpermute, ``(source, destination)`` pairs of devices whose tile moves.
+        perm: for allpermute, ``(source, destination)`` pairs of devices whose tile moves; for an
+            alltoall, the result a device would receive goes instead to the paired device (a
+            permutation folded into the alltoall).
         device_map: after the step, ``device_map[h]`` is the physical device at logical point ``h``.
     """
 
@@ -61,6 +63,8 @@ class Step:
             head = f"allgather({self.dim}, {axes})"
         elif self.kind == "alltoall":
             head = f"alltoall({self.dim}->{self.to_dim}, {axes})"
+            if self.perm:
+                head += f" permuting {len(self.perm)} results"
         else:
             head = f"allpermute({len(self.perm)} tiles move)"
         detail = f"  {self.group_size} devices/group" if self.groups else ""

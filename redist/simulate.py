@@ -37,11 +37,13 @@ def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
             for d in group:
                 out[d] = whole
     elif step.kind == "alltoall":
+        dest = dict(step.perm)
         for group in step.groups:
             n = len(group)
             chunks = [np.split(tiles[d], n, axis=step.to_dim) for d in group]
             for rank, d in enumerate(group):
-                out[d] = np.concatenate([chunks[s][rank] for s in range(n)], axis=step.dim)
+                whole = np.concatenate([chunks[s][rank] for s in range(n)], axis=step.dim)
+                out[dest.get(d, d)] = whole
     elif step.kind == "allpermute":
         for s, d in step.perm:
             out[d] = tiles[s]

@@ -197,7 +197,9 @@ def test_bytes_plus_copies_model_is_exact_bounded_and_prefers_leading_gathers(me
         assert p.peak_bytes <= p.bound_bytes
         _simulate(p)
     # Gathering the leading dimension last avoids interleaving the whole array.
-    q = redist.plan((54, 233512), ("a", "c"), (), {"a": 2, "b": 2, "c": 2}, cost_model="bytes+copies")
+    q = redist.plan(
+        (54, 233512), ("a", "c"), (), {"a": 2, "b": 2, "c": 2}, cost_model="bytes+copies"
+    )
     assert q.steps[-1].kind == "allgather" and q.steps[-1].dim == 0
     with pytest.raises(ValueError, match="cost_model must be one of"):
         redist.plan((8,), ("a",), (), {"a": 2}, cost_model="time")
