@@ -41,8 +41,7 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     more_bytes_bounded = [
         r["name"]
         for r in results
-        if r["ours"]["collective_bytes"] > r["xla"]["collective_bytes"]
-        and not _over(r, "xla", 1.0)
+        if r["ours"]["collective_bytes"] > r["xla"]["collective_bytes"] and not _over(r, "xla", 1.0)
     ]
     same = [r["speedup"] for r in results if r.get("same_collectives")]
     return {

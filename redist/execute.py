@@ -77,54 +77,104 @@ def _collective_args(mesh_axes, step: Step):
     }
 
 
-def _all_to_all(x, step: Step, args: dict):
-    """Tiled all-to-all moving ``step.axes`` from ``step.dim`` (gathered) to ``step.to_dim``.
+def _moves(step: Step) -> tuple[tuple[int, int, int], ...]:
+    return step.moves or ((step.dim, step.to_dim, step.group_size),)
 
-    When the gathered dimension is effectively leading (the dimensions before it have size 1),
-    the chunks are stacked on a new leading axis first, so that received chunks land in place:
-    XLA:CPU then needs half a tile less of temporaries than for ``all_to_all(tiled=True)``.
+
+def _all_to_all(x, step: Step, args: dict):
+    """An all-to-all of ``step.moves``: factors leave the gathered dimensions for the split ones.
+
+    One move whose gathered dimension is not leading uses ``all_to_all(tiled=True)`` directly.
+    Otherwise the chunks are stacked on a new leading axis (rank digits, first move fastest),
+    exchanged with one all-to-all on that axis, and unstacked into the gathered dimensions: the
+    received chunks then land in place (for one move, XLA:CPU stages half a tile less).
     """
-    i, j, n = step.dim, step.to_dim, step.group_size
-    if math.prod(x.shape[:i]) != 1:
+    moves = _moves(step)
+    if len(moves) == 1 and math.prod(x.shape[: moves[0][0]]) != 1:
+        i, j, _ = moves[0]
         return lax.all_to_all(x, split_axis=j, concat_axis=i, tiled=True, **args)
-    shape = x.shape
-    y = jnp.moveaxis(x.reshape(shape[:j] + (n, shape[j] // n) + shape[j + 1 :]), j, 0)
-    y = jnp.moveaxis(lax.all_to_all(y, split_axis=0, concat_axis=0, tiled=True, **args), 0, i)
-    return y.reshape(y.shape[:i] + (y.shape[i] * y.shape[i + 1],) + y.shape[i + 2 :])
+    m, shape = len(moves), x.shape
+    # Split every destination dim into (digit axes of its moves, last move major; rest).
+    split_shape, digit_axis, rest_axis = [], {}, []
+    for d, size in enumerate(shape):
+        into = [k for k, mv in enumerate(moves) if mv[1] == d]
+        for k in reversed(into):
+            digit_axis[k] = len(split_shape)
+            split_shape.append(moves[k][2])
+            size //= moves[k][2]
+        rest_axis.append(len(split_shape))
+        split_shape.append(size)
+    order = [digit_axis[k] for k in reversed(range(m))] + rest_axis
+    y = jnp.transpose(x.reshape(split_shape), order)
+    rest = [split_shape[a] for a in rest_axis]
+    y = y.reshape((math.prod(mv[2] for mv in moves), *rest))
+    y = lax.all_to_all(y, split_axis=0, concat_axis=0, tiled=True, **args)
+    y = y.reshape(tuple(mv[2] for mv in reversed(moves)) + tuple(rest))
+    # Digit axis of move k is m - 1 - k; put each before its gathered dim, last move major.
+    order, out_shape = [], []
+    for d, size in enumerate(rest):
+        frm = [k for k, mv in enumerate(moves) if mv[0] == d]
+        order += [m - 1 - k for k in reversed(frm)] + [m + d]
+        out_shape.append(size * math.prod(moves[k][2] for k in frm))
+    return jnp.transpose(y, order).reshape(out_shape)
 
 
 def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
-    """An alltoall whose results go to permuted devices, as ``n`` rounds of ``ppermute``.
+    """An all-to-all whose results go to permuted devices, as rounds of ``ppermute``.
 
-    In round ``k`` the member of rank ``r`` sends its chunk ``(r + k) % n`` to the device that
-    finally holds that chunk's receiver's result; receivers place it by the sender's rank. Bytes
-    moved are those of the alltoall alone, and no staging copy of the whole tile is needed.
+    In round ``k`` the member of rank ``r`` sends its chunk for rank ``t = (r + k) % n`` to the
+    device that finally holds rank ``t``'s result; receivers place it by the sender's rank. Bytes
+    moved are those of the all-to-all alone, and no staging copy of the whole tile is needed.
     """
-    i, j, n = step.dim, step.to_dim, step.group_size
+    moves = _moves(step)
+    n = step.group_size
+    radices = [mv[2] for mv in moves]
     dest = np.arange(num_devices)
     for s, d in step.perm:
         dest[s] = d
-    chunk = x.shape[j] // n
     out_shape = list(x.shape)
-    out_shape[i] *= n
-    out_shape[j] = chunk
+    for i, j, f in moves:
+        out_shape[i] *= f
+        out_shape[j] //= f
+
+    def starts(digits, which: int, sizes) -> list[int]:
+        start, stride = [0] * x.ndim, {}
+        for (i, j, f), g in zip(moves, digits):
+            dim = i if which == 0 else j
+            s = stride.get(dim, 1)
+            start[dim] += s * g * sizes[dim]
+            stride[dim] = s * f
+        return start
+
+    piece_shape = list(out_shape)
+    for i, _, _ in moves:
+        piece_shape[i] = x.shape[i]
     out = jnp.zeros(out_shape, x.dtype)
     for k in range(n):
-        send = np.zeros(num_devices, np.int32)
-        place = np.zeros(num_devices, np.int32)
+        take = np.zeros((num_devices, x.ndim), np.int32)
+        put = np.zeros((num_devices, x.ndim), np.int32)
         pairs = []
         for group in step.groups:
             for r, d in enumerate(group):
                 t = (r + k) % n
-                send[d] = t
                 e = int(dest[group[t]])
+                take[d] = starts(_digits(t, radices), 1, out_shape)
+                put[e] = starts(_digits(r, radices), 0, x.shape)
                 pairs.append((d, e))
-                place[e] = r
-        piece = lax.dynamic_slice_in_dim(x, jnp.asarray(send * chunk)[idx], chunk, axis=j)
+        row = jnp.asarray(take)[idx]
+        piece = lax.dynamic_slice(x, [row[a] for a in range(x.ndim)], piece_shape)
         if any(a != b for a, b in pairs):
             piece = lax.ppermute(piece, all_names, perm=pairs)
-        start = jnp.asarray(place * x.shape[i])[idx]
-        out = lax.dynamic_update_slice_in_dim(out, piece, start, axis=i)
+        row = jnp.asarray(put)[idx]
+        out = lax.dynamic_update_slice(out, piece, [row[a] for a in range(x.ndim)])
+    return out
+
+
+def _digits(rank: int, radices) -> list[int]:
+    out = []
+    for f in radices:
+        out.append(rank % f)
+        rank //= f
     return out
 
 

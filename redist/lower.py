@@ -129,36 +129,61 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
             offsets=tuple(tuple(int(v) for v in row) for row in start),
             device_map=tuple(int(v) for v in state.phi),
         )  # fmt: skip
-    axes_i = t.dims[i].axes
     if w.kind == "allgather":
+        axes_i = t.dims[i].axes
 
         def score(a: str) -> int:
             d = dst.dim_of(a)
             return 0 if d is None else 1 if d != i else 2
 
         x = _pick(axes_i, w.factor, score, mesh)
-    else:  # alltoall
-        j = w.to_dim
-
-        def score(a: str) -> int:
-            d = dst.dim_of(a)
-            return 0 if d == j else 2 if d == i else 1
-
-        x = _order_like(_pick(axes_i, w.factor, score, mesh), dst.dims[j].axes)
-    _relabel(state, i, x + tuple(a for a in axes_i if a not in x))
-    groups = _groups(state, x)
-    rest = state.t.dims[i].axes[len(x) :]
-    new_t = _with_dim(state.t, i, t.dims[i].local * w.factor, rest)
-    if w.kind == "alltoall":
-        new_t = _with_dim(
-            new_t, w.to_dim, t.dims[w.to_dim].local // w.factor, x + t.dims[w.to_dim].axes
-        )
+        _relabel(state, i, x + tuple(a for a in axes_i if a not in x))
+        groups = _groups(state, x)
+        new_t = _with_dim(state.t, i, t.dims[i].local * w.factor, state.t.dims[i].axes[len(x) :])
+        moves: tuple[tuple[int, int, int], ...] = ()
+        xs: list[tuple[str, ...]] = []
+    else:
+        moves = w.moves or ((i, w.to_dim, w.factor),)
+        xs = _alltoall_axes(t, moves, dst, mesh)
+        for d in dict.fromkeys(m[0] for m in moves):  # moved axes minor-most, in move order
+            front = tuple(a for k, m in enumerate(moves) if m[0] == d for a in xs[k])
+            _relabel(state, d, front + tuple(a for a in state.t.dims[d].axes if a not in front))
+        x = tuple(a for xk in xs for a in xk)
+        groups = _groups(state, x)
+        new_t = state.t
+        for d in dict.fromkeys(m[0] for m in moves):
+            n = math.prod(m[2] for m in moves if m[0] == d)
+            gone = {a for k, m in enumerate(moves) if m[0] == d for a in xs[k]}
+            rest = tuple(a for a in new_t.dims[d].axes if a not in gone)
+            new_t = _with_dim(new_t, d, new_t.dims[d].local * n, rest)
+        for d in dict.fromkeys(m[1] for m in moves):
+            n = math.prod(m[2] for m in moves if m[1] == d)
+            come = tuple(a for k, m in enumerate(moves) if m[1] == d for a in xs[k])
+            new_t = _with_dim(new_t, d, new_t.dims[d].local // n, come + new_t.dims[d].axes)
     state.t = new_t
     cost = step_cost(w.kind, before=before.local_size, after=new_t.local_size, itemsize=itemsize)
     return Step(
         w.kind, i, w.to_dim, x, before, new_t, cost, groups=groups,
-        device_map=tuple(int(v) for v in state.phi),
+        device_map=tuple(int(v) for v in state.phi), moves=moves,
+        move_axes=tuple(xs) if moves else (),
     )  # fmt: skip
+
+
+def _alltoall_axes(t: DistType, moves, dst: DistType, mesh: MeshShape) -> list[tuple[str, ...]]:
+    """Factors for each ``(from, to, n)`` move, biased to where ``dst`` wants them."""
+    taken: set[str] = set()
+    out = []
+    for i, j, n in moves:
+
+        def score(a: str, i=i, j=j) -> int:
+            d = dst.dim_of(a)
+            return 0 if d == j else 2 if d == i else 1
+
+        cands = [a for a in t.dims[i].axes if a not in taken]
+        x = _order_like(_pick(cands, n, score, mesh), dst.dims[j].axes)
+        taken.update(x)
+        out.append(x)
+    return out
 
 
 def _permute(state: _State, target: DistType, itemsize: int) -> Step | None:

@@ -37,6 +37,10 @@ class Step:
             alltoall, the result a device would receive goes instead to the paired device (a
             permutation folded into the alltoall).
         device_map: after the step, ``device_map[h]`` is the physical device at logical point ``h``.
+        moves: for alltoall, ``(from_dim, to_dim, factor)`` per group of moved factors; ``axes``
+            lists them in move order, and a member's rank is their mixed-radix index (first
+            fastest). One all-to-all may move factors between several pairs of dimensions.
+        move_axes: for alltoall, the factors of each move.
     """
 
     kind: str
@@ -50,6 +54,8 @@ class Step:
     offsets: tuple[tuple[int, ...], ...] = ()
     perm: tuple[tuple[int, int], ...] = ()
     device_map: tuple[int, ...] = ()
+    moves: tuple[tuple[int, int, int], ...] = ()
+    move_axes: tuple[tuple[str, ...], ...] = ()
 
     @property
     def group_size(self) -> int:
@@ -61,6 +67,11 @@ class Step:
             head = f"dynslice({self.dim}, {axes})"
         elif self.kind == "allgather":
             head = f"allgather({self.dim}, {axes})"
+        elif self.kind == "alltoall" and len(self.moves) > 1:
+            parts = [
+                f"{i}->{j}, {{{','.join(x)}}}" for (i, j, _), x in zip(self.moves, self.move_axes)
+            ]
+            head = f"alltoall({'; '.join(parts)})"
         elif self.kind == "alltoall":
             head = f"alltoall({self.dim}->{self.to_dim}, {axes})"
             if self.perm:

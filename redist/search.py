@@ -33,7 +33,12 @@ from redist.types import Shape, prime_factors
 
 
 class WeakStep(NamedTuple):
-    """One weak collective: ``kind`` on ``dim`` (``to_dim`` for alltoall) by ``factor``."""
+    """One weak collective: ``kind`` on ``dim`` (``to_dim`` for alltoall) by ``factor``.
+
+    An alltoall lists its ``moves``: ``(from_dim, to_dim, factor)`` triples, several when one
+    all-to-all moves factors between several pairs of dimensions at once (``dim``, ``to_dim`` and
+    ``factor`` are then those of the first move).
+    """
 
     kind: str
     dim: int
@@ -42,6 +47,7 @@ class WeakStep(NamedTuple):
     before: Shape
     after: Shape
     cost: int
+    moves: tuple[tuple[int, int, int], ...] = ()
 
 
 @functools.lru_cache(maxsize=65536)
@@ -62,26 +68,67 @@ def _fits(counts: Shape, primes: Counter) -> bool:
     return all(primes[p] >= k for p, k in need.items())
 
 
+MAX_MOVES = 3  # factor moves merged into one all-to-all
+MAX_MULTI_EDGES = 2048  # per node, to keep huge meshes fast
+
+
+def apply_moves(node: Shape, moves) -> Shape:
+    new = list(node)
+    for i, j, n in moves:
+        new[i] *= n
+        new[j] //= n
+    return tuple(new)
+
+
+def _multi_moves(singles, counts: Shape, node: Shape):
+    """Sets of 2..MAX_MOVES single moves that one all-to-all can do at once: distinct
+    (from, to) pairs, no dimension both gathered and split, divisibility per dimension."""
+    out = []
+
+    def grow(start, chosen, gathered, split):
+        if len(out) >= MAX_MULTI_EDGES:
+            return
+        if len(chosen) >= 2:
+            out.append(tuple(chosen))
+        if len(chosen) == MAX_MOVES:
+            return
+        for k in range(start, len(singles)):
+            i, j, n = singles[k]
+            if i in split or j in gathered or any(m[0] == i and m[1] == j for m in chosen):
+                continue
+            g, s = dict(gathered), dict(split)
+            g[i] = g.get(i, 1) * n
+            s[j] = s.get(j, 1) * n
+            if counts[i] % g[i] or node[j] % s[j]:
+                continue
+            grow(k + 1, chosen + [singles[k]], g, s)
+
+    grow(0, [], {}, {})
+    return out
+
+
 def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int):
     counts = tuple(g // loc for g, loc in zip(global_shape, node))
     used = Counter(p for c in counts for p in prime_factors(c))
     free = primes - used
     size = math.prod(node)
     rank = len(node)
+    singles = []
     for i in range(rank):
         # dynslice: split dim i further by free factors.
         for n in _products(tuple(sorted(free.elements()))):
             if node[i] % n == 0:
-                yield "dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :]
+                yield "dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :], ()
         for n in _divisors(counts[i]):
             if size * n <= bound:
-                yield "allgather", i, None, n, node[:i] + (node[i] * n,) + node[i + 1 :]
+                yield "allgather", i, None, n, node[:i] + (node[i] * n,) + node[i + 1 :], ()
             for j in range(rank):
                 if j != i and node[j] % n == 0:
-                    new = list(node)
-                    new[i] *= n
-                    new[j] //= n
-                    yield "alltoall", i, j, n, tuple(new)
+                    singles.append((i, j, n))
+                    yield "alltoall", i, j, n, apply_moves(node, [(i, j, n)]), ((i, j, n),)
+    for moves in _multi_moves(singles, counts, node):
+        i, j, n = moves[0]
+        yield "alltoall", i, j, n, apply_moves(node, moves), moves
 
 
 def _key_add(key: tuple[int, int], kind: str, w: int) -> tuple[int, int]:
@@ -132,10 +179,11 @@ def weak_paths(
             break
         done.add(node)
         out = edges.setdefault(node, [])
-        for kind, i, j, n, new in _edges(node, global_shape, pool, bound):
-            w = search_weight(kind, node, new, i, itemsize, cost_model)
+        for kind, i, j, n, new, moves in _edges(node, global_shape, pool, bound):
+            dim = max(m[0] for m in moves) if moves else i
+            w = search_weight(kind, node, new, dim, itemsize, cost_model)
             key = _key_add((cost, ncoll), kind, w)
-            out.append((WeakStep(kind, i, j, n, node, new, w), key))
+            out.append((WeakStep(kind, i, j, n, node, new, w, moves), key))
             if key < best.get(new, (math.inf, 0)):
                 best[new] = key
                 heapq.heappush(heap, (*key, new))
@@ -165,7 +213,9 @@ def weak_paths(
             paths.append(prefix)
             return
         nxt = [s for s in tight.get(node, []) if s.after in hops]
-        for s in sorted(nxt, key=lambda s: (hops[s.after], s.kind, s.dim, s.to_dim or 0, s.factor)):
+        for s in sorted(
+            nxt, key=lambda s: (hops[s.after], s.kind, s.dim, s.to_dim or 0, s.factor, s.moves)
+        ):
             if len(prefix) + 1 + hops[s.after] <= max_len:
                 walk(s.after, prefix + (s,))
 

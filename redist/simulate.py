@@ -38,17 +38,64 @@ def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
                 out[d] = whole
     elif step.kind == "alltoall":
         dest = dict(step.perm)
+        moves = step.moves or ((step.dim, step.to_dim, step.group_size),)
         for group in step.groups:
-            n = len(group)
-            chunks = [np.split(tiles[d], n, axis=step.to_dim) for d in group]
             for rank, d in enumerate(group):
-                whole = np.concatenate([chunks[s][rank] for s in range(n)], axis=step.dim)
+                whole = _alltoall_receive(moves, [tiles[s] for s in group], rank)
                 out[dest.get(d, d)] = whole
     elif step.kind == "allpermute":
         for s, d in step.perm:
             out[d] = tiles[s]
     else:
         raise ValueError(f"unknown step kind {step.kind!r}")
+    return out
+
+
+def _digits(rank: int, radices) -> list[int]:
+    out = []
+    for n in radices:
+        out.append(rank % n)
+        rank //= n
+    return out
+
+
+def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
+    """What the member of ``rank`` holds after an all-to-all of ``moves`` over ``tiles``.
+
+    Digits of a rank follow the moves (first fastest). From every sender the receiver takes, in
+    each split dimension, the piece its own digits name; it places the piece, in each gathered
+    dimension, at the block its sender's digits name.
+    """
+    radices = [n for _, _, n in moves]
+    shape = list(tiles[0].shape)
+    out_shape = list(shape)
+    for i, j, n in moves:
+        out_shape[i] *= n
+        out_shape[j] //= n
+    out = np.empty(out_shape, dtype=tiles[0].dtype)
+    mine = _digits(rank, radices)
+
+    def block(dims_digits, size_of):
+        index = [slice(None)] * len(shape)
+        for dim, (digit_index, _stride) in dims_digits.items():
+            size = size_of[dim]
+            index[dim] = slice(digit_index * size, (digit_index + 1) * size)
+        return tuple(index)
+
+    def combined(which: int, digits) -> dict[int, tuple[int, int]]:
+        acc: dict[int, tuple[int, int]] = {}
+        for (i, j, n), g in zip(moves, digits):
+            dim = i if which == 0 else j
+            value, stride = acc.get(dim, (0, 1))
+            acc[dim] = (value + stride * g, stride * n)
+        return acc
+
+    split_size = {j: out_shape[j] for _, j, _ in moves}
+    gather_size = {i: shape[i] for i, _, _ in moves}
+    take = block(combined(1, mine), split_size)
+    for sender, tile in enumerate(tiles):
+        put = block(combined(0, _digits(sender, radices)), gather_size)
+        out[put] = tile[take]
     return out
 
 

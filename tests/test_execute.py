@@ -85,3 +85,9 @@ def test_grouped_and_named_collectives_both_used():
             break
     arr = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
     check(make_mesh(axes), arr, src, dst)
+
+
+def test_multi_move_alltoall_on_devices():
+    mesh = make_mesh({"a": 2, "b": 2, "c": 2})
+    arr = np.arange(28 * 5 * 4 * 26 * 4, dtype=np.int32).reshape(28, 5, 4, 26, 4)
+    check(mesh, arr, (("b", "c"), None, None, None, "a"), (None, None, ("b", "a"), "c"))

@@ -212,3 +212,16 @@ def test_local_copy_model():
     assert local_copy_elems("allgather", (1, 2), (1, 4), 1) == 0  # leading in effect
     assert local_copy_elems("alltoall", (2, 8), (4, 4), 0) == 0
     assert local_copy_elems("dynslice", (8,), (4,), 0) == 4
+
+
+def test_one_alltoall_moves_factors_between_several_dimension_pairs():
+    """[7{c,b}28, 5, 4, 2602, 2{a}4] -> [28, 5, 1{a,b}4, 1301{c}2602, 4]: b and c leave dim 0
+    for dims 2 and 3 while a leaves dim 4 for dim 2, in one all-to-all over all 8 devices."""
+    mesh = {"a": 2, "b": 2, "c": 2}
+    p = redist.plan((28, 5, 4, 2602, 4), (("b", "c"), None, None, None, "a"),
+                    (None, None, ("b", "a"), "c"), mesh)  # fmt: skip
+    assert p.kinds == ("alltoall",)
+    assert sorted(p.steps[0].moves) == [(0, 2, 2), (0, 3, 2), (4, 2, 2)]
+    assert p.steps[0].group_size == 8 and p.cost_bytes == p.src.local_size * 4
+    assert "0->2, {b}" in str(p)
+    _simulate(p)
