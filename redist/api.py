@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from redist.execute import shard_mapped
 from redist.planning import SpecLike, dist_type, dtype_info, mesh_shape
-from redist.synthesize import synthesize
+from redist.synthesize import FOLD_MIN_BYTES, synthesize
 
 _MISSING = object()
 
@@ -111,7 +111,7 @@ def _jitted(plan, mesh, src: PartitionSpec, dst: PartitionSpec):
     return jax.jit(shard_mapped(plan, mesh, src, dst))
 
 
-def _redistribute_array(x, src, dst, mesh, cost_model):
+def _redistribute_array(x, src, dst, mesh, options):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
     mesh = _resolve_mesh(x, src, dst, mesh)
@@ -132,7 +132,7 @@ def _redistribute_array(x, src, dst, mesh, cost_model):
                     "pass the array's own sharding as src, or omit src"
                 )
             src_spec = xs.spec
-    plan = synthesize(m, s, d, name, itemsize, cost_model)
+    plan = synthesize(m, s, d, name, itemsize, *options)
     if not plan.steps:
         return x
     if isinstance(x, jax.core.Tracer):
@@ -140,7 +140,15 @@ def _redistribute_array(x, src, dst, mesh, cost_model):
     return _jitted(plan, mesh, src_spec, dst_spec)(x)
 
 
-def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None, cost_model: str = "bytes"):
+def redistribute(
+    x,
+    src_or_dst,
+    dst=_MISSING,
+    *,
+    mesh=None,
+    cost_model: str = "bytes",
+    fold_min_bytes: int = FOLD_MIN_BYTES,
+):
     """Move ``x`` from layout ``src`` to layout ``dst`` with a synthesized, memory-bounded plan.
 
     Call as ``redistribute(x, dst)`` (source read from ``x.sharding``) or ``redistribute(x, src,
@@ -155,6 +163,8 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None, cost_model: str = "b
             ``NamedSharding``, or a mesh is set with ``jax.set_mesh``.
         cost_model: what the plan search minimizes, ``"bytes"`` (the paper's model) or
             ``"bytes+copies"`` (see :func:`redist.plan`).
+        fold_min_bytes: fold a final permutation into the alltoall before it when each chunk
+            sent has at least this many bytes (see :func:`redist.plan`).
 
     Layouts are ``PartitionSpec`` or ``NamedSharding``; for a pytree ``x`` a single layout applies
     to every leaf, or give a pytree of layouts with the structure of ``x``.
@@ -165,10 +175,11 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None, cost_model: str = "b
     Raises:
         ValueError / TypeError: naming the argument, dimension and axis for invalid layouts.
     """
+    options = (cost_model, int(fold_min_bytes))
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return _redistribute_array(x, src, dst, mesh, cost_model)
+        return _redistribute_array(x, src, dst, mesh, options)
     leaves, treedef = jax.tree.flatten(x)
 
     def per_leaf(spec, argname):
@@ -189,5 +200,5 @@ def redistribute(x, src_or_dst, dst=_MISSING, *, mesh=None, cost_model: str = "b
         return specs
 
     srcs, dsts = per_leaf(src, "src"), per_leaf(dst, "dst")
-    out = [_redistribute_array(v, s, d, mesh, cost_model) for v, s, d in zip(leaves, srcs, dsts)]
+    out = [_redistribute_array(v, s, d, mesh, options) for v, s, d in zip(leaves, srcs, dsts)]
     return jax.tree.unflatten(treedef, out)

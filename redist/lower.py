@@ -145,6 +145,15 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
     else:
         moves = w.moves or ((i, w.to_dim, w.factor),)
         xs = _alltoall_axes(t, moves, dst, mesh)
+        # Moves into one dimension land in move order (first minor-most): follow dst's order.
+        rank_in_dst = [
+            min(
+                (dst.dims[j].axes.index(a) for a in x if a in dst.dims[j].axes), default=len(x) + 99
+            )
+            for (_, j, _), x in zip(moves, xs)
+        ]
+        order = sorted(range(len(moves)), key=lambda k: (rank_in_dst[k], k))
+        moves, xs = tuple(moves[k] for k in order), [xs[k] for k in order]
         for d in dict.fromkeys(m[0] for m in moves):  # moved axes minor-most, in move order
             front = tuple(a for k, m in enumerate(moves) if m[0] == d for a in xs[k])
             _relabel(state, d, front + tuple(a for a in state.t.dims[d].axes if a not in front))
@@ -232,7 +241,12 @@ def _pregather_target(state: _State, gathers: Sequence[WeakStep], dst: DistType)
 
 
 def lower(
-    mesh: MeshShape, src: DistType, dst: DistType, path: Sequence[WeakStep], itemsize: int
+    mesh: MeshShape,
+    src: DistType,
+    dst: DistType,
+    path: Sequence[WeakStep],
+    itemsize: int,
+    fold_min_bytes: int = 0,
 ) -> tuple[Step, ...]:
     """Concrete steps for ``path``: no intermediate permutation, at most one final one."""
     identity = np.arange(mesh.num_devices)
@@ -245,7 +259,7 @@ def lower(
     while k > 0 and path[k - 1].kind == "allgather":
         k -= 1
     if k == len(path):
-        return _fuse_permutation((*steps, last))
+        return _fuse_permutation((*steps, last), itemsize, fold_min_bytes)
     # Move the permutation before the trailing allgathers, where tiles are smaller.
     state = _State(mesh, src, identity)
     steps = [_lower_step(state, w, dst, itemsize) for w in path[:k]]
@@ -260,15 +274,17 @@ def lower(
     end = _permute(state, dst, itemsize)
     if end is not None:  # pragma: no cover - the pre-gather target gathers exactly into dst
         raise RuntimeError("lowering did not reach the destination placement")
-    return _fuse_permutation(steps)
+    return _fuse_permutation(steps, itemsize, fold_min_bytes)
 
 
-def _fuse_permutation(steps: Sequence[Step]) -> tuple[Step, ...]:
+def _fuse_permutation(steps: Sequence[Step], itemsize: int, min_bytes: int) -> tuple[Step, ...]:
     """Fold an allpermute into the alltoall just before it: each chunk goes straight to the
     device that finally needs it, so the permutation costs no extra transfer."""
     out = list(steps)
     for k in range(1, len(out)):
-        if out[k].kind == "allpermute" and out[k - 1].kind == "alltoall":
+        a2a = out[k - 1]
+        chunk = a2a.after.local_size * itemsize // a2a.group_size
+        if out[k].kind == "allpermute" and a2a.kind == "alltoall" and chunk >= min_bytes:
             fused = dataclasses.replace(
                 out[k - 1], after=out[k].after, perm=out[k].perm, device_map=out[k].device_map
             )
@@ -283,11 +299,13 @@ def make_plan(
     paths: Sequence[Sequence[WeakStep]],
     dtype: str,
     itemsize: int,
+    fold_min_bytes: int = 0,
 ) -> Plan:
     """Lower each candidate path (all of equal weak cost) and keep the best concrete plan."""
     best = None
     for path in paths:
-        plan = Plan(mesh, src, dst, dtype, itemsize, lower(mesh, src, dst, path, itemsize))
+        steps = lower(mesh, src, dst, path, itemsize, fold_min_bytes)
+        plan = Plan(mesh, src, dst, dtype, itemsize, steps)
         permute = sum(s.cost_bytes for s in plan.steps if s.kind == "allpermute")
         key = (sum(w.cost for w in path) + permute, plan.num_collectives, len(plan.steps))
         if best is None or key < best[0]:

@@ -72,6 +72,8 @@ class Step:
                 f"{i}->{j}, {{{','.join(x)}}}" for (i, j, _), x in zip(self.moves, self.move_axes)
             ]
             head = f"alltoall({'; '.join(parts)})"
+            if self.perm:
+                head += f" permuting {len(self.perm)} results"
         elif self.kind == "alltoall":
             head = f"alltoall({self.dim}->{self.to_dim}, {axes})"
             if self.perm:

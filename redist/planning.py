@@ -19,7 +19,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import numpy as np
 
 from redist.plan import Plan
-from redist.synthesize import synthesize
+from redist.synthesize import FOLD_MIN_BYTES, synthesize
 from redist.types import DistType, MeshShape, SpecEntry
 
 MeshLike = Any  # jax.sharding.Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | MeshShape
@@ -92,6 +92,7 @@ def plan(
     dtype: Any = "float32",
     *,
     cost_model: str = "bytes",
+    fold_min_bytes: int = FOLD_MIN_BYTES,
 ) -> Plan:
     """Synthesize the redistribution of an array of ``shape`` from ``src`` to ``dst`` on ``mesh``.
 
@@ -105,6 +106,10 @@ def plan(
         cost_model: what the search minimizes: ``"bytes"`` (the paper's model, Fig. 11) or
             ``"bytes+copies"`` (also the local copies that interleaving costs, which matter on
             CPU where a copy is as dear as a transfer).
+        fold_min_bytes: a final permutation right after an alltoall is folded into it (chunks
+            go straight to their final devices, in rounds of ``ppermute``) when every chunk has at
+            least this many bytes; smaller chunks keep one all-to-all and one permute, as rounds
+            of tiny messages are latency-bound. 0 always folds.
 
     Returns:
         An immutable :class:`Plan`; ``print`` it to read the steps in the paper's notation.
@@ -119,4 +124,4 @@ def plan(
     name, itemsize = dtype_info(dtype)
     s = dist_type(src, shape, m, argname="src")
     d = dist_type(dst, shape, m, argname="dst")
-    return synthesize(m, s, d, name, itemsize, cost_model)
+    return synthesize(m, s, d, name, itemsize, cost_model, int(fold_min_bytes))

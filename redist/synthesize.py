@@ -10,6 +10,9 @@ from redist.plan import Plan
 from redist.search import weak_paths
 from redist.types import DistType, MeshShape
 
+# Chunks below this many bytes keep the final permutation separate (latency-bound rounds).
+FOLD_MIN_BYTES = 1 << 20
+
 
 @functools.lru_cache(maxsize=4096)
 def synthesize(
@@ -19,6 +22,7 @@ def synthesize(
     dtype: str,
     itemsize: int,
     cost_model: str = "bytes",
+    fold_min_bytes: int = FOLD_MIN_BYTES,
 ) -> Plan:
     """The memory-bounded, near-optimal plan from ``src`` to ``dst`` (cached on its inputs).
 
@@ -38,4 +42,4 @@ def synthesize(
     paths = weak_paths(
         src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, cost_model
     )
-    return make_plan(mesh, src, dst, paths, dtype, itemsize)
+    return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes)

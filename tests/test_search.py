@@ -90,9 +90,9 @@ def test_identity_problem_has_no_steps():
 @pytest.mark.parametrize("mesh", MESHES_ALL, ids=str)
 def test_random_plans_are_exact_and_memory_bounded(mesh):
     rng = random.Random(str(mesh))
-    for _ in range(150):
+    for k in range(150):
         shape, src, dst = random_problem(rng, mesh)
-        p = redist.plan(shape, src, dst, mesh, dtype="int32")
+        p = redist.plan(shape, src, dst, mesh, dtype="int32", fold_min_bytes=k % 2)
         assert p.peak_bytes <= p.bound_bytes, p
         assert p.kinds.count("allpermute") <= 1
         if "allpermute" in p.kinds:  # the permutation precedes only allgathers
@@ -171,7 +171,7 @@ from hypothesis import strategies as st  # noqa: E402
 def test_property_every_plan_simulates_exactly(mesh, seed):
     """Any problem: memory bounded, at most one permutation, every step checked by the simulator."""
     shape, src, dst = random_problem(random.Random(seed), mesh, max_rank=4, max_elems=1024)
-    p = redist.plan(shape, src, dst, mesh)
+    p = redist.plan(shape, src, dst, mesh, fold_min_bytes=seed % 2)
     assert p.peak_bytes <= p.bound_bytes
     assert p.kinds.count("allpermute") <= 1
     tiles = _simulate(p)
@@ -225,3 +225,14 @@ def test_one_alltoall_moves_factors_between_several_dimension_pairs():
     assert p.steps[0].group_size == 8 and p.cost_bytes == p.src.local_size * 4
     assert "0->2, {b}" in str(p)
     _simulate(p)
+
+
+def test_permutation_folds_only_for_large_chunks():
+    args = ((64, 64, 32), (("a", "b"), "c"), (None, "a", ("c", "b")), {"a": 2, "b": 2, "c": 2})
+    small = redist.plan(*args)  # 16 KiB chunks: all-to-all, then a separate permutation
+    folded = redist.plan(*args, fold_min_bytes=0)
+    assert small.kinds == ("alltoall", "allpermute") and not small.steps[0].perm
+    assert folded.kinds == ("alltoall",) and folded.steps[0].perm
+    assert folded.cost_bytes == small.cost_bytes - small.steps[1].cost_bytes
+    _simulate(small)
+    _simulate(folded)
