@@ -10,8 +10,10 @@ from redist.plan import Plan
 from redist.search import weak_paths
 from redist.types import DistType, MeshShape
 
-# Chunks below this many bytes keep the final permutation separate (latency-bound rounds).
-FOLD_MIN_BYTES = 1 << 20
+# Chunks below this many bytes keep the final permutation separate: rounds of small messages
+# are latency-bound. Measured by experiments/fold_threshold.py on 8 CPU devices: folding is slower
+# below 256 KiB chunks and on par or faster from 384-512 KiB, for groups of 2, 4 and 8.
+FOLD_MIN_BYTES = 512 << 10
 
 
 @functools.lru_cache(maxsize=4096)
