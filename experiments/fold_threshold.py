@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 from absl import app, flags
 
@@ -56,11 +57,13 @@ def main(argv):
             a2a = folded.steps[-1]
             chunk = a2a.after.local_size * 4 // a2a.group_size
             x = jax.device_put(np.ones(shape, np.float32), NamedSharding(mesh, PartitionSpec(*src)))
+            s, d = PartitionSpec(*src), PartitionSpec(*dst)
             f = [
-                jax.jit(lambda v, m=m: redist.redistribute(
-                    v, PartitionSpec(*src), PartitionSpec(*dst), mesh=mesh, fold_min_bytes=m))
+                jax.jit(
+                    partial(redist.redistribute, src_or_dst=s, dst=d, mesh=mesh, fold_min_bytes=m)
+                )
                 for m in (1 << 62, 0)
-            ]  # fmt: skip
+            ]
             t = interleaved_times([lambda g=g: g(x) for g in f], _REPEATS.value, 2)
             a, b = t[0]["median"] * 1e3, t[1]["median"] * 1e3
             print(f"| {a2a.group_size} | {chunk / 1024:.0f} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
