@@ -64,7 +64,7 @@ def main(argv):
                 )
                 for m in (1 << 62, 0)
             ]
-            t = interleaved_times([lambda g=g: g(x) for g in f], _REPEATS.value, 2)
+            t = interleaved_times([partial(g, x) for g in f], _REPEATS.value, 2)
             a, b = t[0]["median"] * 1e3, t[1]["median"] * 1e3
             print(f"| {a2a.group_size} | {chunk / 1024:.0f} | {a:.3f} | {b:.3f} | {b / a:.2f} |")
 
