@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from redist.plan import Group, Plan, Step
+from redist.plan import Group, Plan, Step, rank_digits
 
 
 def _axis_groups(mesh_axes: Sequence[tuple[str, int]], names: Sequence[str]) -> frozenset:
@@ -158,8 +158,8 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
             for r, d in enumerate(group):
                 t = (r + k) % n
                 e = int(dest[group[t]])
-                take[d] = starts(_digits(t, radices), 1, out_shape)
-                put[e] = starts(_digits(r, radices), 0, x.shape)
+                take[d] = starts(rank_digits(t, radices), 1, out_shape)
+                put[e] = starts(rank_digits(r, radices), 0, x.shape)
                 pairs.append((d, e))
         row = jnp.asarray(take)[idx]
         piece = lax.dynamic_slice(x, [row[a] for a in range(x.ndim)], piece_shape)
@@ -167,14 +167,6 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
             piece = lax.ppermute(piece, all_names, perm=pairs)
         row = jnp.asarray(put)[idx]
         out = lax.dynamic_update_slice(out, piece, [row[a] for a in range(x.ndim)])
-    return out
-
-
-def _digits(rank: int, radices) -> list[int]:
-    out = []
-    for f in radices:
-        out.append(rank % f)
-        rank //= f
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from redist.plan import Plan, Step
+from redist.plan import Plan, Step, rank_digits
 from redist.types import DistType, MeshShape
 
 
@@ -51,14 +51,6 @@ def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def _digits(rank: int, radices) -> list[int]:
-    out = []
-    for n in radices:
-        out.append(rank % n)
-        rank //= n
-    return out
-
-
 def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
     """What the member of ``rank`` holds after an all-to-all of ``moves`` over ``tiles``.
 
@@ -73,7 +65,7 @@ def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
         out_shape[i] *= n
         out_shape[j] //= n
     out = np.empty(out_shape, dtype=tiles[0].dtype)
-    mine = _digits(rank, radices)
+    mine = rank_digits(rank, radices)
 
     def block(dims_digits, size_of):
         index = [slice(None)] * len(shape)
@@ -94,7 +86,7 @@ def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
     gather_size = {i: shape[i] for i, _, _ in moves}
     take = block(combined(1, mine), split_size)
     for sender, tile in enumerate(tiles):
-        put = block(combined(0, _digits(sender, radices)), gather_size)
+        put = block(combined(0, rank_digits(sender, radices)), gather_size)
         out[put] = tile[take]
     return out
 
