@@ -1,0 +1,129 @@
+"""Generic discovery of iteration spaces for primitives without a rule (as EasyDist does).
+
+Run the primitive on random inputs, then on halves of candidate input dimensions (the same split
+applied to every operand that has the dimension), and compare with the whole result:
+
+- if the two results concatenated along output dimension ``d`` give the whole result, the split
+  dimensions and ``d`` share a parallel loop;
+- if they sum to the whole result, the split dimensions form a sum-reduction loop.
+
+What is not discovered is read whole and its loops are not partitionable.
+
+Example:
+    >>> op = discover("cumsum_4", eqn, ins, outs)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from planner.ir import Access, Loop, Op, Value
+
+MAX_COMBOS = 64
+
+
+def _random(v: Value, rng: np.random.Generator) -> np.ndarray:
+    dt = np.dtype(v.dtype)
+    if dt == np.bool_:
+        return rng.random(v.shape) < 0.5
+    if np.issubdtype(dt, np.integer):
+        return rng.integers(0, 7, size=v.shape).astype(dt)
+    return (rng.random(v.shape) + 0.5).astype(dt)  # positive: inside most functions' domains
+
+
+def _split(x: np.ndarray, dim: int | None, half: int) -> np.ndarray:
+    if dim is None:
+        return x
+    n = x.shape[dim] // 2
+    return np.take(x, range(half * n, (half + 1) * n), axis=dim)
+
+
+def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
+    """An :class:`Op` from running ``eqn``'s primitive on pieces, or ``None`` if it cannot run."""
+    if len(outs) != 1:
+        return None
+    rng = np.random.default_rng(seed)
+    out = outs[0]
+    literal = [getattr(v, "val", None) for v in eqn.invars]
+    args = [_random(v, rng) if v is not None else literal[k] for k, v in enumerate(ins)]
+
+    def run(pieces):
+        res = eqn.primitive.bind(*pieces, **eqn.params)
+        return np.asarray(res[0] if eqn.primitive.multiple_results else res)
+
+    try:
+        whole = run(args)
+    except Exception:  # noqa: BLE001 - a primitive that cannot run eagerly is simply replicated
+        return None
+    if whole.shape != out.shape:
+        return None
+    idx = [k for k, v in enumerate(ins) if v is not None]
+    in_dims = {k: [()] * len(ins[k].shape) for k in idx}
+    out_dims: list = [()] * len(out.shape)
+    loops: list[Loop] = []
+    reductions = []
+    used = {k: set() for k in idx}
+
+    def combos(size: int):
+        options = [[None] + [d for d, n in enumerate(ins[k].shape) if n == size and d not in used[k]]
+                   for k in idx]  # fmt: skip
+        for combo in itertools.islice(itertools.product(*options), MAX_COMBOS):
+            if any(d is not None for d in combo):
+                yield combo
+
+    def halves(combo):
+        res = []
+        for h in (0, 1):
+            pieces = list(args)
+            for k, d in zip(idx, combo):
+                pieces[k] = _split(args[k], d, h)
+            res.append(run(pieces))
+        return res
+
+    for od, size in enumerate(out.shape):
+        if size < 2 or size % 2:
+            continue
+        for combo in combos(size):
+            try:
+                a, b = halves(combo)
+            except Exception:  # noqa: BLE001 - this split is not a valid input
+                continue
+            if a.shape == b.shape and np.allclose(
+                np.concatenate([a, b], axis=od), whole, equal_nan=True
+            ):
+                lp = Loop(f"i{od}", size)
+                loops.append(lp)
+                out_dims[od] = (lp.name,)
+                for k, d in zip(idx, combo):
+                    if d is not None:
+                        in_dims[k][d] = (lp.name,)
+                        used[k].add(d)
+                break
+        else:
+            loops.append(Loop(f"i{od}", size, partitionable=False))
+            out_dims[od] = (f"i{od}",)
+    sizes = sorted({n for k in idx for d, n in enumerate(ins[k].shape) if d not in used[k]})
+    for size in sizes:
+        if size < 2 or size % 2:
+            continue
+        for combo in combos(size):
+            try:
+                a, b = halves(combo)
+            except Exception:  # noqa: BLE001
+                continue
+            if a.shape == whole.shape and np.allclose(a + b, whole, rtol=1e-4, atol=1e-5):
+                lp = Loop(f"r{len(reductions)}", size)
+                loops.append(lp)
+                reductions.append((lp.name, "sum"))
+                for k, d in zip(idx, combo):
+                    if d is not None:
+                        in_dims[k][d] = (lp.name,)
+                        used[k].add(d)
+                break
+    return Op(
+        name, eqn.primitive.name, tuple(loops),
+        tuple(Access(ins[k], tuple(in_dims[k])) for k in idx),
+        (Access(out, tuple(out_dims)),), reductions=tuple(reductions), how="discovered",
+    )  # fmt: skip
