@@ -6,5 +6,18 @@ nests with access maps. Schedules and lowering come next.
 
 from planner.analyze import analyze
 from planner.ir import Access, Loop, Op, Program, Value
+from planner.lower import Lowered, lower
+from planner.schedule import Schedule, make_schedule
 
-__all__ = ["Access", "Loop", "Op", "Program", "Value", "analyze"]
+__all__ = [
+    "Access",
+    "Loop",
+    "Lowered",
+    "Op",
+    "Program",
+    "Schedule",
+    "Value",
+    "analyze",
+    "lower",
+    "make_schedule",
+]

@@ -50,6 +50,7 @@ def _nested(eqn):
 class _Builder:
     def __init__(self):
         self.ops: list[Op] = []
+        self.consts: list[tuple[Value, object]] = []
         self.count = 0
 
     def value(self, var, prefix="v") -> Value:
@@ -65,8 +66,9 @@ class _Builder:
             if nested is not None:
                 inner, consts = nested
                 inner_env = {}
-                for var in inner.constvars[: len(consts)]:
+                for var, c in zip(inner.constvars, consts):
                     inner_env[var] = self.value(var, "c")
+                    self.consts.append((inner_env[var], c))
                 for var, v in zip(inner.invars, ins):
                     inner_env[var] = v if v is not None else self.value(var, "lit")
                 self.walk(inner, inner_env)
@@ -115,8 +117,9 @@ def analyze(fn: Callable, *args, **kwargs) -> Program:
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     b = _Builder()
     env = {}
-    for var in closed.jaxpr.constvars:
+    for var, c in zip(closed.jaxpr.constvars, closed.consts):
         env[var] = b.value(var, "c")
+        b.consts.append((env[var], c))
     inputs = []
     for var in closed.jaxpr.invars:
         env[var] = b.value(var, "in")
@@ -126,4 +129,4 @@ def analyze(fn: Callable, *args, **kwargs) -> Program:
         env[v] if not isinstance(v, jcore.Literal) else Value("literal", np.shape(v.val), "")
         for v in closed.jaxpr.outvars
     )
-    return Program(tuple(b.ops), tuple(inputs), outputs, closed)
+    return Program(tuple(b.ops), tuple(inputs), outputs, closed, tuple(b.consts))

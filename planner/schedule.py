@@ -1,0 +1,188 @@
+"""Schedules: which mesh axes split which loops of each op, and the layouts that follow.
+
+A schedule maps op name -> {loop name: mesh axis or tuple of axes (major first)}. Ops not named
+get theirs by propagation: forward from the layouts their operands already have, then backward
+from their consumers' requirements, so that a user names only a few ops (as with GSPMD
+annotations).
+
+Example:
+    >>> sched = prog.schedule({"dot_general_0": {"m": "a", "n": ("b", "c")}}, mesh)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from planner.ir import Access, Op, Program
+
+Axes = tuple[str, ...]
+Spec = tuple[Axes, ...]  # per array dimension, the mesh axes splitting it (major first)
+
+
+def _axes(value) -> Axes:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Assignments of mesh axes to loops, per op, for a program on a mesh."""
+
+    program: Program
+    mesh: dict[str, int]
+    assign: dict[str, dict[str, Axes]]
+
+    def axes_of(self, op: Op, loop: str) -> Axes:
+        return self.assign.get(op.name, {}).get(loop, ())
+
+    def spec(self, op: Op, access: Access) -> Spec:
+        """The layout ``access`` has under this schedule (operand required / result produced)."""
+        out = []
+        for d in access.dims:
+            axes = tuple(a for lp in d for a in self.axes_of(op, lp))
+            out.append(axes)
+        return tuple(out)
+
+    def pending(self, op: Op) -> Axes:
+        """Mesh axes over which the op's results are partial sums (partitioned reductions)."""
+        return tuple(a for lp, _ in op.reductions for a in self.axes_of(op, lp))
+
+    def grid(self, op: Op) -> str:
+        parts = []
+        for lp in op.loops:
+            axes = self.axes_of(op, lp.name)
+            parts.append(f"{lp.name}:{'x'.join(axes) if axes else '-'}")
+        return " ".join(parts)
+
+
+def check_assignment(prog: Program, mesh: Mapping[str, int], op: Op, loops: Mapping) -> dict:
+    """Validate one op's assignment; raise ``ValueError`` naming the op, loop and sizes."""
+    out: dict[str, Axes] = {}
+    seen: dict[str, str] = {}
+    for loop, value in loops.items():
+        if loop not in op.loop:
+            raise ValueError(
+                f"op {op.name!r} has no loop {loop!r}; its loops are {[lp.name for lp in op.loops]}"
+            )
+        axes = _axes(value)
+        for a in axes:
+            if a not in mesh:
+                raise ValueError(
+                    f"op {op.name!r}, loop {loop!r}: unknown mesh axis {a!r}; mesh axes are "
+                    f"{tuple(mesh)}"
+                )
+            if a in seen:
+                raise ValueError(
+                    f"op {op.name!r}: mesh axis {a!r} is used twice (loops {seen[a]!r} and "
+                    f"{loop!r}); an axis may split one loop of an op"
+                )
+            seen[a] = loop
+        lp = op.loop[loop]
+        parts = math.prod(mesh[a] for a in axes)
+        if axes and not lp.partitionable:
+            raise ValueError(
+                f"op {op.name!r}, loop {loop!r} cannot be partitioned (its kernel needs the "
+                "whole range: gathers, concatenation axes, convolution windows, arg-reductions)"
+            )
+        if lp.extent % parts:
+            raise ValueError(
+                f"op {op.name!r}, loop {loop!r} of extent {lp.extent} is not divisible by the "
+                f"{parts} parts of mesh axes {axes}; choose axes whose sizes divide {lp.extent}"
+            )
+        if axes:
+            out[loop] = axes
+    for acc in op.operands + op.results:
+        for d in acc.dims:
+            if any(out.get(lp) for lp in d[1:]):
+                raise ValueError(
+                    f"op {op.name!r}: loops {d} are merged into one dimension of "
+                    f"{acc.value.name}; only the major loop {d[0]!r} may be partitioned"
+                )
+    return out
+
+
+def make_schedule(
+    prog: Program, assign: Mapping[str, Mapping], mesh: Mapping[str, int], default="propagate"
+) -> Schedule:
+    """Validate the named ops' assignments and complete the others (``default``).
+
+    ``default="propagate"`` fills unnamed ops from their neighbours; ``"replicate"`` leaves them
+    unpartitioned.
+    """
+    mesh = dict(mesh)
+    names = {o.name for o in prog.ops}
+    for name in assign:
+        if name not in names:
+            raise ValueError(f"schedule names unknown op {name!r}; ops are {sorted(names)}")
+    if default not in ("propagate", "replicate"):
+        raise ValueError(f"default must be 'propagate' or 'replicate', got {default!r}")
+    fixed = {
+        o.name: check_assignment(prog, mesh, o, assign[o.name])
+        for o in prog.ops
+        if o.name in assign
+    }
+    result = dict(fixed)
+    if default == "propagate":
+        _propagate(prog, mesh, result, set(fixed))
+    return Schedule(prog, mesh, result)
+
+
+def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
+    """Keep the wanted loop assignments that are valid for ``op`` (greedy, in loop order)."""
+    out: dict[str, Axes] = {}
+    used: set[str] = set()
+    for lp in op.loops:
+        axes = wanted.get(lp.name, ())
+        if not axes or not lp.partitionable or used & set(axes):
+            continue
+        if lp.extent % math.prod(mesh[a] for a in axes):
+            continue
+        out[lp.name] = axes
+        used.update(axes)
+    for acc in op.operands + op.results:
+        for d in acc.dims:
+            for lp in d[1:]:
+                out.pop(lp, None)
+    return out
+
+
+def _propagate(prog: Program, mesh, result: dict, fixed: set[str]) -> None:
+    layout: dict[str, Spec] = {}  # value name -> produced layout
+    producer = {}
+    for o in prog.ops:
+        for acc in o.results:
+            producer[acc.value.name] = o
+    sched = Schedule(prog, mesh, result)
+    # Forward: an op follows the layouts of its operands.
+    for o in prog.ops:
+        if o.name not in fixed:
+            wanted: dict[str, Axes] = {}
+            for acc in o.operands:
+                spec = layout.get(acc.value.name)
+                if spec is None:
+                    continue
+                for d, axes in zip(acc.dims, spec):
+                    if d and axes and d[0] not in wanted:
+                        wanted[d[0]] = axes
+            result[o.name] = _try(o, mesh, wanted)
+        for acc in o.results:
+            layout[acc.value.name] = sched.spec(o, acc)
+    # Backward: an op left unpartitioned follows what its consumers require of its results.
+    for o in reversed(prog.ops):
+        if o.name in fixed or result.get(o.name):
+            continue
+        wanted = {}
+        for c in prog.ops:
+            for acc in c.operands:
+                if any(acc.value == r.value for r in o.results) and result.get(c.name):
+                    spec = sched.spec(c, acc)
+                    res = next(r for r in o.results if r.value == acc.value)
+                    for d, axes in zip(res.dims, spec):
+                        if d and axes and d[0] not in wanted:
+                            wanted[d[0]] = axes
+        result[o.name] = _try(o, mesh, wanted)
