@@ -88,6 +88,9 @@ def broadcast_in_dim(name, eqn, ins, outs):
     loops = _loops("i", out.shape)
     bd = eqn.params["broadcast_dimensions"]
     (v,) = ins
+    if v is None:  # a broadcast literal
+        return Op(name, "broadcast_in_dim", tuple(loops), (),
+                  (_acc(out, [(lp.name,) for lp in loops]),))  # fmt: skip
     dims = [
         (loops[bd[k]].name,) if v.shape[k] == out.shape[bd[k]] else () for k in range(len(v.shape))
     ]
