@@ -55,7 +55,8 @@ class Lowered:
     def __init__(self, prog: Program, sched: Schedule, mesh, backend: str = "explicit"):
         if backend not in ("explicit", "xla"):
             raise ValueError(f"backend must be 'explicit' or 'xla', got {backend!r}")
-        self.prog, self.sched, self.mesh, self.backend = prog, sched, mesh, backend
+        self.prog, self.sched, self.backend = prog, sched, backend
+        self.mesh = mesh = factored_mesh(mesh)
         self.sizes = dict(mesh.shape)
         self.in_specs = tuple(self._input_spec(v) for v in prog.inputs)
         self.events: list[Event] = []
@@ -202,6 +203,18 @@ class Lowered:
 
     def to_json(self) -> str:
         return json.dumps(self.explain_json(), indent=2)
+
+
+def factored_mesh(mesh):
+    """The same devices with every mesh axis split into its prime factors (``a:4 -> a#0, a#1``)."""
+    from jax.sharding import AxisType, Mesh
+
+    shape = redist.MeshShape.of(dict(mesh.shape))
+    if shape.factor_names == tuple(mesh.axis_names):
+        return mesh
+    sizes = [f.size for f in shape.factors]
+    return Mesh(mesh.devices.reshape(sizes), shape.factor_names,
+                axis_types=(AxisType.Auto,) * len(sizes))  # fmt: skip
 
 
 def _bind(op: Op, args, local_out, pending=(), scatter=None):

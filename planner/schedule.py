@@ -1,6 +1,8 @@
 """Schedules: which mesh axes split which loops of each op, and the layouts that follow.
 
-A schedule maps op name -> {loop name: mesh axis or tuple of axes (major first)}. Ops not named
+A schedule maps op name -> {loop name: mesh axis or tuple of axes (major first)}. Axes may be
+whole mesh axes (``"a"``) or their prime factors (``"a#0"``, ``"a#1"`` for ``a:4``, major first, as
+in :mod:`redist.types`); internally every axis is a prime factor. Ops not named
 get theirs by propagation: forward from the layouts their operands already have, then backward
 from their consumers' requirements, so that a user names only a few ops (as with GSPMD
 annotations).
@@ -16,6 +18,7 @@ import math
 from collections.abc import Mapping
 
 from planner.ir import Access, Op, Program
+from redist.types import MeshShape
 
 Axes = tuple[str, ...]
 Spec = tuple[Axes, ...]  # per array dimension, the mesh axes splitting it (major first)
@@ -31,7 +34,7 @@ def _axes(value) -> Axes:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Assignments of mesh axes to loops, per op, for a program on a mesh."""
+    """Assignments of mesh factors to loops, per op; ``mesh`` maps factor names to sizes."""
 
     program: Program
     mesh: dict[str, int]
@@ -60,8 +63,25 @@ class Schedule:
         return " ".join(parts)
 
 
-def check_assignment(prog: Program, mesh: Mapping[str, int], op: Op, loops: Mapping) -> dict:
+def factor_axes(shape: MeshShape, axes: Axes, where: str) -> Axes:
+    """Whole axes -> their prime factors (major first); factor names pass through."""
+    out: list[str] = []
+    for a in axes:
+        if a in shape.sizes:
+            out.extend(shape.axis_factors(a))
+        elif a in shape.factor_size:
+            out.append(a)
+        else:
+            raise ValueError(
+                f"{where}: unknown mesh axis {a!r}; mesh axes are {shape.axis_names} "
+                f"(prime factors {shape.factor_names})"
+            )
+    return tuple(out)
+
+
+def check_assignment(shape: MeshShape, op: Op, loops: Mapping) -> dict:
     """Validate one op's assignment; raise ``ValueError`` naming the op, loop and sizes."""
+    mesh = shape.factor_size
     out: dict[str, Axes] = {}
     seen: dict[str, str] = {}
     for loop, value in loops.items():
@@ -69,13 +89,8 @@ def check_assignment(prog: Program, mesh: Mapping[str, int], op: Op, loops: Mapp
             raise ValueError(
                 f"op {op.name!r} has no loop {loop!r}; its loops are {[lp.name for lp in op.loops]}"
             )
-        axes = _axes(value)
+        axes = factor_axes(shape, _axes(value), f"op {op.name!r}, loop {loop!r}")
         for a in axes:
-            if a not in mesh:
-                raise ValueError(
-                    f"op {op.name!r}, loop {loop!r}: unknown mesh axis {a!r}; mesh axes are "
-                    f"{tuple(mesh)}"
-                )
             if a in seen:
                 raise ValueError(
                     f"op {op.name!r}: mesh axis {a!r} is used twice (loops {seen[a]!r} and "
@@ -114,7 +129,8 @@ def make_schedule(
     ``default="propagate"`` fills unnamed ops from their neighbours; ``"replicate"`` leaves them
     unpartitioned.
     """
-    mesh = dict(mesh)
+    shape = MeshShape.of(mesh)
+    mesh = shape.factor_size
     names = {o.name for o in prog.ops}
     for name in assign:
         if name not in names:
@@ -122,9 +138,7 @@ def make_schedule(
     if default not in ("propagate", "replicate"):
         raise ValueError(f"default must be 'propagate' or 'replicate', got {default!r}")
     fixed = {
-        o.name: check_assignment(prog, mesh, o, assign[o.name])
-        for o in prog.ops
-        if o.name in assign
+        o.name: check_assignment(shape, o, assign[o.name]) for o in prog.ops if o.name in assign
     }
     result = dict(fixed)
     if default == "propagate":

@@ -72,16 +72,18 @@ class MeshShape:
         for name, size in self.axes:
             if not isinstance(name, str):
                 raise TypeError(f"mesh axis names must be strings, got {name!r}")
-            if "#" in name:
-                raise ValueError(
-                    f"mesh axis name {name!r} may not contain '#' (reserved for factors)"
-                )
             if not isinstance(size, (int, np.integer)) or size < 1:
                 raise ValueError(
                     f"mesh axis {name!r} must have a positive integer size, got {size!r}"
                 )
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be unique, got {names}")
+        factor_names = [f.name for f in self.factors]
+        if len(set(factor_names)) != len(factor_names):
+            raise ValueError(
+                f"the prime factors of mesh axes {names} would be named alike ({factor_names}); "
+                "rename the axes that end in '#<digit>'"
+            )
 
     @classmethod
     def of(cls, axes: Mapping[AxisName, int] | Iterable[tuple[AxisName, int]]) -> MeshShape:
@@ -119,6 +121,10 @@ class MeshShape:
     @functools.cached_property
     def factor_size(self) -> dict[str, int]:
         return {f.name: f.size for f in self.factors}
+
+    @functools.cached_property
+    def factor_axis(self) -> dict[str, AxisName]:
+        return {f.name: f.axis for f in self.factors}
 
     @functools.cached_property
     def factor_index(self) -> dict[str, int]:
@@ -255,7 +261,7 @@ class DistType:
             names: list[str] = []
             rest = list(reversed(d.axes))  # major-to-minor
             while rest:
-                axis = _factor_axis(rest[0])
+                axis = mesh.factor_axis[rest[0]]
                 full = list(mesh.axis_factors(axis))
                 if rest[: len(full)] == full:
                     names.append(axis)
@@ -314,10 +320,6 @@ class DistType:
     def __repr__(self) -> str:
         axes = tuple(d.axes for d in self.dims)
         return f"DistType.from_axes({self.global_shape!r}, {axes!r}, mesh)"
-
-
-def _factor_axis(factor: str) -> AxisName:
-    return factor.split("#", 1)[0]
 
 
 def _entry_names(entry: SpecEntry, dim: int) -> tuple[str, ...]:

@@ -191,3 +191,39 @@ def test_unpartitionable_loop_is_refused(mesh):
     prog = planner.analyze(lambda v: jnp.argmax(v, axis=1), rand(8, 8))
     with pytest.raises(ValueError, match="cannot be partitioned"):
         prog.schedule({"argmax_0": {"r1": "a"}}, mesh)
+
+
+def test_prime_factors_of_mesh_axes_as_schedule_axes():
+    """On {a:4, b:2}, 'a#0' (major factor of a) splits m and ('a#1', 'b') split n."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    x, w = rand(64, 32), rand(32, 16)
+    prog = planner.analyze(matmul, x, w)
+    sched = prog.schedule({"dot_general_0": {"m": "a#0", "n": ("a#1", "b")}}, mesh)
+    assert sched.grid(prog.ops[0]) == "m:a#0 n:a#1xb k:-"
+    f = planner.lower(prog, sched, mesh)
+    np.testing.assert_allclose(f(x, w), matmul(x, w), rtol=1e-5, atol=1e-5)
+    whole = prog.schedule({"dot_general_0": {"k": "a"}}, mesh)  # whole axis = both factors
+    assert whole.grid(prog.ops[0]) == "m:- n:- k:a#0xa#1"
+    np.testing.assert_allclose(
+        planner.lower(prog, whole, mesh)(x, w), matmul(x, w), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'a#2'.*prime factors"):
+        prog.schedule({"dot_general_0": {"m": "a#2"}}, mesh)
+
+
+def test_layout_change_between_ops_uses_a_redist_plan():
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    x, w1, w2 = rand(64, 32), rand(32, 16), rand(16, 8)
+    chain = lambda x, w1, w2: (x @ w1) @ w2  # noqa: E731
+    prog = planner.analyze(chain, x, w1, w2)
+    sched = prog.schedule(
+        {
+            "dot_general_0": {"m": "a#0", "n": ("a#1", "b")},
+            "dot_general_1": {"m": "a#1", "k": "a#0"},
+        },
+        mesh,
+    )
+    f = planner.lower(prog, sched, mesh)
+    np.testing.assert_allclose(f(x, w1, w2), chain(x, w1, w2), rtol=1e-4, atol=1e-4)
+    events = [(r["op"], e["kind"]) for r in f.explain_json() for e in r["collectives"]]
+    assert events == [("dot_general_1", "redistribute"), ("dot_general_1", "psum")]
