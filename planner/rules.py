@@ -11,7 +11,7 @@
 | reduce_sum/max/min/prod/...   | kept i*, reduced r*                     | reduction over r*                |
 | argmax / argmin               | kept i*, reduced r* (not partitionable) |                                  |
 | concatenate                   | one per result dim (axis not partit.)   | operands whole on the axis       |
-| iota                          | one per result dim                      |                                  |
+| iota                          | one per result dim (counted one: not)   |                                  |
 | dynamic_slice, gather, ...    | one per result dim (not partitionable)  | operands read whole              |
 | conv_general_dilated          | n, o (features), i (in features, sum),  | spatial with halo (kernel - 1),  |
 |                               | spatial s* (not partitionable yet)      |                                  |
@@ -239,7 +239,9 @@ def concatenate(name, eqn, ins, outs):
 
 
 def iota(name, eqn, ins, outs):
-    loops = _loops("i", outs[0].shape)
+    # Values count along ``dimension``: a slice of it would need an offset, so it is not split.
+    d = eqn.params.get("dimension", 0)
+    loops = [Loop(f"i{k}", n, k != d) for k, n in enumerate(outs[0].shape)]
     return Op(name, "iota", tuple(loops), (), (_acc(outs[0], [(lp.name,) for lp in loops]),))
 
 

@@ -184,3 +184,8 @@ def test_program_prints_one_line_per_op():
     lines = str(prog).splitlines()
     assert len(lines) == 1 + len(prog.ops)
     assert lines[1].startswith("dot_general_0: m=8 n=4 k=16 (sum over k) | in0[m,k] in1[k,n]")
+
+
+def test_iota_counted_dimension_is_not_partitionable():
+    io = op_of(only(lambda: lax.broadcasted_iota(jnp.int32, (4, 6), 1)), "iota")
+    assert io.loop["i0"].partitionable and not io.loop["i1"].partitionable

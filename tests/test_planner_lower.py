@@ -27,8 +27,21 @@ def collectives(lowered, *args):
     return [c.kind for c in hlo_collectives(lowered.lower(*args).compile().as_text())]
 
 
-def temp_bytes(jitted, *args):
-    return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+def device_bytes(jitted, *args):
+    """Per-device memory of a compiled program: arguments + outputs + temporaries."""
+    m = jitted.lower(*args).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def below_replicated(lowered, fn, *args):
+    """The planned program needs less memory per device than the replicated one."""
+    ours, replicated = device_bytes(lowered, *args), device_bytes(jax.jit(fn), *args)
+    assert ours < replicated, (ours, replicated)
 
 
 def dots(prog):
@@ -53,6 +66,7 @@ def test_thesis_matmul_schedules(mesh, grid, expected):
     f = planner.lower(prog, prog.schedule({"dot_general_0": grid}, mesh), mesh)
     np.testing.assert_allclose(f(x, w), matmul(x, w), rtol=1e-5, atol=1e-5)
     assert collectives(f, x, w) == expected
+    below_replicated(f, matmul, x, w)
     kinds = [e["kind"] for row in f.explain_json() for e in row["collectives"]]
     assert kinds == ["psum"] * len(expected)
 
@@ -65,6 +79,7 @@ def test_softmax_partitioned_on_leading_dims_needs_no_communication(mesh):
     np.testing.assert_allclose(f(x), jax.nn.softmax(x, axis=-1), rtol=1e-5, atol=1e-6)
     assert collectives(f, x) == []
     assert all("i0:axb" in f.sched.grid(o) for o in prog.ops)
+    below_replicated(f, lambda v: jax.nn.softmax(v, axis=-1), x)
 
 
 def attention(x, wq, wk, wv, wo):
@@ -87,8 +102,7 @@ def test_megatron_attention_one_all_reduce(mesh):
     assert [(r["op"], [e["kind"] for e in r["collectives"]]) for r in rows if r["collectives"]] == [
         (dots(prog)[-1], ["psum"])
     ]
-    replicated = jax.jit(attention)
-    assert temp_bytes(f, *args) < temp_bytes(replicated, *args)
+    below_replicated(f, attention, *args)
 
 
 def mlp_loss(params, x, y):
@@ -121,6 +135,7 @@ def test_mlp_training_step_data_parallel(mesh):
     sums = [o.name for o in prog.ops if o.primitive == "reduce_sum"]
     assert inserted == [(sums[0], "psum"), (dots(prog)[2], "psum"), (dots(prog)[4], "psum")]
     assert set(collectives(f, params, x, y)) == {"all-reduce"}
+    below_replicated(f, sgd_step, params, x, y)
 
 
 def test_mlp_training_step_megatron(mesh):
@@ -135,7 +150,7 @@ def test_mlp_training_step_megatron(mesh):
     inserted = [(r["op"], e["kind"]) for r in f.explain_json() for e in r["collectives"]]
     assert inserted == [(d[1], "psum")]  # the row-parallel layer's forward output, nothing else
     assert collectives(f, params, x, y) == ["all-reduce"]
-    assert temp_bytes(f, params, x, y) < temp_bytes(jax.jit(sgd_step), params, x, y)
+    below_replicated(f, sgd_step, params, x, y)
 
 
 def conv(x, w):
@@ -151,6 +166,7 @@ def test_conv_split_on_batch_and_output_features(mesh, grid):
     f = planner.lower(prog, prog.schedule({"conv_general_dilated_0": grid}, mesh), mesh)
     np.testing.assert_allclose(f(x, w), conv(x, w), rtol=1e-4, atol=1e-4)
     assert collectives(f, x, w) == []
+    below_replicated(f, conv, x, w)
 
 
 def test_xla_baseline_backend_matches(mesh):
@@ -227,3 +243,18 @@ def test_layout_change_between_ops_uses_a_redist_plan():
     np.testing.assert_allclose(f(x, w1, w2), chain(x, w1, w2), rtol=1e-4, atol=1e-4)
     events = [(r["op"], e["kind"]) for r in f.explain_json() for e in r["collectives"]]
     assert events == [("dot_general_1", "redistribute"), ("dot_general_1", "psum")]
+
+
+def test_pending_sum_becomes_reduce_scatter_when_the_consumer_wants_it_split(mesh):
+    x, w1, w2 = rand(64, 32), rand(32, 16), rand(16, 8)
+    chain = lambda x, w1, w2: jnp.tanh(x @ w1) @ w2  # noqa: E731
+    prog = planner.analyze(chain, x, w1, w2)
+    d = dots(prog)
+    # The first product sums over k split 8 ways; tanh and the second product want rows split
+    # the same 8 ways: a reduce-scatter, not an all-reduce then a slice.
+    sched = prog.schedule({d[0]: {"k": ALL}, "tanh_1": {"i0": ALL}, d[1]: {"m": ALL}}, mesh)
+    f = planner.lower(prog, sched, mesh)
+    np.testing.assert_allclose(f(x, w1, w2), chain(x, w1, w2), rtol=1e-4, atol=1e-4)
+    events = [(r["op"], e["kind"]) for r in f.explain_json() for e in r["collectives"]]
+    assert events == [(d[0], "psum_scatter")]
+    assert collectives(f, x, w1, w2) == ["reduce-scatter"]
