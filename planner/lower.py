@@ -25,6 +25,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
+from planner.dataflow import OpStep, dataflow, input_spec
 from planner.ir import Op, Program
 from planner.schedule import Schedule, Spec
 
@@ -58,18 +59,12 @@ class Lowered:
         self.prog, self.sched, self.backend = prog, sched, backend
         self.mesh = mesh = factored_mesh(mesh)
         self.sizes = dict(mesh.shape)
-        self.in_specs = tuple(self._input_spec(v) for v in prog.inputs)
-        self.events: list[Event] = []
+        self.steps = dataflow(prog, sched)
+        self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
+        self.events = _events(self.steps, redist.MeshShape.of(self.sizes))
         in_shardings = tuple(NamedSharding(mesh, _pspec(s)) for s in self.in_specs)
         body = self._explicit if backend == "explicit" else self._xla
         self._jitted = jax.jit(body, in_shardings=in_shardings)
-
-    def _input_spec(self, v) -> Spec:
-        for op in self.prog.ops:
-            for acc in op.operands:
-                if acc.value == v:
-                    return self.sched.spec(op, acc)
-        return ((),) * len(v.shape)
 
     def __call__(self, *args):
         flat = jax.tree.leaves(args)
@@ -83,75 +78,34 @@ class Lowered:
 
     # ----- the explicit backend -----
     def _explicit(self, *flat):
-        self.events = []
-        env: dict[str, tuple[object, Spec]] = {}
-        for v, x in zip(self.prog.inputs, flat):
-            env[v.name] = (x, self._input_spec(v))
-        for v, c in self.prog.consts:
-            env[v.name] = (c, ((),) * len(v.shape))
-        for op in self.prog.ops:
-            self._run(op, env)
-        return tuple(env[v.name][0] for v in self.prog.outputs)
+        env: dict[str, object] = {v.name: x for v, x in zip(self.prog.inputs, flat)}
+        env.update({v.name: c for v, c in self.prog.consts})
+        for step in self.steps:
+            self._run(step, env)
+        return tuple(env[v.name] for v in self.prog.outputs)
 
-    def _consumer_spec(self, op: Op, value) -> Spec | None:
-        later = self.prog.ops[self.prog.ops.index(op) + 1 :]
-        for c in later:
-            for acc in c.operands:
-                if acc.value == value:
-                    return self.sched.spec(c, acc)
-        return None
-
-    def _run(self, op: Op, env) -> None:
-        sched, mesh = self.sched, self.mesh
-        args = []
-        in_specs = []
-        for acc in op.operands:
-            x, cur = env[acc.value.name]
-            want = sched.spec(op, acc)
-            if cur != want:
-                plan = redist.plan(
-                    acc.value.shape, _pspec(cur), _pspec(want), mesh, dtype=acc.value.dtype
-                )
-                x = redist.redistribute(x, _pspec(cur), _pspec(want), mesh=mesh)
-                self.events.append(Event(op.name, "redistribute", acc.value.name,
-                                         f"{plan.src} -> {plan.dst}: {' '.join(plan.kinds)}",
-                                         plan.cost_bytes))  # fmt: skip
-            args.append(x)
-            in_specs.append(want)
-        out_specs = [sched.spec(op, r) for r in op.results]
-        pending = sched.pending(op)
-        scatter = [None] * len(op.results)
-        if pending:
-            for k, r in enumerate(op.results):
-                want = self._consumer_spec(op, r.value)
-                if want is None:
-                    continue
-                for d, axes in enumerate(want):
-                    if axes == pending and not out_specs[k][d]:
-                        scatter[k] = d
-                        out_specs[k] = out_specs[k][:d] + (pending,) + out_specs[k][d + 1 :]
-                        break
-        if not any(any(s) for s in in_specs) and not any(any(s) for s in out_specs) and not pending:
+    def _run(self, step: OpStep, env) -> None:
+        op, mesh = step.op, self.mesh
+        for mv in step.moves:
+            env[mv.value.name] = redist.redistribute(
+                env[mv.value.name], _pspec(mv.src), _pspec(mv.dst), mesh=mesh
+            )
+        args = [env[acc.value.name] for acc in op.operands]
+        if not step.partitioned:
             outs = _bind(op, args, None)
         else:
             local_out = [
-                _local(r.value.shape, s, self.sizes) for r, s in zip(op.results, out_specs)
+                _local(r.value.shape, s, self.sizes) for r, s in zip(op.results, step.out_specs)
             ]
             outs = jax.shard_map(
-                lambda *xs: _bind(op, xs, local_out, pending, scatter),
+                lambda *xs: _bind(op, xs, local_out, step.pending, step.scatter),
                 mesh=mesh,
-                in_specs=tuple(_pspec(s) for s in in_specs),
-                out_specs=tuple(_pspec(s) for s in out_specs),
+                in_specs=tuple(_pspec(s) for s in step.in_specs),
+                out_specs=tuple(_pspec(s) for s in step.out_specs),
                 check_vma=False,
             )(*args)
-            for k, r in enumerate(op.results):
-                if pending:
-                    kind = "psum_scatter" if scatter[k] is not None else "psum"
-                    size = math.prod(local_out[k]) * np.dtype(r.value.dtype).itemsize
-                    self.events.append(Event(op.name, kind, r.value.name,
-                                             f"over {pending}", size))  # fmt: skip
-        for r, x, s in zip(op.results, outs, out_specs):
-            env[r.value.name] = (x, s)
+        for r, x in zip(op.results, outs):
+            env[r.value.name] = x
 
     # ----- the baseline: sharding constraints, XLA inserts the collectives -----
     def _xla(self, *flat):
@@ -168,10 +122,6 @@ class Lowered:
 
     # ----- introspection -----
     def explain_json(self) -> list[dict]:
-        if self.backend == "explicit" and not self.events:
-            jax.eval_shape(
-                self._explicit, *(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.prog.inputs)
-            )
         rows = []
         m = redist.MeshShape.of(self.sizes)
         for op in self.prog.ops:
@@ -203,6 +153,26 @@ class Lowered:
 
     def to_json(self) -> str:
         return json.dumps(self.explain_json(), indent=2)
+
+
+def _events(steps, m: redist.MeshShape) -> list[Event]:
+    """The collectives each op's step inserts, with the paper's bytes per device."""
+    out = []
+    for step in steps:
+        op = step.op
+        for mv in step.moves:
+            plan = redist.plan(
+                mv.value.shape, _pspec(mv.src), _pspec(mv.dst), m, dtype=mv.value.dtype
+            )
+            detail = f"{plan.src} -> {plan.dst}: {' '.join(plan.kinds)}"
+            out.append(Event(op.name, "redistribute", mv.value.name, detail, plan.cost_bytes))
+        if step.pending:
+            for k, r in enumerate(op.results):
+                size = math.prod(_local(r.value.shape, step.out_specs[k], m.factor_size))
+                kind = "psum_scatter" if step.scatter[k] is not None else "psum"
+                out.append(Event(op.name, kind, r.value.name, f"over {step.pending}",
+                                 size * np.dtype(r.value.dtype).itemsize))  # fmt: skip
+    return out
 
 
 def factored_mesh(mesh):
