@@ -1,13 +1,16 @@
 """planner: split the work (iteration spaces) of a jitted program over a mesh.
 
-Stage 1 (this package so far): :func:`analyze` turns a function into a :class:`Program` of loop
-nests with access maps. Schedules and lowering come next.
+:func:`analyze` turns a function into a :class:`Program` of loop nests with access maps;
+``program.schedule(...)`` assigns mesh axes to loops (:class:`Schedule`); :func:`lower` runs it as
+one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (calibrated cost model,
+``python -m experiments.calibrate``). The automatic search comes next.
 """
 
 from planner.analyze import analyze
 from planner.ir import Access, Loop, Op, Program, Value
 from planner.lower import Lowered, lower
 from planner.schedule import Schedule, make_schedule
+from planner.simulator import Prediction, simulate
 
 __all__ = [
     "Access",
@@ -20,4 +23,6 @@ __all__ = [
     "analyze",
     "lower",
     "make_schedule",
+    "Prediction",
+    "simulate",
 ]

@@ -1,0 +1,82 @@
+"""Calibrate the planner's cost model on the current backend and write a JSON file.
+
+Usage:
+    python -m experiments.calibrate --out=planner/calibrations/cpu.json [--devices=8]
+
+Measures dense matmul throughput, local copy bandwidth, and for every collective kind over all
+devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
+``planner.costmodel``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+_OUT = flags.DEFINE_string("out", "planner/calibrations/cpu.json", "Where to write the file.")
+_DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (CPU).")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "Repetitions per measurement (median).")
+
+
+def measure(repeats: int):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from experiments.measure import interleaved_times
+    from planner.costmodel import KINDS, Calibration, wire_bytes
+
+    def seconds(f, *args):
+        return interleaved_times([lambda: f(*args)], repeats, 2)[0]["median"]
+
+    a = jnp.ones((1024, 1024), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    flops = 2 * 1024**3 / seconds(mm, a)
+    big = jnp.ones((16 * 2**20,), jnp.float32)
+    copy = jax.jit(lambda x: x * 1.5)
+    copy_bw = 2 * big.nbytes / seconds(copy, big)
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,))
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    bodies = {
+        "all-gather": (lambda t: lax.all_gather(t, "d", tiled=True), lambda b: b * n),
+        "all-to-all": (lambda t: lax.all_to_all(t, "d", 0, 0, tiled=True), lambda b: b),
+        "collective-permute": (lambda t: lax.ppermute(t, "d", perm), lambda b: b),
+        "all-reduce": (lambda t: lax.psum(t, "d"), lambda b: b),
+        "reduce-scatter": (lambda t: lax.psum_scatter(t, "d", tiled=True), lambda b: b),
+    }
+    latency, bandwidth = {}, {}
+    for kind in KINDS:
+        body, named = bodies[kind]
+        points = []
+        for elems in (1024, 2**20):
+            x = jax.device_put(np.ones((n * elems,), np.float32), NamedSharding(mesh, P("d")))
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                      check_vma=False))  # fmt: skip
+            nbytes = named(elems * 4)
+            points.append((wire_bytes(kind, nbytes, n), seconds(f, x)))
+        (b0, t0), (b1, t1) = points
+        bw = (b1 - b0) / max(t1 - t0, 1e-9)
+        latency[kind] = max(t0 - b0 / bw, 1e-7)
+        bandwidth[kind] = bw
+    return Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth)
+
+
+def main(argv):
+    del argv
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_DEVICES.value}"
+    cal = measure(_REPEATS.value)
+    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+    cal.save(_OUT.value)
+    print(cal.to_json())
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,145 @@
+"""Predict time, bytes and peak memory per device of a scheduled program (DistIR-style).
+
+Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
+
+- each op's kernel costs the roofline of its local flops (``2 * prod(extents)`` for dot_general and
+  convolutions, one per result element otherwise) and the bytes it touches;
+- each layout change costs its ``redist`` plan, step by step (dynslice: a local copy; collectives:
+  latency + wire bytes / bandwidth of their kind and group size);
+- each pending sum costs an all-reduce, or a reduce-scatter when the dataflow scatters it;
+- memory: inputs and outputs stay live; other values from production to their last use; at each
+  op, the live values plus its results plus the largest tile of its layout changes.
+
+Example:
+    >>> pred = simulate(prog, sched)           # doctest: +SKIP
+    >>> pred.time_s, pred.comm_bytes, pred.peak_bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+import redist
+from planner.costmodel import Calibration, wire_bytes
+from planner.dataflow import dataflow
+from planner.ir import Program
+from planner.schedule import Schedule, Spec
+
+DENSE = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    op: str
+    compute_s: float
+    comm_s: float
+    comm_bytes: float  # wire bytes per device
+    memory_bytes: int  # live bytes per device while the op runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    time_s: float
+    comm_bytes: float
+    peak_bytes: int
+    ops: tuple[OpCost, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"predicted {self.time_s * 1e3:.3f} ms, {self.comm_bytes / 2**20:.3f} MiB sent per "
+            f"device, peak {self.peak_bytes / 2**20:.3f} MiB per device"
+        )
+
+
+def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
+    local = [n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, spec)]
+    return math.prod(local) * np.dtype(dtype).itemsize
+
+
+def _plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
+    t = wire = 0.0
+    n_dev = plan.mesh.num_devices
+    for s in plan.steps:
+        before = s.before.local_size * plan.itemsize
+        after = s.after.local_size * plan.itemsize
+        if s.kind == "dynslice":
+            t += after / cal.copy_bytes_per_s
+            continue
+        kind, nbytes = {
+            "allgather": ("all-gather", after),
+            "alltoall": ("all-to-all", before),
+            "allpermute": ("collective-permute", before * len(s.perm) / n_dev),
+        }[s.kind]
+        n = s.group_size if s.kind != "allpermute" else n_dev
+        t += cal.collective_time(kind, nbytes, n)
+        wire += wire_bytes(kind, nbytes, n)
+    return t, wire
+
+
+def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
+    """Predicted time, wire bytes and peak memory per device of ``prog`` under ``sched``."""
+    cal = calibration or Calibration.default()
+    sizes = sched.mesh
+    m = redist.MeshShape.of(sizes)
+    steps = dataflow(prog, sched)
+    last_use: dict[str, int] = {}
+    for k, st in enumerate(steps):
+        for acc in st.op.operands:
+            last_use[acc.value.name] = k
+    keep = {v.name for v in prog.inputs} | {v.name for v in prog.outputs}
+    live: dict[str, int] = {}
+    for v in prog.inputs:
+        acc_spec = next(
+            (sched.spec(st.op, a) for st in steps for a in st.op.operands if a.value == v),
+            ((),) * len(v.shape),
+        )
+        live[v.name] = _bytes(v.shape, acc_spec, sizes, v.dtype)
+    for v, _ in prog.consts:
+        live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
+    costs = []
+    peak = sum(live.values())
+    for k, st in enumerate(steps):
+        op = st.op
+        comm_t = wire = 0.0
+        transient = 0
+        for mv in st.moves:
+            plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
+            t, w = _plan_cost(plan, cal)
+            comm_t, wire = comm_t + t, wire + w
+            transient = max(transient, plan.peak_bytes)
+            live[mv.value.name] = _bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype)
+        parts = math.prod(
+            math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops
+        )
+        extent = math.prod(lp.extent for lp in op.loops)
+        outs = [
+            _bytes(r.value.shape, s, sizes, r.value.dtype) for r, s in zip(op.results, st.out_specs)
+        ]
+        ins = sum(
+            _bytes(a.value.shape, s, sizes, a.value.dtype) for a, s in zip(op.operands, st.in_specs)
+        )
+        flops = (2 if op.primitive in DENSE else 1) * extent / parts
+        compute = cal.compute_time(flops, ins + sum(outs))
+        if st.pending:
+            n = math.prod(sizes[a] for a in st.pending)
+            for k_res, size in enumerate(outs):
+                if st.scatter[k_res] is None:
+                    comm_t += cal.collective_time("all-reduce", size, n)
+                    wire += wire_bytes("all-reduce", size, n)
+                else:
+                    comm_t += cal.collective_time("reduce-scatter", size * n, n)
+                    wire += wire_bytes("reduce-scatter", size * n, n)
+        for r, size in zip(op.results, outs):
+            live[r.value.name] = size
+        now = sum(live.values()) + transient
+        peak = max(peak, now)
+        costs.append(OpCost(op.name, compute, comm_t, wire, now))
+        for acc in op.operands:
+            name = acc.value.name
+            if last_use.get(name) == k and name not in keep:
+                live.pop(name, None)
+    total = sum(c.compute_s + c.comm_s for c in costs)
+    return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs))

@@ -1,0 +1,72 @@
+"""Cost model, calibration file and simulator of the planner."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from test_planner_lower import ALL, attention, dots, matmul, rand
+
+import planner
+from planner.costmodel import KINDS, Calibration, wire_bytes
+from planner.simulator import simulate
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ALL, axis_types=(AxisType.Auto,) * 3)
+
+
+def test_default_calibration_loads_and_round_trips(tmp_path):
+    cal = Calibration.default()
+    assert cal.backend == "cpu" and set(cal.latency_s) == set(KINDS)
+    assert all(v > 0 for v in cal.bytes_per_s.values()) and cal.flops_per_s > 0
+    path = tmp_path / "c.json"
+    cal.save(str(path))
+    assert Calibration.load(str(path)) == cal
+    data = json.loads(cal.to_json())
+    del data["latency_s"]["all-reduce"]
+    with pytest.raises(ValueError, match="lacks collective kinds"):
+        Calibration.from_json(json.dumps(data))
+
+
+def test_wire_bytes_table():
+    assert wire_bytes("all-gather", 800, 8) == 700
+    assert wire_bytes("all-reduce", 800, 8) == 1400
+    assert wire_bytes("collective-permute", 800, 8) == 800
+    assert wire_bytes("all-to-all", 800, 1) == 0
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        wire_bytes("broadcast", 1, 2)
+
+
+def test_simulator_ranks_matmul_schedules_and_counts_memory(mesh):
+    x, w = rand(4096, 256), rand(256, 64)
+    prog = planner.analyze(matmul, x, w)
+    pred = {
+        name: simulate(prog, prog.schedule({"dot_general_0": grid}, mesh))
+        for name, grid in {
+            "replicated": {},
+            "data": {"m": ALL},
+            "reduction": {"k": ALL},
+            "hybrid": {"m": "a", "n": "b", "k": "c"},
+        }.items()
+    }
+    assert pred["data"].time_s < pred["hybrid"].time_s < pred["replicated"].time_s
+    assert pred["data"].comm_bytes == 0 and pred["reduction"].comm_bytes > 0
+    # Data-parallel holds 1/8 of x and of the output; everything else whole w.
+    assert pred["data"].peak_bytes < pred["replicated"].peak_bytes / 4
+    assert pred["replicated"].peak_bytes >= x.nbytes + w.nbytes
+
+
+def test_simulator_sees_the_collectives_lowering_inserts(mesh):
+    args = (rand(2, 8, 16), rand(16, 8, 4), rand(16, 8, 4), rand(16, 8, 4), rand(8, 4, 16))
+    prog = planner.analyze(attention, *args)
+    sched = prog.schedule({d: {"n0": ALL} for d in dots(prog)[:3]}, mesh)
+    pred = simulate(prog, sched)
+    lowered = planner.lower(prog, sched, mesh)
+    with_events = {e.op for e in lowered.events}
+    with_comm = {c.op for c in pred.ops if c.comm_s > 0}
+    assert with_comm == with_events == {dots(prog)[-1]}
+    assert "predicted" in str(pred) and pred.time_s > 0
+    assert np.isclose(sum(c.compute_s + c.comm_s for c in pred.ops), pred.time_s)
