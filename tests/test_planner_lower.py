@@ -258,3 +258,26 @@ def test_pending_sum_becomes_reduce_scatter_when_the_consumer_wants_it_split(mes
     events = [(r["op"], e["kind"]) for r in f.explain_json() for e in r["collectives"]]
     assert events == [(d[0], "psum_scatter")]
     assert collectives(f, x, w1, w2) == ["reduce-scatter"]
+
+
+@pytest.mark.parametrize("strategy", ["data", "megatron", "2d"])
+def test_baseline_strategies_as_schedules(mesh, strategy):
+    from planner import baselines
+
+    params, x, y = _mlp_args()
+    prog = planner.analyze(sgd_step, params, x, y)
+    assign = {
+        "data": baselines.data_parallel(prog, ALL),
+        "megatron": baselines.megatron(prog, ALL),
+        "2d": baselines.data_and_model(prog, ("a",), ("b", "c")),
+    }[strategy]
+    f = planner.lower(prog, prog.schedule(assign, mesh), mesh)
+    for g, w in zip(f(params, x, y), sgd_step(params, x, y)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    below_replicated(f, sgd_step, params, x, y)
+    d = dots(prog)
+    inserted = [(e.op, e.kind) for e in f.events]
+    if strategy == "data":  # the loss' batch sum and both weight gradients
+        assert inserted == [(prog.ops[8].name, "psum"), (d[2], "psum"), (d[4], "psum")]
+    if strategy == "megatron":  # one all-reduce after the row-parallel layer
+        assert inserted == [(d[1], "psum")]
