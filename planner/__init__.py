@@ -3,13 +3,15 @@
 :func:`analyze` turns a function into a :class:`Program` of loop nests with access maps;
 ``program.schedule(...)`` assigns mesh axes to loops (:class:`Schedule`); :func:`lower` runs it as
 one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (calibrated cost model,
-``python -m experiments.calibrate``). The automatic search comes next.
+``python -m experiments.calibrate``). :func:`plan` / :func:`auto_shard` search a schedule (:func:`search`) and run it.
 """
 
 from planner.analyze import analyze
+from planner.auto import AutoPlan, auto_shard, plan
 from planner.ir import Access, Loop, Op, Program, Value
 from planner.lower import Lowered, lower
 from planner.schedule import Schedule, make_schedule
+from planner.search import search
 from planner.simulator import Prediction, simulate
 
 __all__ = [
@@ -25,4 +27,8 @@ __all__ = [
     "make_schedule",
     "Prediction",
     "simulate",
+    "AutoPlan",
+    "auto_shard",
+    "plan",
+    "search",
 ]

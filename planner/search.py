@@ -1,0 +1,160 @@
+"""Automatic search over how the mesh's prime factors split the loops of the heavy ops.
+
+Anchors are the dense ops (``dot_general``, convolutions); every other op follows by
+propagation. As in Tofu, the mesh is taken one prime factor at a time (major first): for each
+factor, every anchor picks a loop to split by it, or none. The objective is the simulator's
+predicted time (ties: peak memory), and plans over ``memory_limit_bytes`` are refused.
+
+When the joint space (all factors at once) has at most ``exhaustive_limit`` assignments it is
+searched exhaustively, which is optimal under the simulator. Otherwise factors are taken one at a
+time; for each, all combinations of the anchors' choices are tried when few, else coordinate
+descent over anchors (deterministic: anchors in program order, options in loop order).
+
+Example:
+    >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+
+from planner.costmodel import Calibration
+from planner.ir import Op, Program
+from planner.schedule import Schedule, make_schedule
+from planner.simulator import Prediction, simulate
+from redist.types import MeshShape
+
+DENSE = ("dot_general", "conv_general_dilated")
+Assignment = dict[str, dict[str, tuple[str, ...]]]
+
+
+def anchors(prog: Program) -> list[Op]:
+    dense = [o for o in prog.ops if o.primitive in DENSE]
+    if dense:
+        return dense
+    return [o for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
+
+
+def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes) -> list[str | None]:
+    out: list[str | None] = [None]
+    for lp in op.loops:
+        parts = math.prod(sizes[a] for a in current.get(lp.name, ())) * size
+        if lp.partitionable and lp.extent % parts == 0:
+            out.append(lp.name)
+    return out
+
+
+class _Evaluator:
+    def __init__(self, prog, mesh, cal, limit):
+        self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
+        self.cache: dict = {}
+        self.best_peak = math.inf
+
+    def __call__(self, assign: Assignment) -> tuple[float, int, Schedule | None, Prediction | None]:
+        key = tuple(sorted((op, tuple(sorted(loops.items()))) for op, loops in assign.items()))
+        if key not in self.cache:
+            try:
+                sched = make_schedule(self.prog, {k: v for k, v in assign.items() if v}, self.mesh)
+            except ValueError:
+                self.cache[key] = (math.inf, math.inf, None, None)
+                return self.cache[key]
+            pred = simulate(self.prog, sched, self.cal)
+            self.best_peak = min(self.best_peak, pred.peak_bytes)
+            if self.limit is not None and pred.peak_bytes > self.limit:
+                self.cache[key] = (math.inf, pred.peak_bytes, sched, pred)
+            else:
+                self.cache[key] = (pred.time_s, pred.peak_bytes, sched, pred)
+        return self.cache[key]
+
+
+def _with(assign: Assignment, choices, ops, factor: str) -> Assignment:
+    out = {k: dict(v) for k, v in assign.items()}
+    for op, loop in zip(ops, choices):
+        if loop is not None:
+            out[op.name][loop] = out[op.name].get(loop, ()) + (factor,)
+    return out
+
+
+def search(
+    prog: Program,
+    mesh,
+    calibration: Calibration | None = None,
+    memory_limit_bytes: int | None = None,
+    exhaustive_limit: int = 4096,
+) -> tuple[Schedule, Prediction]:
+    """The best schedule found for ``prog`` on ``mesh`` and its prediction.
+
+    Raises:
+        ValueError: if no schedule fits ``memory_limit_bytes`` (the message gives the smallest
+            peak seen).
+    """
+    shape = MeshShape.of(dict(getattr(mesh, "shape", mesh)))
+    sizes = shape.factor_size
+    cal = calibration or Calibration.default()
+    ops = anchors(prog)
+    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes)
+    empty: Assignment = {o.name: {} for o in ops}
+
+    def joint_space() -> int:
+        n = 1
+        for f in shape.factor_names:
+            for o in ops:
+                n *= len(_options(o, {}, sizes[f], sizes))
+        return n
+
+    if joint_space() <= exhaustive_limit:
+        best = None
+        per_factor = [
+            list(itertools.product(*(_options(o, {}, sizes[f], sizes) for o in ops)))
+            for f in shape.factor_names
+        ]
+        for combo in itertools.product(*per_factor):
+            assign = empty
+            for f, choices in zip(shape.factor_names, combo):
+                assign = _with(assign, choices, ops, f)
+            score = evaluate(assign)
+            if best is None or score[:2] < best[0][:2]:
+                best = (score, assign)
+        return _result(best[0], evaluate, memory_limit_bytes)
+    assign = empty
+    for f in shape.factor_names:
+        opts = [_options(o, assign[o.name], sizes[f], sizes) for o in ops]
+        if math.prod(len(x) for x in opts) <= exhaustive_limit:
+            candidates = [_with(assign, c, ops, f) for c in itertools.product(*opts)]
+            assign = min(candidates, key=lambda a: evaluate(a)[:2])
+            continue
+        choices = _descend(assign, opts, ops, f, evaluate)
+        assign = _with(assign, choices, ops, f)
+    return _result(evaluate(assign), evaluate, memory_limit_bytes)
+
+
+def _descend(assign: Assignment, opts, ops, factor: str, evaluate) -> list[str | None]:
+    """Coordinate descent over the anchors' choices for one factor."""
+    choices: list[str | None] = [None] * len(ops)
+
+    def score(k: int, loop: str | None):
+        trial = list(choices)
+        trial[k] = loop
+        return evaluate(_with(assign, trial, ops, factor))[:2]
+
+    improved = True
+    while improved:
+        improved = False
+        for k in range(len(ops)):
+            best_loop = min(opts[k], key=lambda loop, k=k: score(k, loop))
+            if score(k, best_loop) < score(k, choices[k]):
+                choices[k] = best_loop
+                improved = True
+    return choices
+
+
+def _result(score, evaluate: _Evaluator, limit):
+    time_s, _, sched, pred = score
+    if sched is None or time_s == math.inf:
+        raise ValueError(
+            f"no schedule fits memory_limit_bytes={limit}; the smallest predicted peak seen is "
+            f"{evaluate.best_peak} bytes per device"
+        )
+    return sched, pred
