@@ -95,6 +95,6 @@ def test_plan_and_auto_shard_end_to_end(mesh):
     assert "predicted" in p.explain() and '"schedule"' in p.to_json()
     f = planner.auto_shard(matmul, mesh=mesh)
     a, b = rand(4096, 256), rand(256, 64)
-    np.testing.assert_allclose(f(a, b), matmul(a, b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f(a, b), matmul(a, b), rtol=1e-4, atol=1e-4)
     f(a, b)
     assert len(f.plans) == 1
