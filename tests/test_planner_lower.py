@@ -64,7 +64,7 @@ def test_thesis_matmul_schedules(mesh, grid, expected):
     x, w = rand(64, 32), rand(32, 16)
     prog = planner.analyze(matmul, x, w)
     f = planner.lower(prog, prog.schedule({"dot_general_0": grid}, mesh), mesh)
-    np.testing.assert_allclose(f(x, w), matmul(x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f(x, w), matmul(x, w), rtol=1e-4, atol=1e-4)
     assert collectives(f, x, w) == expected
     below_replicated(f, matmul, x, w)
     kinds = [e["kind"] for row in f.explain_json() for e in row["collectives"]]
@@ -217,11 +217,11 @@ def test_prime_factors_of_mesh_axes_as_schedule_axes():
     sched = prog.schedule({"dot_general_0": {"m": "a#0", "n": ("a#1", "b")}}, mesh)
     assert sched.grid(prog.ops[0]) == "m:a#0 n:a#1xb k:-"
     f = planner.lower(prog, sched, mesh)
-    np.testing.assert_allclose(f(x, w), matmul(x, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f(x, w), matmul(x, w), rtol=1e-4, atol=1e-4)
     whole = prog.schedule({"dot_general_0": {"k": "a"}}, mesh)  # whole axis = both factors
     assert whole.grid(prog.ops[0]) == "m:- n:- k:a#0xa#1"
     np.testing.assert_allclose(
-        planner.lower(prog, whole, mesh)(x, w), matmul(x, w), rtol=1e-5, atol=1e-5
+        planner.lower(prog, whole, mesh)(x, w), matmul(x, w), rtol=1e-4, atol=1e-4
     )
     with pytest.raises(ValueError, match=r"unknown mesh axis 'a#2'.*prime factors"):
         prog.schedule({"dot_general_0": {"m": "a#2"}}, mesh)
