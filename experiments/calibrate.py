@@ -3,7 +3,8 @@
 Usage:
     python -m experiments.calibrate --out=planner/calibrations/cpu.json [--devices=8]
 
-Measures dense matmul throughput, local copy bandwidth, and for every collective kind over all
+Measures per-device dense matmul throughput and local copy bandwidth with all devices working at
+once (simulated CPU devices share the host's cores), and for every collective kind over all
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
 ``planner.costmodel``).
 """
@@ -34,15 +35,21 @@ def measure(repeats: int):
     def seconds(f, *args):
         return interleaved_times([lambda: f(*args)], repeats, 2)[0]["median"]
 
-    a = jnp.ones((1024, 1024), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
-    flops = 2 * 1024**3 / seconds(mm, a)
-    big = jnp.ones((16 * 2**20,), jnp.float32)
-    copy = jax.jit(lambda x: x * 1.5)
-    copy_bw = 2 * big.nbytes / seconds(copy, big)
-
+    # Per-device rates with every device busy at once (devices may share the host's cores).
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,))
+
+    def on_all(body, x):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                     check_vma=False)), x  # fmt: skip
+
+    a = jax.device_put(np.ones((n * 512, 512), np.float32), NamedSharding(mesh, P("d")))
+    mm, a = on_all(lambda t: t @ jnp.ones((512, 512), t.dtype), a)
+    flops = 2 * 512**3 / seconds(mm, a)
+    big = jax.device_put(np.ones((n * 2**21,), np.float32), NamedSharding(mesh, P("d")))
+    copy, big = on_all(lambda t: t * 1.5, big)
+    copy_bw = 2 * (big.nbytes // n) / seconds(copy, big)
+
     perm = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
         "all-gather": (lambda t: lax.all_gather(t, "d", tiled=True), lambda b: b * n),

@@ -29,6 +29,17 @@ _SHAPE = re.compile(r"(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 REMAT_WARNING = "Involuntary full rematerialization"
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"a:2,b:2"`` -> ``{"a": 2, "b": 2}``."""
+    out = {}
+    for part in text.split(","):
+        name, _, size = part.strip().partition(":")
+        if not name or not size.isdigit():
+            raise ValueError(f"mesh must look like 'a:2,b:2,c:2', got {text!r}")
+        out[name] = int(size)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     kind: str

@@ -23,20 +23,6 @@ import zlib
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Benchmark config file.")
-_WORKDIR = flags.DEFINE_string("workdir", "workdir/random_benchmark", "Where outputs go.")
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """``"a:2,b:2"`` -> ``{"a": 2, "b": 2}``."""
-    out = {}
-    for part in text.split(","):
-        name, _, size = part.strip().partition(":")
-        if not name or not size.isdigit():
-            raise ValueError(f"mesh must look like 'a:2,b:2,c:2', got {text!r}")
-        out[name] = int(size)
-    return out
-
 
 def problems_of(config):
     """The problems a config asks for: named ones (scaled), or random ones of the paper's recipe."""
@@ -48,6 +34,8 @@ def problems_of(config):
             p = problems.by_name(name.strip())
             out.append(p._replace(shape=_scaled(p, config.scale)))
         return out
+    from experiments.measure import parse_mesh
+
     mesh = parse_mesh(config.mesh)
     rng = random.Random(config.seed)
     itemsize = _itemsize(config.dtype)
@@ -211,9 +199,12 @@ def run(config, workdir: str) -> dict:
 
 def main(argv):
     del argv
-    summary = run(_CONFIG.value, _WORKDIR.value)
+    summary = run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
+    # Flags are defined here, not at import, so that several runners can be imported together.
+    config_flags.DEFINE_config_file("config", "configs/default.py", "Benchmark config file.")
+    flags.DEFINE_string("workdir", "workdir/random_benchmark", "Where outputs go.")
     app.run(main)

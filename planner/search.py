@@ -6,9 +6,10 @@ factor, every anchor picks a loop to split by it, or none. The objective is the 
 predicted time (ties: peak memory), and plans over ``memory_limit_bytes`` are refused.
 
 When the joint space (all factors at once) has at most ``exhaustive_limit`` assignments it is
-searched exhaustively, which is optimal under the simulator. Otherwise factors are taken one at a
-time; for each, all combinations of the anchors' choices are tried when few, else coordinate
-descent over anchors (deterministic: anchors in program order, options in loop order).
+searched exhaustively, which is optimal under the simulator. Otherwise two greedy passes run and
+the better wins: the whole mesh as one group of factors, then one prime factor at a time (Tofu's
+recursion); at each step all combinations of the anchors' choices are tried when few, else
+coordinate descent over anchors (deterministic: anchors in program order, options in loop order).
 
 Example:
     >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
@@ -69,11 +70,11 @@ class _Evaluator:
         return self.cache[key]
 
 
-def _with(assign: Assignment, choices, ops, factor: str) -> Assignment:
+def _with(assign: Assignment, choices, ops, factors: tuple[str, ...]) -> Assignment:
     out = {k: dict(v) for k, v in assign.items()}
     for op, loop in zip(ops, choices):
         if loop is not None:
-            out[op.name][loop] = out[op.name].get(loop, ()) + (factor,)
+            out[op.name][loop] = out[op.name].get(loop, ()) + tuple(factors)
     return out
 
 
@@ -104,33 +105,42 @@ def search(
                 n *= len(_options(o, {}, sizes[f], sizes))
         return n
 
+    names = shape.factor_names
     if joint_space() <= exhaustive_limit:
         best = None
         per_factor = [
-            list(itertools.product(*(_options(o, {}, sizes[f], sizes) for o in ops)))
-            for f in shape.factor_names
+            list(itertools.product(*(_options(o, {}, sizes[f], sizes) for o in ops))) for f in names
         ]
         for combo in itertools.product(*per_factor):
             assign = empty
-            for f, choices in zip(shape.factor_names, combo):
-                assign = _with(assign, choices, ops, f)
+            for f, choices in zip(names, combo):
+                assign = _with(assign, choices, ops, (f,))
             score = evaluate(assign)
             if best is None or score[:2] < best[0][:2]:
                 best = (score, assign)
         return _result(best[0], evaluate, memory_limit_bytes)
-    assign = empty
-    for f in shape.factor_names:
-        opts = [_options(o, assign[o.name], sizes[f], sizes) for o in ops]
+    # Two greedy passes, the better wins: the whole mesh as one group (each anchor gives all
+    # factors to one loop), then Tofu's one prime factor at a time.
+    results = [
+        _greedy(empty, [tuple(names)], ops, sizes, evaluate, exhaustive_limit),
+        _greedy(empty, [(f,) for f in names], ops, sizes, evaluate, exhaustive_limit),
+    ]
+    return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
+
+
+def _greedy(assign, groups, ops, sizes, evaluate, exhaustive_limit):
+    for group in groups:
+        size = math.prod(sizes[f] for f in group)
+        opts = [_options(o, assign[o.name], size, sizes) for o in ops]
         if math.prod(len(x) for x in opts) <= exhaustive_limit:
-            candidates = [_with(assign, c, ops, f) for c in itertools.product(*opts)]
+            candidates = [_with(assign, c, ops, group) for c in itertools.product(*opts)]
             assign = min(candidates, key=lambda a: evaluate(a)[:2])
-            continue
-        choices = _descend(assign, opts, ops, f, evaluate)
-        assign = _with(assign, choices, ops, f)
-    return _result(evaluate(assign), evaluate, memory_limit_bytes)
+        else:
+            assign = _with(assign, _descend(assign, opts, ops, group, evaluate), ops, group)
+    return evaluate(assign)
 
 
-def _descend(assign: Assignment, opts, ops, factor: str, evaluate) -> list[str | None]:
+def _descend(assign: Assignment, opts, ops, factor: tuple[str, ...], evaluate) -> list[str | None]:
     """Coordinate descent over the anchors' choices for one factor."""
     choices: list[str | None] = [None] * len(ops)
 

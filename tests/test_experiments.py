@@ -49,3 +49,17 @@ def test_hlo_collective_parser():
         ("all-gather", 64),
         ("collective-permute", 128),
     ]
+
+
+def test_planner_benchmark_smoke(tmp_path):
+    from configs import planner_smoke
+    from experiments import planner_benchmark
+
+    summary = planner_benchmark.run(planner_smoke.get_config(), str(tmp_path))
+    assert summary["pairs"] == 6
+    assert set(summary["workloads"]) == {"mm", "mlp"}
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+    assert [r["strategy"] for r in rows[:3]] == ["replicated", "data", "auto"]
+    assert planner_benchmark.spearman([1, 2, 3], [10, 30, 20]) == 0.5
+    assert "| mm | auto |" in (tmp_path / "report.md").read_text()

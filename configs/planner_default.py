@@ -1,0 +1,23 @@
+"""Planner benchmark: workloads x strategies on 8 simulated CPU devices (a few minutes)."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.mesh = "a:2,b:2,c:2"
+    # name=kind:sizes, ';'-separated. Kinds: mlp = L-layer MLP training step (batch x hidden x
+    # layers); matmul = tanh(x @ w) (m x k x n); attention = heads-splittable attention
+    # (batch x seq x heads x head_dim).
+    c.workloads = (
+        "mlp_big_batch=mlp:1024x64x2;mlp_big_hidden=mlp:32x512x2;"
+        "matmul_tall=matmul:8192x256x64;matmul_wide=matmul:64x256x8192;"
+        "attention=attention:4x64x8x16"
+    )
+    c.strategies = "replicated,data,megatron,data_x_model,auto"
+    c.warmup = 2
+    c.repeats = 7
+    c.min_time_s = 0.3
+    c.seed = 0
+    c.figures = True
+    return c

@@ -1,0 +1,14 @@
+"""Two tiny workloads and three strategies: what the tests run."""
+
+from configs import planner_default
+
+
+def get_config():
+    c = planner_default.get_config()
+    c.workloads = "mm=matmul:64x32x16;mlp=mlp:16x16x2"
+    c.strategies = "replicated,data,auto"
+    c.warmup = 1
+    c.repeats = 2
+    c.min_time_s = 0.0
+    c.figures = False
+    return c

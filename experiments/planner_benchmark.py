@@ -1,0 +1,249 @@
+"""Planner benchmark: the automatic plan against hand-written strategies, measured and predicted.
+
+Usage:
+    python -m experiments.planner_benchmark --config=configs/planner_default.py --workdir=workdir/planner
+
+For every workload x strategy (all lowered the same way): measured time (interleaved repetitions),
+per-device memory of the compiled program (arguments + outputs + temporaries), collective bytes from
+the HLO, the simulator's predicted time / bytes / peak memory, and the search time for ``auto``.
+Writes ``results.jsonl``, ``summary.json`` (Spearman rank correlation of predicted and measured
+times; per workload the auto plan's time over the best baseline's), ``report.md`` and figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+
+def workload(kind: str, sizes: list[int], rng):
+    """``(fn, args)`` of a workload."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def r(*s):
+        return (rng.standard_normal(s) / math.sqrt(s[0])).astype(np.float32)
+
+    if kind == "mlp":
+        batch, hidden, layers = sizes
+        params = [r(hidden, hidden) for _ in range(layers)]
+
+        def loss(ps, x, y):
+            for w in ps[:-1]:
+                x = jax.nn.relu(x @ w)
+            return jnp.mean((x @ ps[-1] - y) ** 2)
+
+        def step(ps, x, y):
+            g = jax.grad(loss)(ps, x, y)
+            return [p - 0.1 * gp for p, gp in zip(ps, g)]
+
+        return step, (params, r(batch, hidden), r(batch, hidden))
+    if kind == "matmul":
+        m, k, n = sizes
+        return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))
+    if kind == "attention":
+        b, s, h, e = sizes
+        d = h * e
+
+        def attention(x, wq, wk, wv, wo):
+            q = jnp.einsum("bsd,dhe->bshe", x, wq)
+            k_ = jnp.einsum("bsd,dhe->bshe", x, wk)
+            v = jnp.einsum("bsd,dhe->bshe", x, wv)
+            p = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k_) / math.sqrt(e), axis=-1)
+            return jnp.einsum("bqhe,hed->bqd", jnp.einsum("bhqk,bkhe->bqhe", p, v), wo)
+
+        return attention, (r(b, s, d), r(d, h, e), r(d, h, e), r(d, h, e), r(h, e, d))
+    raise ValueError(f"unknown workload kind {kind!r}; expected mlp, matmul or attention")
+
+
+def parse_workload(text: str) -> tuple[str, str, list[int]]:
+    """``"name=kind:4x64x2"`` -> ``("name", "kind", [4, 64, 2])``."""
+    name, _, rest = text.strip().partition("=")
+    kind, _, sizes = rest.partition(":")
+    if not name or not kind or not sizes:
+        raise ValueError(f"a workload looks like 'mlp_big=mlp:1024x64x2', got {text!r}")
+    return name, kind, [int(n) for n in sizes.split("x")]
+
+
+def schedule_for(strategy: str, prog, mesh, axes):
+    from planner import baselines
+    from planner.search import search
+
+    if strategy == "auto":
+        start = time.perf_counter()
+        sched, _ = search(prog, mesh)
+        return sched, time.perf_counter() - start
+    assign = {
+        "replicated": lambda: {},
+        "data": lambda: baselines.data_parallel(prog, axes),
+        "megatron": lambda: baselines.megatron(prog, axes),
+        "data_x_model": lambda: baselines.data_and_model(prog, axes[:1], axes[1:]),
+    }[strategy]()
+    default = "replicate" if strategy == "replicated" else "propagate"
+    return prog.schedule(assign, mesh, default=default), 0.0
+
+
+def spearman(a, b) -> float:
+    import numpy as np
+
+    ra = np.argsort(np.argsort(a)).astype(float)
+    rb = np.argsort(np.argsort(b)).astype(float)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def run(config, workdir: str) -> dict:
+    """Run every workload x strategy; write outputs under ``workdir``; return the summary."""
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    import planner
+    from experiments.measure import hlo_collectives, interleaved_times, parse_mesh
+
+    axes_sizes = parse_mesh(config.mesh)
+    axes = tuple(axes_sizes)
+    mesh = jax.make_mesh(tuple(axes_sizes.values()), axes, axis_types=(AxisType.Auto,) * len(axes))
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    rng = np.random.default_rng(config.seed)
+    results = []
+    entries = [parse_workload(w) for w in config.workloads.split(";") if w.strip()]
+    strategies = config.strategies.split(",")
+    for name, kind, sizes in entries:
+        fn, args = workload(kind, sizes, rng)
+        prog = planner.analyze(fn, *args)
+        rows, runs = [], []
+        for strategy in strategies:
+            try:
+                sched, search_s = schedule_for(strategy, prog, mesh, axes)
+            except ValueError as e:
+                print(f"{name}/{strategy}: not applicable ({e})")
+                continue
+            pred = planner.simulate(prog, sched)
+            lowered = planner.lower(prog, sched, mesh)
+            compiled = lowered.lower(*args).compile()
+            mem = compiled.memory_analysis()
+            colls = hlo_collectives(compiled.as_text())
+            flat = jax.tree.leaves(args)
+            rows.append({
+                "workload": name, "strategy": strategy, "search_s": search_s,
+                "predicted_s": pred.time_s, "predicted_comm_bytes": pred.comm_bytes,
+                "predicted_peak_bytes": pred.peak_bytes,
+                "device_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
+                + mem.temp_size_in_bytes - mem.alias_size_in_bytes,
+                "temp_bytes": mem.temp_size_in_bytes,
+                "collectives": [[c.kind, c.bytes] for c in colls],
+                "collective_bytes": sum(c.bytes for c in colls),
+            })  # fmt: skip
+            runs.append(lambda c=compiled, a=flat: c(*a))
+            print(f"{name}/{strategy}: {pred}", flush=True)
+        times = interleaved_times(runs, config.repeats, config.warmup, config.min_time_s)
+        for row, t in zip(rows, times):
+            row["measured_s"] = t["median"]
+            row["measured_min_s"] = t["min"]
+        results += rows
+    with open(os.path.join(workdir, "results.jsonl"), "w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    summary = summarize(results)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(report(results, summary))
+    if config.figures:
+        figures(results, workdir)
+    return summary
+
+
+def summarize(results: list[dict]) -> dict:
+    per = {}
+    for w in dict.fromkeys(r["workload"] for r in results):
+        rows = [r for r in results if r["workload"] == w]
+        auto = [r for r in rows if r["strategy"] == "auto"]
+        base = [r for r in rows if r["strategy"] != "auto"]
+        best = min(base, key=lambda r: r["measured_s"]) if base else None
+        per[w] = {
+            "best_baseline": best["strategy"] if best else None,
+            "auto_over_best_baseline": auto[0]["measured_s"] / best["measured_s"] if auto and best else None,
+            "predicted_best": min(rows, key=lambda r: r["predicted_s"])["strategy"],
+            "measured_best": min(rows, key=lambda r: r["measured_s"])["strategy"],
+        }  # fmt: skip
+    return {
+        "pairs": len(results),
+        "spearman_predicted_vs_measured": spearman(
+            [r["predicted_s"] for r in results], [r["measured_s"] for r in results]
+        ),
+        "workloads": per,
+        "search_s_max": max((r["search_s"] for r in results), default=0.0),
+    }
+
+
+def report(results: list[dict], summary: dict) -> str:
+    lines = ["# Planner benchmark", "", "```", json.dumps(summary, indent=2), "```", "",
+             "| workload | strategy | measured ms | predicted ms | device MiB | predicted peak MiB "
+             "| collective MiB | search s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        lines.append(
+            f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.3f} | "
+            f"{r['predicted_s'] * 1e3:.3f} | {r['device_bytes'] / 2**20:.2f} | "
+            f"{r['predicted_peak_bytes'] / 2**20:.2f} | {r['collective_bytes'] / 2**20:.2f} | "
+            f"{r['search_s']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def figures(results: list[dict], workdir: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figures")
+        return
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.loglog(
+        [r["predicted_s"] * 1e3 for r in results], [r["measured_s"] * 1e3 for r in results], "o"
+    )
+    ax.set(xlabel="predicted ms", ylabel="measured ms", title="Simulator vs measurement")
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "predicted_vs_measured.png"), dpi=120)
+    plt.close(fig)
+    work = list(dict.fromkeys(r["workload"] for r in results))
+    strat = list(dict.fromkeys(r["strategy"] for r in results))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(strat)
+    for k, s in enumerate(strat):
+        vals = [next((r["measured_s"] * 1e3 for r in results
+                      if r["workload"] == w and r["strategy"] == s), 0) for w in work]  # fmt: skip
+        ax.bar([i + k * width for i in range(len(work))], vals, width, label=s)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(work))], work, rotation=20)
+    ax.set(ylabel="measured ms", yscale="log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(workdir, "workloads.png"), dpi=120)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    print(json.dumps(run(flags.FLAGS.config, flags.FLAGS.workdir), indent=2))
+
+
+if __name__ == "__main__":
+    # Flags are defined here, not at import, so that several runners can be imported together.
+    config_flags.DEFINE_config_file("config", "configs/planner_default.py", "Config file.")
+    flags.DEFINE_string("workdir", "workdir/planner_benchmark", "Where outputs go.")
+    app.run(main)
