@@ -167,10 +167,10 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
 
 def _propagate(prog: Program, mesh, result: dict, fixed: set[str]) -> None:
     layout: dict[str, Spec] = {}  # value name -> produced layout
-    producer = {}
+    consumers: dict[str, list[tuple[Op, Access]]] = {}
     for o in prog.ops:
-        for acc in o.results:
-            producer[acc.value.name] = o
+        for acc in o.operands:
+            consumers.setdefault(acc.value.name, []).append((o, acc))
     sched = Schedule(prog, mesh, result)
     # Forward: an op follows the layouts of its operands.
     for o in prog.ops:
@@ -191,12 +191,11 @@ def _propagate(prog: Program, mesh, result: dict, fixed: set[str]) -> None:
         if o.name in fixed or result.get(o.name):
             continue
         wanted = {}
-        for c in prog.ops:
-            for acc in c.operands:
-                if any(acc.value == r.value for r in o.results) and result.get(c.name):
-                    spec = sched.spec(c, acc)
-                    res = next(r for r in o.results if r.value == acc.value)
-                    for d, axes in zip(res.dims, spec):
-                        if d and axes and d[0] not in wanted:
-                            wanted[d[0]] = axes
+        for res in o.results:
+            for c, acc in consumers.get(res.value.name, ()):
+                if not result.get(c.name):
+                    continue
+                for d, axes in zip(res.dims, sched.spec(c, acc)):
+                    if d and axes and d[0] not in wanted:
+                        wanted[d[0]] = axes
         result[o.name] = _try(o, mesh, wanted)
