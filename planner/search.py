@@ -1,7 +1,7 @@
 """Automatic search over how the mesh's prime factors split the loops of the heavy ops.
 
-Anchors are the dense ops (``dot_general``, convolutions); every other op follows by
-propagation. As in Tofu, the mesh is taken one prime factor at a time (major first): for each
+Anchors are the dense ops (``dot_general``, convolutions), coarsened so that the products of one
+layer (forward and backward) are chosen together; every other op follows by propagation. As in Tofu, the mesh is taken one prime factor at a time (major first): for each
 factor, every anchor picks a loop to split by it, or none. The objective is the simulator's
 predicted time (ties: peak memory), and plans over ``memory_limit_bytes`` are refused.
 
@@ -21,6 +21,8 @@ import itertools
 import math
 from collections.abc import Mapping
 
+import networkx as nx
+
 from planner.costmodel import Calibration
 from planner.ir import Op, Program
 from planner.schedule import Schedule, make_schedule
@@ -32,10 +34,27 @@ Assignment = dict[str, dict[str, tuple[str, ...]]]
 
 
 def anchors(prog: Program) -> list[Op]:
+    """The ops the search chooses for: one per group of dense ops (coarsening).
+
+    Dense ops that read a common value (a layer's forward product and the gradient products that
+    reuse its weight or its input activation) form one group, found as connected components with
+    ``networkx``; the group's first op in program order is its anchor and the others follow by
+    propagation, so a layer's forward and backward products are chosen together.
+    """
     dense = [o for o in prog.ops if o.primitive in DENSE]
-    if dense:
-        return dense
-    return [o for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
+    if not dense:
+        return [o for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
+    graph = nx.Graph()
+    graph.add_nodes_from(o.name for o in dense)
+    readers: dict[str, list[str]] = {}
+    for o in dense:
+        for acc in o.operands:
+            readers.setdefault(acc.value.name, []).append(o.name)
+    for names in readers.values():
+        graph.add_edges_from(zip(names, names[1:]))
+    order = {o.name: k for k, o in enumerate(prog.ops)}
+    leaders = {min(group, key=order.__getitem__) for group in nx.connected_components(graph)}
+    return [o for o in dense if o.name in leaders]
 
 
 def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes) -> list[str | None]:
