@@ -8,8 +8,8 @@ predicted time (ties: peak memory), and plans over ``memory_limit_bytes`` are re
 When the joint space (all factors at once) has at most ``exhaustive_limit`` assignments it is
 searched exhaustively, which is optimal under the simulator. Otherwise two greedy passes run and
 the better wins: the whole mesh as one group of factors, then one prime factor at a time (Tofu's
-recursion); at each step all combinations of the anchors' choices are tried when few, else
-coordinate descent over anchors (deterministic: anchors in program order, options in loop order).
+recursion); at each step all combinations of the anchors' choices are tried when at most
+``step_limit``, else coordinate descent over anchors (deterministic: anchors in program order, options in loop order).
 
 Example:
     >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
@@ -103,6 +103,7 @@ def search(
     calibration: Calibration | None = None,
     memory_limit_bytes: int | None = None,
     exhaustive_limit: int = 4096,
+    step_limit: int = 64,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
@@ -141,17 +142,17 @@ def search(
     # Two greedy passes, the better wins: the whole mesh as one group (each anchor gives all
     # factors to one loop), then Tofu's one prime factor at a time.
     results = [
-        _greedy(empty, [tuple(names)], ops, sizes, evaluate, exhaustive_limit),
-        _greedy(empty, [(f,) for f in names], ops, sizes, evaluate, exhaustive_limit),
+        _greedy(empty, [tuple(names)], ops, sizes, evaluate, step_limit),
+        _greedy(empty, [(f,) for f in names], ops, sizes, evaluate, step_limit),
     ]
     return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
 
 
-def _greedy(assign, groups, ops, sizes, evaluate, exhaustive_limit):
+def _greedy(assign, groups, ops, sizes, evaluate, step_limit):
     for group in groups:
         size = math.prod(sizes[f] for f in group)
         opts = [_options(o, assign[o.name], size, sizes) for o in ops]
-        if math.prod(len(x) for x in opts) <= exhaustive_limit:
+        if math.prod(len(x) for x in opts) <= step_limit:
             candidates = [_with(assign, c, ops, group) for c in itertools.product(*opts)]
             assign = min(candidates, key=lambda a: evaluate(a)[:2])
         else:
