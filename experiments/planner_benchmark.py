@@ -80,6 +80,9 @@ def schedule_for(strategy: str, prog, mesh, axes):
         start = time.perf_counter()
         sched, _ = search(prog, mesh)
         return sched, time.perf_counter() - start
+    if strategy == "fsdp":
+        stored = baselines.fsdp_stored(prog, axes, dict(mesh.shape))
+        return prog.schedule(baselines.data_parallel(prog, axes), mesh, stored=stored), 0.0
     assign = {
         "replicated": lambda: {},
         "data": lambda: baselines.data_parallel(prog, axes),

@@ -6,6 +6,7 @@
 | megatron        | dense ops whose weight is a program input, alternately by output columns |
 |                 | (``n``) and by the contraction (``k``, then an all-reduce)                |
 | data_and_model  | both: batch over ``data_axes``, Megatron over ``model_axes``              |
+| fsdp_stored     | with data_parallel: weights stored split on their first dim (ZeRO-3)      |
 
 Everything else follows by propagation.
 
@@ -71,6 +72,20 @@ def megatron(prog: Program, axes: Sequence[str]) -> dict:
         out[op.name] = {loop: tuple(axes)}
     if not out:
         raise ValueError("megatron needs products with a program input (a weight) as right operand")
+    return out
+
+
+def fsdp_stored(prog: Program, axes: Sequence[str], mesh_sizes: dict[str, int]) -> dict:
+    """FSDP / ZeRO-3: the layers' weights stored split along their first dimension over ``axes``
+    (gathered before use by the data flow); use with :func:`data_parallel`."""
+    parts = 1
+    for a in axes:
+        parts *= mesh_sizes[a]
+    out = {}
+    for op in _weight_ops(prog):
+        w = op.operands[1].value
+        if w.shape[0] % parts == 0:
+            out[w.name] = (tuple(axes),) + ((),) * (len(w.shape) - 1)
     return out
 
 

@@ -44,7 +44,9 @@ class OpStep:
 
 
 def input_spec(prog: Program, sched: Schedule, v: Value) -> Spec:
-    """An input's layout: what its first consumer requires (replicated if none)."""
+    """An input's layout: its stored one if given, else what its first consumer requires."""
+    if v.name in sched.stored:
+        return sched.stored[v.name]
     for op in prog.ops:
         for acc in op.operands:
             if acc.value == v:

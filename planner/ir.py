@@ -103,11 +103,11 @@ class Program:
     jaxpr: object = dataclasses.field(default=None, compare=False, repr=False)
     consts: tuple = dataclasses.field(default=(), compare=False, repr=False)  # (Value, array)
 
-    def schedule(self, assign, mesh, default: str = "propagate"):
+    def schedule(self, assign, mesh, default: str = "propagate", stored=None):
         """A :class:`planner.schedule.Schedule`: see :func:`planner.schedule.make_schedule`."""
         from planner.schedule import make_schedule
 
-        return make_schedule(self, assign, dict(getattr(mesh, "shape", mesh)), default)
+        return make_schedule(self, assign, dict(getattr(mesh, "shape", mesh)), default, stored)
 
     def op(self, name: str) -> Op:
         for o in self.ops:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from planner.ir import Access, Op, Program
 from redist.types import MeshShape
@@ -39,6 +39,9 @@ class Schedule:
     program: Program
     mesh: dict[str, int]
     assign: dict[str, dict[str, Axes]]
+    stored: dict[str, Spec] = dataclasses.field(
+        default_factory=dict
+    )  # input name -> at-rest layout
 
     def axes_of(self, op: Op, loop: str) -> Axes:
         return self.assign.get(op.name, {}).get(loop, ())
@@ -122,12 +125,18 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping) -> dict:
 
 
 def make_schedule(
-    prog: Program, assign: Mapping[str, Mapping], mesh: Mapping[str, int], default="propagate"
+    prog: Program,
+    assign: Mapping[str, Mapping],
+    mesh: Mapping[str, int],
+    default="propagate",
+    stored: Mapping[str, Sequence] | None = None,
 ) -> Schedule:
     """Validate the named ops' assignments and complete the others (``default``).
 
     ``default="propagate"`` fills unnamed ops from their neighbours; ``"replicate"`` leaves them
-    unpartitioned.
+    unpartitioned. ``stored`` gives inputs an at-rest layout (input name -> axes per dimension,
+    e.g. FSDP's sharded parameters); such inputs are moved to what their consumers need, and
+    propagation starts from it. Other inputs are stored as their first consumer needs them.
     """
     shape = MeshShape.of(mesh)
     mesh = shape.factor_size
@@ -140,10 +149,34 @@ def make_schedule(
     fixed = {
         o.name: check_assignment(shape, o, assign[o.name]) for o in prog.ops if o.name in assign
     }
+    at_rest = _stored_specs(prog, shape, stored or {})
     result = dict(fixed)
     if default == "propagate":
-        _propagate(prog, mesh, result, set(fixed))
-    return Schedule(prog, mesh, result)
+        _propagate(prog, mesh, result, set(fixed), at_rest)
+    return Schedule(prog, mesh, result, at_rest)
+
+
+def _stored_specs(prog: Program, shape: MeshShape, stored: Mapping) -> dict[str, Spec]:
+    inputs = {v.name: v for v in prog.inputs}
+    out = {}
+    for name, spec in stored.items():
+        if name not in inputs:
+            raise ValueError(f"stored names unknown input {name!r}; inputs are {sorted(inputs)}")
+        v = inputs[name]
+        if len(spec) != len(v.shape):
+            raise ValueError(
+                f"stored layout of {name!r} has {len(spec)} entries for rank {len(v.shape)}"
+            )
+        dims = tuple(factor_axes(shape, _axes(a), f"input {name!r}") for a in spec)
+        for d, (n, axes) in enumerate(zip(v.shape, dims)):
+            parts = math.prod(shape.factor_size[a] for a in axes)
+            if n % parts:
+                raise ValueError(
+                    f"input {name!r}, dimension {d} of size {n} is not divisible by the {parts} "
+                    f"parts of {axes}"
+                )
+        out[name] = dims
+    return out
 
 
 def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
@@ -165,8 +198,8 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
     return out
 
 
-def _propagate(prog: Program, mesh, result: dict, fixed: set[str]) -> None:
-    layout: dict[str, Spec] = {}  # value name -> produced layout
+def _propagate(prog: Program, mesh, result: dict, fixed: set[str], at_rest) -> None:
+    layout: dict[str, Spec] = dict(at_rest)  # value name -> produced (or stored) layout
     consumers: dict[str, list[tuple[Op, Access]]] = {}
     for o in prog.ops:
         for acc in o.operands:

@@ -24,7 +24,7 @@ import numpy as np
 
 import redist
 from planner.costmodel import Calibration, wire_bytes
-from planner.dataflow import dataflow
+from planner.dataflow import dataflow, input_spec
 from planner.ir import Program
 from planner.schedule import Schedule, Spec
 
@@ -92,11 +92,7 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
     keep = {v.name for v in prog.inputs} | {v.name for v in prog.outputs}
     live: dict[str, int] = {}
     for v in prog.inputs:
-        acc_spec = next(
-            (sched.spec(st.op, a) for st in steps for a in st.op.operands if a.value == v),
-            ((),) * len(v.shape),
-        )
-        live[v.name] = _bytes(v.shape, acc_spec, sizes, v.dtype)
+        live[v.name] = _bytes(v.shape, input_spec(prog, sched, v), sizes, v.dtype)
     for v, _ in prog.consts:
         live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     costs = []

@@ -281,3 +281,24 @@ def test_baseline_strategies_as_schedules(mesh, strategy):
         assert inserted == [(prog.ops[8].name, "psum"), (d[2], "psum"), (d[4], "psum")]
     if strategy == "megatron":  # one all-reduce after the row-parallel layer
         assert inserted == [(d[1], "psum")]
+
+
+def test_fsdp_weights_stored_sharded_and_gathered_before_use(mesh):
+    from planner import baselines
+
+    params, x, y = (rand(16, 32), rand(32, 8)), rand(64, 16), rand(64, 8)
+    prog = planner.analyze(sgd_step, params, x, y)
+    stored = baselines.fsdp_stored(prog, ALL, dict(mesh.shape))
+    w1, w2 = prog.inputs[0].name, prog.inputs[1].name
+    assert stored == {w1: (ALL, ()), w2: (ALL, ())}
+    sched = prog.schedule(baselines.data_parallel(prog, ALL), mesh, stored=stored)
+    f = planner.lower(prog, sched, mesh)
+    assert f.in_specs[:2] == ((ALL, ()), (ALL, ()))
+    for g, w in zip(f(params, x, y), sgd_step(params, x, y)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    gathered = [e.value for e in f.events if e.kind == "redistribute" and "allgather" in e.detail]
+    assert w1 in gathered and w2 in gathered  # each layer's weight is gathered before its use
+    dp = planner.lower(prog, prog.schedule(baselines.data_parallel(prog, ALL), mesh), mesh)
+    assert device_bytes(f, params, x, y) < device_bytes(dp, params, x, y)
+    with pytest.raises(ValueError, match="stored names unknown input 'nope'"):
+        prog.schedule({}, mesh, stored={"nope": ((),)})
