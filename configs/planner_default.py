@@ -14,7 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
         "matmul_tall=matmul:8192x256x64;matmul_wide=matmul:64x256x8192;"
         "attention=attention:4x64x8x16"
     )
-    c.strategies = "replicated,data,fsdp,megatron,data_x_model,auto"
+    c.strategies = "replicated,data,fsdp,megatron,data_x_model,xla_propagation,auto"
     c.warmup = 2
     c.repeats = 7
     c.min_time_s = 0.3

@@ -79,10 +79,16 @@ def schedule_for(strategy: str, prog, mesh, axes):
     if strategy == "auto":
         start = time.perf_counter()
         sched, _ = search(prog, mesh)
-        return sched, time.perf_counter() - start
+        return sched, time.perf_counter() - start, "explicit"
     if strategy == "fsdp":
         stored = baselines.fsdp_stored(prog, axes, dict(mesh.shape))
-        return prog.schedule(baselines.data_parallel(prog, axes), mesh, stored=stored), 0.0
+        return (
+            prog.schedule(baselines.data_parallel(prog, axes), mesh, stored=stored),
+            0.0,
+            "explicit",
+        )
+    if strategy == "xla_propagation":  # batch-split inputs only; XLA propagates the rest
+        return prog.schedule(baselines.data_parallel(prog, axes), mesh), 0.0, "xla-inputs"
     assign = {
         "replicated": lambda: {},
         "data": lambda: baselines.data_parallel(prog, axes),
@@ -90,7 +96,7 @@ def schedule_for(strategy: str, prog, mesh, axes):
         "data_x_model": lambda: baselines.data_and_model(prog, axes[:1], axes[1:]),
     }[strategy]()
     default = "replicate" if strategy == "replicated" else "propagate"
-    return prog.schedule(assign, mesh, default=default), 0.0
+    return prog.schedule(assign, mesh, default=default), 0.0, "explicit"
 
 
 def spearman(a, b) -> float:
@@ -130,12 +136,12 @@ def run(config, workdir: str) -> dict:
         rows, runs = [], []
         for strategy in strategies:
             try:
-                sched, search_s = schedule_for(strategy, prog, mesh, axes)
+                sched, search_s, backend = schedule_for(strategy, prog, mesh, axes)
             except ValueError as e:
                 print(f"{name}/{strategy}: not applicable ({e})")
                 continue
             pred = planner.simulate(prog, sched)
-            lowered = planner.lower(prog, sched, mesh)
+            lowered = planner.lower(prog, sched, mesh, backend=backend)
             compiled = lowered.lower(*args).compile()
             mem = compiled.memory_analysis()
             colls = hlo_collectives(compiled.as_text())

@@ -5,7 +5,8 @@ schedule derives; between a producer's layout and a consumer's required layout a
 ``redist`` plan moves the data; a partitioned reduction loop leaves partial sums, resolved right
 away with ``psum``, or ``psum_scatter`` when the first consumer wants that result split along the
 summed axes. Backend ``"xla"``: the original ops with ``with_sharding_constraint`` on every value
-(XLA inserts the collectives) - the baseline.
+(XLA inserts the collectives) - the baseline. Backend ``"xla-inputs"``: only the inputs are placed
+as the schedule says and XLA's sharding propagation decides the rest.
 
 Example:
     >>> f = planner.lower(prog, sched, mesh)        # doctest: +SKIP
@@ -30,6 +31,7 @@ from planner.ir import Op, Program
 from planner.schedule import Schedule, Spec
 
 SHAPE_PARAMS = ("shape", "new_sizes")
+BACKENDS = ("explicit", "xla", "xla-inputs")
 SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
@@ -54,8 +56,8 @@ class Lowered:
     """A scheduled program as a jitted function, with ``explain()`` and ``in_specs``."""
 
     def __init__(self, prog: Program, sched: Schedule, mesh, backend: str = "explicit"):
-        if backend not in ("explicit", "xla"):
-            raise ValueError(f"backend must be 'explicit' or 'xla', got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.prog, self.sched, self.backend = prog, sched, backend
         self.mesh = mesh = factored_mesh(mesh)
         self.sizes = dict(mesh.shape)
@@ -114,6 +116,9 @@ class Lowered:
         for op in self.prog.ops:
             outs = _bind(op, [env[a.value.name] for a in op.operands], None)
             for r, x in zip(op.results, outs):
+                if self.backend == "xla-inputs":  # only the inputs are placed; XLA propagates
+                    env[r.value.name] = x
+                    continue
                 spec = self.sched.spec(op, r)
                 env[r.value.name] = lax.with_sharding_constraint(
                     x, NamedSharding(self.mesh, _pspec(spec))

@@ -169,12 +169,15 @@ def test_conv_split_on_batch_and_output_features(mesh, grid):
     below_replicated(f, conv, x, w)
 
 
-def test_xla_baseline_backend_matches(mesh):
+@pytest.mark.parametrize("backend", ["xla", "xla-inputs"])
+def test_xla_baseline_backends_match(mesh, backend):
     args = (rand(2, 8, 16), rand(16, 8, 4), rand(16, 8, 4), rand(16, 8, 4), rand(8, 4, 16))
     prog = planner.analyze(attention, *args)
     sched = prog.schedule({d: {"n0": ALL} for d in dots(prog)[:3]}, mesh)
-    f = planner.lower(prog, sched, mesh, backend="xla")
+    f = planner.lower(prog, sched, mesh, backend=backend)
     np.testing.assert_allclose(f(*args), attention(*args), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        planner.lower(prog, sched, mesh, backend="gspmd")
 
 
 def test_explain_prints_grid_types_and_collectives(mesh):
