@@ -12,7 +12,6 @@ devices the time at a small and a large size, fitting latency + bytes / bandwidt
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import app, flags
 
@@ -77,8 +76,9 @@ def measure(repeats: int):
 
 def main(argv):
     del argv
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_DEVICES.value}"
+    from experiments.measure import force_host_devices
+
+    force_host_devices(_DEVICES.value)
     cal = measure(_REPEATS.value)
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
     cal.save(_OUT.value)

@@ -9,8 +9,6 @@ Problems that need more devices than available are planned (pure) but not run.
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 from absl import app, flags
 
@@ -25,9 +23,9 @@ def _shrink(shape, src_axes_sizes, scale):
 
 def main(argv):
     del argv
-    flag = f"--xla_force_host_platform_device_count={_DEVICES.value}"
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    from experiments.measure import force_host_devices
+
+    force_host_devices(_DEVICES.value)
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec

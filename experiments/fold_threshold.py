@@ -10,8 +10,6 @@ Usage:
 
 from __future__ import annotations
 
-import os
-import sys
 from functools import partial
 
 from absl import app, flags
@@ -33,8 +31,9 @@ FAMILIES = (
 
 def main(argv):
     del argv
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from experiments.measure import force_host_devices
+
+    force_host_devices(8)
     import jax
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec

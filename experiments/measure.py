@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,13 @@ _COLLECTIVES = ("all-to-all", "all-gather", "collective-permute", "all-reduce", 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)(?:-start)?\(")
 _SHAPE = re.compile(r"(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 REMAT_WARNING = "Involuntary full rematerialization"
+
+
+def force_host_devices(n: int) -> None:
+    """Ask for ``n`` simulated CPU devices; effective only before JAX is first imported."""
+    if "jax" not in sys.modules:
+        flag = f"--xla_force_host_platform_device_count={n}"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
 def parse_mesh(text: str) -> dict[str, int]:

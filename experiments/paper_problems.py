@@ -7,8 +7,6 @@ Usage:
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 from absl import app, flags
 
@@ -48,12 +46,11 @@ def describe(name: str) -> str:
 
 def main(argv):
     del argv
+    from experiments.measure import force_host_devices
     from redist.problems import by_name
 
     need = max(math.prod(by_name(n).mesh.values()) for n in _PROBLEMS.value)
-    if "jax" not in sys.modules:
-        flag = f"--xla_force_host_platform_device_count={need}"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    force_host_devices(need)
     for name in _PROBLEMS.value:
         print(describe(name))
 

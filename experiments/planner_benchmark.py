@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 from absl import app, flags
@@ -111,8 +110,9 @@ def spearman(a, b) -> float:
 
 def run(config, workdir: str) -> dict:
     """Run every workload x strategy; write outputs under ``workdir``; return the summary."""
-    if "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from experiments.measure import force_host_devices
+
+    force_host_devices(8)
     import jax
     import numpy as np
     from jax.sharding import AxisType

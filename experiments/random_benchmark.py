@@ -67,12 +67,6 @@ def _scaled(p, scale: float) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _ensure_devices(n: int) -> None:
-    if "jax" not in sys.modules:
-        flag = f"--xla_force_host_platform_device_count={n}"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-
-
 def measure_problem(p, config) -> dict:
     """Plan, compile, time and check ours and XLA's program for one problem."""
     import jax
@@ -165,9 +159,10 @@ def _progress(k: int, n: int, text: str) -> None:
 def run(config, workdir: str) -> dict:
     """Run the benchmark of ``config``; write outputs under ``workdir``; return the summary."""
     from experiments import report
+    from experiments.measure import force_host_devices
 
     problems = problems_of(config)
-    _ensure_devices(max(math.prod(p.mesh.values()) for p in problems))
+    force_host_devices(max(math.prod(p.mesh.values()) for p in problems))
     import jax
 
     need = max(math.prod(p.mesh.values()) for p in problems)

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import redist
 from planner.dataflow import OpStep, dataflow, input_spec
 from planner.ir import Op, Program
-from planner.schedule import Schedule, Spec
+from planner.schedule import Schedule, Spec, local_shape
 
 SHAPE_PARAMS = ("shape", "new_sizes")
 BACKENDS = ("explicit", "xla", "xla-inputs")
@@ -37,10 +37,6 @@ SHARDING_PARAMS = ("sharding", "out_sharding")
 
 def _pspec(spec: Spec) -> PartitionSpec:
     return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
-
-
-def _local(shape, spec: Spec, mesh) -> tuple[int, ...]:
-    return tuple(n // math.prod(mesh[a] for a in axes) for n, axes in zip(shape, spec))
 
 
 @dataclasses.dataclass
@@ -97,7 +93,8 @@ class Lowered:
             outs = _bind(op, args, None)
         else:
             local_out = [
-                _local(r.value.shape, s, self.sizes) for r, s in zip(op.results, step.out_specs)
+                local_shape(r.value.shape, s, self.sizes)
+                for r, s in zip(op.results, step.out_specs)
             ]
             outs = jax.shard_map(
                 lambda *xs: _bind(op, xs, local_out, step.pending, step.scatter),
@@ -173,7 +170,7 @@ def _events(steps, m: redist.MeshShape) -> list[Event]:
             out.append(Event(op.name, "redistribute", mv.value.name, detail, plan.cost_bytes))
         if step.pending:
             for k, r in enumerate(op.results):
-                size = math.prod(_local(r.value.shape, step.out_specs[k], m.factor_size))
+                size = math.prod(local_shape(r.value.shape, step.out_specs[k], m.factor_size))
                 kind = "psum_scatter" if step.scatter[k] is not None else "psum"
                 out.append(Event(op.name, kind, r.value.name, f"over {step.pending}",
                                  size * np.dtype(r.value.dtype).itemsize))  # fmt: skip

@@ -24,6 +24,11 @@ Axes = tuple[str, ...]
 Spec = tuple[Axes, ...]  # per array dimension, the mesh axes splitting it (major first)
 
 
+def local_shape(shape, spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Per-device shape of an array of ``shape`` laid out as ``spec`` over mesh factor ``sizes``."""
+    return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, spec))
+
+
 def _axes(value) -> Axes:
     if value is None:
         return ()

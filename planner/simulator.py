@@ -26,7 +26,7 @@ import redist
 from planner.costmodel import Calibration, wire_bytes
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program
-from planner.schedule import Schedule, Spec
+from planner.schedule import Schedule, Spec, local_shape
 
 DENSE = ("dot_general", "conv_general_dilated")
 
@@ -55,8 +55,7 @@ class Prediction:
 
 
 def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
-    local = [n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, spec)]
-    return math.prod(local) * np.dtype(dtype).itemsize
+    return math.prod(local_shape(shape, spec, sizes)) * np.dtype(dtype).itemsize
 
 
 def _plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
