@@ -5,7 +5,7 @@ from configs import planner_default
 
 def get_config():
     c = planner_default.get_config()
-    c.workloads = "mm=matmul:64x32x16;mlp=mlp:16x16x2"
+    c.workloads = "mm=matmul:64x32x16;mlp=mlp:16x16x2;tf=transformer:8x8x2x4x1"
     c.strategies = "replicated,data,auto"
     c.warmup = 1
     c.repeats = 2

@@ -13,62 +13,13 @@ times; per workload the auto plan's time over the best baseline's), ``report.md`
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 
 from absl import app, flags
 from ml_collections import config_flags
 
-
-def workload(kind: str, sizes: list[int], rng):
-    """``(fn, args)`` of a workload."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    def r(*s):
-        return (rng.standard_normal(s) / math.sqrt(s[0])).astype(np.float32)
-
-    if kind == "mlp":
-        batch, hidden, layers = sizes
-        params = [r(hidden, hidden) for _ in range(layers)]
-
-        def loss(ps, x, y):
-            for w in ps[:-1]:
-                x = jax.nn.relu(x @ w)
-            return jnp.mean((x @ ps[-1] - y) ** 2)
-
-        def step(ps, x, y):
-            g = jax.grad(loss)(ps, x, y)
-            return [p - 0.1 * gp for p, gp in zip(ps, g)]
-
-        return step, (params, r(batch, hidden), r(batch, hidden))
-    if kind == "matmul":
-        m, k, n = sizes
-        return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))
-    if kind == "attention":
-        b, s, h, e = sizes
-        d = h * e
-
-        def attention(x, wq, wk, wv, wo):
-            q = jnp.einsum("bsd,dhe->bshe", x, wq)
-            k_ = jnp.einsum("bsd,dhe->bshe", x, wk)
-            v = jnp.einsum("bsd,dhe->bshe", x, wv)
-            p = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k_) / math.sqrt(e), axis=-1)
-            return jnp.einsum("bqhe,hed->bqd", jnp.einsum("bhqk,bkhe->bqhe", p, v), wo)
-
-        return attention, (r(b, s, d), r(d, h, e), r(d, h, e), r(d, h, e), r(h, e, d))
-    raise ValueError(f"unknown workload kind {kind!r}; expected mlp, matmul or attention")
-
-
-def parse_workload(text: str) -> tuple[str, str, list[int]]:
-    """``"name=kind:4x64x2"`` -> ``("name", "kind", [4, 64, 2])``."""
-    name, _, rest = text.strip().partition("=")
-    kind, _, sizes = rest.partition(":")
-    if not name or not kind or not sizes:
-        raise ValueError(f"a workload looks like 'mlp_big=mlp:1024x64x2', got {text!r}")
-    return name, kind, [int(n) for n in sizes.split("x")]
+from experiments.workloads import parse_workload, workload
 
 
 def schedule_for(strategy: str, prog, mesh, axes):

@@ -90,8 +90,11 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
                 a, b = halves(combo)
             except Exception:  # noqa: BLE001 - this split is not a valid input
                 continue
-            if a.shape == b.shape and np.allclose(
-                np.concatenate([a, b], axis=od), whole, equal_nan=True
+            joined = np.concatenate([a, b], axis=od) if a.shape == b.shape else None
+            if (
+                joined is not None
+                and joined.shape == whole.shape
+                and np.allclose(joined, whole, equal_nan=True)
             ):
                 lp = Loop(f"i{od}", size)
                 loops.append(lp)

@@ -23,7 +23,9 @@ from collections.abc import Mapping
 
 import networkx as nx
 
+from planner.chain import ChainDP
 from planner.costmodel import Calibration
+from planner.dataflow import dataflow
 from planner.ir import Op, Program
 from planner.schedule import Schedule, make_schedule
 from planner.simulator import Prediction, simulate
@@ -33,17 +35,18 @@ DENSE = ("dot_general", "conv_general_dilated")
 Assignment = dict[str, dict[str, tuple[str, ...]]]
 
 
-def anchors(prog: Program) -> list[Op]:
-    """The ops the search chooses for: one per group of dense ops (coarsening).
+def groups(prog: Program) -> list[list[Op]]:
+    """Dense ops grouped by coarsening, each group in program order, groups by their first op.
 
     Dense ops that read a common value (a layer's forward product and the gradient products that
     reuse its weight or its input activation) form one group, found as connected components with
-    ``networkx``; the group's first op in program order is its anchor and the others follow by
-    propagation, so a layer's forward and backward products are chosen together.
+    ``networkx``; the group's first op is its anchor and the others follow by propagation, so a
+    layer's forward and backward products are chosen together. Without dense ops, the first op
+    with a partitionable loop is the only group.
     """
     dense = [o for o in prog.ops if o.primitive in DENSE]
     if not dense:
-        return [o for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
+        return [[o] for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
     graph = nx.Graph()
     graph.add_nodes_from(o.name for o in dense)
     readers: dict[str, list[str]] = {}
@@ -53,8 +56,15 @@ def anchors(prog: Program) -> list[Op]:
     for names in readers.values():
         graph.add_edges_from(zip(names, names[1:]))
     order = {o.name: k for k, o in enumerate(prog.ops)}
-    leaders = {min(group, key=order.__getitem__) for group in nx.connected_components(graph)}
-    return [o for o in dense if o.name in leaders]
+    by_name = {o.name: o for o in dense}
+    out = [sorted((by_name[n] for n in c), key=lambda o: order[o.name])
+           for c in nx.connected_components(graph)]  # fmt: skip
+    return sorted(out, key=lambda g: order[g[0].name])
+
+
+def anchors(prog: Program) -> list[Op]:
+    """The ops the search chooses for: the first op of each of :func:`groups`."""
+    return [g[0] for g in groups(prog)]
 
 
 def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes) -> list[str | None]:
@@ -72,11 +82,14 @@ class _Evaluator:
         self.cache: dict = {}
         self.best_peak = math.inf
 
-    def __call__(self, assign: Assignment) -> tuple[float, int, Schedule | None, Prediction | None]:
-        key = tuple(sorted((op, tuple(sorted(loops.items()))) for op, loops in assign.items()))
+    def __call__(
+        self, assign: Assignment, default: str = "propagate"
+    ) -> tuple[float, int, Schedule | None, Prediction | None]:
+        key = (default, tuple(sorted((op, tuple(sorted(lp.items()))) for op, lp in assign.items())))
         if key not in self.cache:
             try:
-                sched = make_schedule(self.prog, {k: v for k, v in assign.items() if v}, self.mesh)
+                named = {k: v for k, v in assign.items() if v}
+                sched = make_schedule(self.prog, named, self.mesh, default=default)
             except ValueError:
                 self.cache[key] = (math.inf, math.inf, None, None)
                 return self.cache[key]
@@ -104,6 +117,7 @@ def search(
     memory_limit_bytes: int | None = None,
     exhaustive_limit: int = 4096,
     step_limit: int = 64,
+    greedy_ops: int = 400,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
@@ -139,13 +153,47 @@ def search(
             if best is None or score[:2] < best[0][:2]:
                 best = (score, assign)
         return _result(best[0], evaluate, memory_limit_bytes)
-    # Two greedy passes, the better wins: the whole mesh as one group (each anchor gives all
-    # factors to one loop), then Tofu's one prime factor at a time.
-    results = [
-        _greedy(empty, [tuple(names)], ops, sizes, evaluate, step_limit),
-        _greedy(empty, [(f,) for f in names], ops, sizes, evaluate, step_limit),
-    ]
+    # Large spaces: dynamic programming over the coarsened graph (planner.chain), with the whole
+    # mesh as one group of factors, then one prime factor at a time (Tofu's recursion); on
+    # programs of at most greedy_ops ops, the greedy passes too. The best full simulation wins.
+    dp = ChainDP(prog, groups(prog), shape.sizes, cal)
+    passes = [[tuple(names)], [(f,) for f in names]]
+    results = [_dynamic(empty, p, ops, sizes, evaluate, dp) for p in passes]
+    if len(prog.ops) <= greedy_ops:
+        results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
+
+
+def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP, rounds: int = 3):
+    """One DP per factor group; each DP is repeated (at most ``rounds`` times) with the layouts
+    that the whole program, propagated from the latest choice, gives the segments' borders."""
+    prog = evaluate.prog
+    for group in factor_groups:
+        size = math.prod(sizes[f] for f in group)
+        opts = [_options(o, assign[o.name], size, sizes) for o in ops]
+        candidates = [
+            [_with(assign, [loop], [o], group)[o.name] for loop in opt] for o, opt in zip(ops, opts)
+        ]
+        current = assign
+        for _ in range(rounds):
+            sched = evaluate(current)[2]
+            if sched is None:
+                break
+            dp.set_context({r.value.name: spec for st in dataflow(prog, sched)
+                            for r, spec in zip(st.op.results, st.out_specs)})  # fmt: skip
+            picks = dp.solve(candidates)
+            chosen = _with(assign, [opt[k] for opt, k in zip(opts, picks)], ops, group)
+            if chosen == current:
+                break
+            current = chosen
+        assign = current
+    # The tables priced each segment propagated on its own; the whole program may also propagate
+    # across segments: both are simulated, the better is kept.
+    explicit = dp.assignment([assign[o.name] for o in ops])
+    scores = [evaluate(assign)]
+    if explicit is not None:
+        scores.append(evaluate(explicit, default="replicate"))
+    return min(scores, key=lambda r: r[:2])
 
 
 def _greedy(assign, groups, ops, sizes, evaluate, step_limit):

@@ -56,8 +56,8 @@ def test_planner_benchmark_smoke(tmp_path):
     from experiments import planner_benchmark
 
     summary = planner_benchmark.run(planner_smoke.get_config(), str(tmp_path))
-    assert summary["pairs"] == 6
-    assert set(summary["workloads"]) == {"mm", "mlp"}
+    assert summary["pairs"] == 9
+    assert set(summary["workloads"]) == {"mm", "mlp", "tf"}
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
     assert [r["strategy"] for r in rows[:3]] == ["replicated", "data", "auto"]

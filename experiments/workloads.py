@@ -1,0 +1,105 @@
+"""Workloads for the planner benchmark: functions and example arguments, built from a spec.
+
+| kind        | sizes                                   | what                                        |
+|-------------|-----------------------------------------|---------------------------------------------|
+| mlp         | batch x hidden x layers                 | L-layer ReLU MLP training step (grad + SGD) |
+| transformer | batch x seq x heads x head_dim x layers | pre-norm blocks (attention + 4x MLP, both   |
+|             |                                         | residual) training step (grad + SGD)        |
+| matmul      | m x k x n                               | ``tanh(x @ w)`` (the thesis' matmul)        |
+| attention   | batch x seq x heads x head_dim          | multi-head attention forward                |
+
+Example:
+    >>> fn, args = workload("mlp", [64, 16, 2], np.random.default_rng(0))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def parse_workload(text: str) -> tuple[str, str, list[int]]:
+    """``"name=kind:4x64x2"`` -> ``("name", "kind", [4, 64, 2])``."""
+    name, _, rest = text.strip().partition("=")
+    kind, _, sizes = rest.partition(":")
+    if not name or not kind or not sizes:
+        raise ValueError(f"a workload looks like 'mlp_big=mlp:1024x64x2', got {text!r}")
+    return name, kind, [int(n) for n in sizes.split("x")]
+
+
+_SIZES = {"mlp": 3, "transformer": 5, "matmul": 3, "attention": 4}
+
+
+def _sgd(loss):
+    import jax
+
+    def step(params, *batch):
+        grads = jax.grad(loss)(params, *batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return step
+
+
+def _attention(x, wq, wk, wv, wo):
+    import jax
+    import jax.numpy as jnp
+
+    e = wq.shape[-1]
+    q = jnp.einsum("bsd,dhe->bshe", x, wq)
+    k = jnp.einsum("bsd,dhe->bshe", x, wk)
+    v = jnp.einsum("bsd,dhe->bshe", x, wv)
+    p = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(e), axis=-1)
+    return jnp.einsum("bqhe,hed->bqd", jnp.einsum("bhqk,bkhe->bqhe", p, v), wo)
+
+
+def _rms_norm(x):
+    import jax.numpy as jnp
+
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def workload(kind: str, sizes: list[int], rng):
+    """``(fn, args)`` of a workload (see the table above); weights scaled by 1/sqrt(fan-in)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if kind not in _SIZES:
+        raise ValueError(f"unknown workload kind {kind!r}; expected one of {sorted(_SIZES)}")
+    if len(sizes) != _SIZES[kind]:
+        raise ValueError(f"workload {kind!r} takes {_SIZES[kind]} sizes, got {sizes}")
+
+    def r(*s):
+        return (rng.standard_normal(s) / math.sqrt(s[0])).astype(np.float32)
+
+    if kind == "mlp":
+        batch, hidden, layers = sizes
+        params = [r(hidden, hidden) for _ in range(layers)]
+
+        def loss(ps, x, y):
+            for w in ps[:-1]:
+                x = jax.nn.relu(x @ w)
+            return jnp.mean((x @ ps[-1] - y) ** 2)
+
+        return _sgd(loss), (params, r(batch, hidden), r(batch, hidden))
+    if kind == "transformer":
+        b, s, h, e, layers = sizes
+        d = h * e
+        params = [
+            {"wq": r(d, h, e), "wk": r(d, h, e), "wv": r(d, h, e), "wo": r(h, e, d),
+             "w1": r(d, 4 * d), "w2": r(4 * d, d)}
+            for _ in range(layers)
+        ]  # fmt: skip
+
+        def loss(ps, x, y):
+            for p in ps:
+                x = x + _attention(_rms_norm(x), p["wq"], p["wk"], p["wv"], p["wo"])
+                x = x + jax.nn.relu(_rms_norm(x) @ p["w1"]) @ p["w2"]
+            return jnp.mean((x - y) ** 2)
+
+        return _sgd(loss), (params, r(b, s, d), r(b, s, d))
+    if kind == "matmul":
+        m, k, n = sizes
+        return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))
+    b, s, h, e = sizes
+    d = h * e
+    return _attention, (r(b, s, d), r(d, h, e), r(d, h, e), r(d, h, e), r(h, e, d))

@@ -1,0 +1,273 @@
+"""Dynamic programming over the coarsened graph: one choice per layer group, priced locally.
+
+The program is cut into *segments*, one per group of dense ops (see
+:func:`planner.search.groups`): every other op joins the group nearest to it in the data-flow
+graph (breadth-first from all groups at once; ties go to the earlier group). The simulator's cost
+is a sum over ops of terms that depend on an op's own layout and its producers' layouts, so it
+splits, up to propagation effects at segment borders, into
+
+    total(c) = sum_g U_g(c_g) + sum_{(g, h) adjacent} E_gh(c_g, c_h)
+
+where ``U_g(a)`` is the predicted time of segment ``g`` simulated alone with its anchor choosing
+``a`` and ``E_gh(a, b)`` is what simulating ``g`` and ``h`` together adds to ``U_g(a) + U_h(b)``:
+the layout changes and partial-sum resolutions across their border. Sub-programs with the same
+structure (the layers of a deep network) are priced once, so the cost of building the tables
+does not grow with depth.
+
+Segments are ordered by their anchors' program order. When every adjacency joins consecutive
+segments (a chain: an MLP, forward and backward ops grouped per layer), Viterbi's recursion
+over that order finds the exact minimum of the decomposed cost. For general DAGs (residual
+connections join segments several positions apart) the same recursion runs, and an edge reaching
+back past the previous segment is priced with the choice that the best path into the previous
+state made for the earlier segment (the back-pointer path): a documented heuristic, exact on
+chains. The search simulates the whole program under the result, so decomposition errors cost
+optimality, never correctness of the prediction.
+
+Example:
+    >>> dp = ChainDP(prog, groups(prog), mesh_sizes, calibration)            # doctest: +SKIP
+    >>> choices = dp.solve(assignment, options, factors)
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+
+from planner.costmodel import Calibration
+from planner.ir import Op, Program, Value
+from planner.schedule import make_schedule
+from planner.simulator import simulate
+
+
+def segments(prog: Program, groups: Sequence[Sequence[Op]]) -> list[list[Op]]:
+    """Every op of ``prog`` in exactly one segment, one segment per group (program order)."""
+    if not groups:
+        return []
+    index = {o.name: k for k, o in enumerate(prog.ops)}
+    neighbours: dict[str, list[str]] = {o.name: [] for o in prog.ops}
+    producer = {r.value.name: o.name for o in prog.ops for r in o.results}
+    for o in prog.ops:
+        for acc in o.operands:
+            p = producer.get(acc.value.name)
+            if p is not None:
+                neighbours[o.name].append(p)
+                neighbours[p].append(o.name)
+    owner: dict[str, int] = {}
+    queue: collections.deque = collections.deque()
+    for g, members in enumerate(groups):
+        for o in members:
+            owner[o.name] = g
+            queue.append(o.name)
+    while queue:
+        name = queue.popleft()
+        for n in neighbours[name]:
+            if n not in owner:
+                owner[n] = owner[name]
+                queue.append(n)
+    out: list[list[Op]] = [[] for _ in groups]
+    last = 0
+    for o in prog.ops:  # ops connected to no group (constants, iotas) join the previous segment
+        last = owner.get(o.name, last)
+        out[last].append(o)
+    return [sorted(s, key=lambda o: index[o.name]) for s in out]
+
+
+def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
+    """The program of ``ops`` alone: values they read but do not produce become its inputs."""
+    inside = {o.name for o in ops}
+    produced = {r.value.name for o in ops for r in o.results}
+    read_outside = {a.value.name for o in prog.ops if o.name not in inside for a in o.operands}
+    read_outside |= {v.name for v in prog.outputs}
+    inputs: dict[str, Value] = {}
+    for o in ops:
+        for a in o.operands:
+            if a.value.name not in produced:
+                inputs.setdefault(a.value.name, a.value)
+    outputs = [r.value for o in ops for r in o.results if r.value.name in read_outside]
+    return Program(tuple(ops), tuple(inputs.values()), tuple(outputs))
+
+
+def structure(prog: Program) -> tuple:
+    """A key equal for programs that differ only in names (and so cost the same)."""
+    ids: dict[str, int] = {}
+
+    def vid(v: Value) -> tuple:
+        return (ids.setdefault(v.name, len(ids)), v.shape, v.dtype)
+
+    ins = tuple(vid(v) for v in prog.inputs)
+    ops = tuple(
+        (o.primitive, o.loops, o.reductions, o.how,
+         tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results))
+        for o in prog.ops
+    )  # fmt: skip
+    return ins, ops, tuple(vid(v) for v in prog.outputs)
+
+
+class ChainDP:
+    """Tables of segment and border costs, and the Viterbi recursion over them."""
+
+    def __init__(self, prog: Program, groups: Sequence[Sequence[Op]], mesh, cal: Calibration):
+        self.prog, self.mesh, self.cal = prog, dict(mesh), cal
+        self._index = {o.name: k for k, o in enumerate(prog.ops)}
+        self.anchors = [g[0] for g in groups]
+        self.segments = segments(prog, groups)
+        seg_of = {o.name: k for k, s in enumerate(self.segments) for o in s}
+        producer = {r.value.name: o.name for o in prog.ops for r in o.results}
+        edges = set()
+        for o in prog.ops:
+            for acc in o.operands:
+                p = producer.get(acc.value.name)
+                if p is not None and seg_of[p] != seg_of[o.name]:
+                    edges.add(tuple(sorted((seg_of[p], seg_of[o.name]))))
+        self.edges = sorted(edges)
+        self.is_chain = all(j == i + 1 for i, j in self.edges)
+        self._programs: dict[tuple[int, ...], tuple[Program, tuple]] = {}
+        self._grids: dict = {}
+        self.context: dict = {}
+        self._keyed: dict = {}
+        self._ids: dict = {}
+        self._costs: dict = {}
+        self.evaluations = 0
+
+    def set_context(self, layouts: dict) -> None:
+        """Layouts (value name -> spec) that values produced outside a window are assumed to
+        have: a window's ops propagate from them, and the borders price the difference."""
+        self.context = layouts
+        self._keyed.clear()
+
+    def _window(self, segs: tuple[int, ...]):
+        """The window's program, an integer naming its structure and context, and its inputs'
+        stored layouts."""
+        if segs not in self._keyed:
+            if segs not in self._programs:
+                ops = sorted((o for s in segs for o in self.segments[s]),
+                             key=lambda o: self._index[o.name])  # fmt: skip
+                sub = subprogram(self.prog, ops)
+                self._programs[segs] = (sub, structure(sub))
+            sub, key = self._programs[segs]
+            stored = {v.name: self.context[v.name] for v in sub.inputs if v.name in self.context}
+            full = (key, tuple(stored.get(v.name) for v in sub.inputs))
+            self._keyed[segs] = (sub, self._ids.setdefault(full, len(self._ids)), stored)
+        return self._keyed[segs]
+
+    def grids(self, g: int, anchor: dict) -> dict[str, dict]:
+        """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
+        propagated inside the segment only, so that a segment's layouts do not depend on its
+        neighbours' choices and the cost decomposes."""
+        sub, key, stored = self._window((g,))
+        frozen = (key, tuple(sorted(anchor.items())))
+        if frozen not in self._grids:
+            try:
+                named = {self.anchors[g].name: anchor} if anchor else {}
+                sched = make_schedule(sub, named, self.mesh, stored=stored)
+                self._grids[frozen] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
+            except ValueError:
+                self._grids[frozen] = None
+        per_position = self._grids[frozen]
+        if per_position is None:
+            return None
+        return {o.name: loops for o, loops in zip(sub.ops, per_position) if loops}
+
+    def assignment(self, anchors: Sequence[dict]) -> dict[str, dict] | None:
+        """Every op's loops for the given anchor assignments (one per segment), or ``None``."""
+        out: dict[str, dict] = {}
+        for g, a in enumerate(anchors):
+            grid = self.grids(g, a)
+            if grid is None:
+                return None
+            out.update(grid)
+        return out
+
+    def cost(self, segs: tuple[int, ...], assigns: tuple[dict, ...]) -> float:
+        """Predicted time of the segments ``segs`` alone, their anchors assigned ``assigns``."""
+        sub, key, stored = self._window(segs)
+        full = (key, tuple(tuple(sorted(a.items())) for a in assigns))
+        if full not in self._costs:
+            self.evaluations += 1
+            named: dict[str, dict] | None = {}
+            for g, a in zip(segs, assigns):
+                grid = self.grids(g, a)
+                named = None if grid is None or named is None else {**named, **grid}
+            if named is None:
+                self._costs[full] = math.inf
+            else:
+                sched = make_schedule(sub, named, self.mesh, default="replicate", stored=stored)
+                self._costs[full] = simulate(sub, sched, self.cal).time_s
+        return self._costs[full]
+
+    def solve(self, candidates: Sequence[Sequence[dict]]) -> list[int]:
+        """Per segment, the index of its chosen candidate assignment (``candidates[g]`` lists the
+        anchor's possible assignments): Viterbi over the segment order, then, on DAGs, rounds of
+        per-segment improvement of the decomposed cost with every edge priced exactly."""
+        n = len(self.segments)
+        unary = [[self.cost((g,), (a,)) for a in candidates[g]] for g in range(n)]
+
+        def border(i: int, j: int, a: int, b: int) -> float:
+            both = self.cost((i, j), (candidates[i][a], candidates[j][b]))
+            alone = unary[i][a] + unary[j][b]
+            return both - alone if math.isfinite(both) and math.isfinite(alone) else math.inf
+
+        back_edges: dict[int, list[int]] = collections.defaultdict(list)
+        for i, j in self.edges:
+            if j != i + 1:
+                back_edges[j].append(i)
+        adjacent = {(i, j) for i, j in self.edges if j == i + 1}
+        best = [list(unary[0])]
+        paths: list[list[list[int]]] = [[[a] for a in range(len(candidates[0]))]]
+        for j in range(1, n):
+            row, row_paths = [], []
+            for b in range(len(candidates[j])):
+                options = []
+                for a in range(len(candidates[j - 1])):
+                    path = paths[j - 1][a]
+                    total = best[j - 1][a] + unary[j][b]
+                    if (j - 1, j) in adjacent:
+                        total += border(j - 1, j, a, b)
+                    for i in back_edges[j]:
+                        total += border(i, j, path[i], b)
+                    options.append((total, a))
+                total, a = min(options)
+                row.append(total)
+                row_paths.append(paths[j - 1][a] + [b])
+            best.append(row)
+            paths.append(row_paths)
+        k = min(range(len(best[-1])), key=best[-1].__getitem__)
+        picks = paths[-1][k]
+        if not self.is_chain:
+            picks = self._improve(picks, unary, border)
+        return picks
+
+    def _improve(self, picks: list[int], unary, border, rounds: int = 3) -> list[int]:
+        """Iterated conditional modes on the decomposed cost: each segment in turn takes the
+        choice that is cheapest given its neighbours' (deterministic; stops when none moves)."""
+        around: dict[int, list[int]] = collections.defaultdict(list)
+        for i, j in self.edges:
+            around[i].append(j)
+            around[j].append(i)
+        picks = list(picks)
+
+        def local(g: int, a: int) -> float:
+            total = unary[g][a]
+            for h in around[g]:
+                total += border(g, h, a, picks[h]) if g < h else border(h, g, picks[h], a)
+            return total
+
+        for _ in range(rounds):
+            moved = False
+            for g in range(len(picks)):
+                a = min(range(len(unary[g])), key=lambda a, g=g: local(g, a))
+                if local(g, a) < local(g, picks[g]) - 1e-12:
+                    picks[g], moved = a, True
+            if not moved:
+                break
+        return picks
+
+    def total(self, candidates: Sequence[Sequence[dict]], picks: Sequence[int]) -> float:
+        """The decomposed cost of ``picks`` (for checking it against a full simulation)."""
+        out = sum(self.cost((g,), (candidates[g][a],)) for g, a in enumerate(picks))
+        for i, j in self.edges:
+            ci, cj = candidates[i][picks[i]], candidates[j][picks[j]]
+            out += self.cost((i, j), (ci, cj)) - self.cost((i,), (ci,)) - self.cost((j,), (cj,))
+        return out

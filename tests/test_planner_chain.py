@@ -1,0 +1,125 @@
+"""planner.chain: segments, the cost decomposition, the DP, and Alpa's 6-layer MLP oracles."""
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from test_planner_search import brute_force, chain, rand
+
+import planner
+from experiments.workloads import workload
+from planner.chain import ChainDP
+from planner.costmodel import Calibration
+from planner.dataflow import dataflow
+from planner.schedule import make_schedule
+from planner.search import _options, anchors, groups, search
+
+MESH = {"a": 2, "b": 2, "c": 2}
+
+
+def _program(kind, sizes):
+    fn, args = workload(kind, sizes, np.random.default_rng(0))
+    return planner.analyze(fn, *args)
+
+
+def _whole_mesh_candidates(prog, mesh):
+    parts = int(np.prod(list(mesh.values())))
+    opts = [_options(o, {}, parts, mesh) for o in anchors(prog)]
+    return [[{loop: tuple(mesh)} if loop else {} for loop in opt] for opt in opts]
+
+
+def test_segments_cover_every_op_once_and_mlp_layers_form_a_chain():
+    prog = _program("mlp", [64, 32, 4])
+    dp = ChainDP(prog, groups(prog), MESH, Calibration.default())
+    names = [o.name for s in dp.segments for o in s]
+    assert sorted(names) == sorted(o.name for o in prog.ops)
+    assert len(dp.segments) == 4 and dp.is_chain
+    assert dp.edges == [(0, 1), (1, 2), (2, 3)]
+    deep = _program("transformer", [2, 8, 2, 4, 2])
+    assert not ChainDP(deep, groups(deep), MESH, Calibration.default()).is_chain  # residuals
+
+
+@pytest.mark.parametrize("kind,sizes", [("mlp", [64, 32, 4]), ("mlp", [16, 128, 3])])
+def test_decomposed_cost_equals_the_simulation_on_chains(kind, sizes):
+    prog = _program(kind, sizes)
+    dp = ChainDP(prog, groups(prog), MESH, Calibration.default())
+    cands = _whole_mesh_candidates(prog, MESH)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        picks = [int(rng.integers(len(c))) for c in cands]
+        assign = dp.assignment([c[k] for c, k in zip(cands, picks)])
+        sched = make_schedule(prog, assign, MESH, default="replicate")
+        full = planner.simulate(prog, sched).time_s
+        assert dp.total(cands, picks) == pytest.approx(full, rel=1e-9)
+
+
+def test_dp_minimises_the_decomposed_cost_exactly_on_a_chain():
+    prog = _program("mlp", [64, 32, 4])
+    dp = ChainDP(prog, groups(prog), MESH, Calibration.default())
+    cands = _whole_mesh_candidates(prog, MESH)
+    best = min(
+        dp.total(cands, picks) for picks in itertools.product(*(range(len(c)) for c in cands))
+    )
+    assert dp.total(cands, dp.solve(cands)) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "shapes", [((512, 64), (64, 32), (32, 16)), ((16, 64), (64, 512), (512, 8))]
+)
+def test_dynamic_programming_search_is_optimal_on_small_chains(shapes):
+    prog = planner.analyze(chain, *[rand(*s) for s in shapes])
+    _, pred = search(prog, MESH, exhaustive_limit=0, greedy_ops=0)  # DP passes only
+    assert pred.time_s == pytest.approx(brute_force(prog, MESH))
+
+
+def test_repeated_layers_are_priced_once():
+    counts = []
+    for layers in (4, 12):
+        prog = _program("mlp", [64, 32, layers])
+        dp = ChainDP(prog, groups(prog), MESH, Calibration.default())
+        dp.solve(_whole_mesh_candidates(prog, MESH))
+        counts.append(dp.evaluations)
+    assert counts[1] == counts[0]  # 3x the layers, no more sub-program simulations
+
+
+def _psums(prog, sched):
+    return [st.op.name for st in dataflow(prog, sched) if st.pending]
+
+
+def test_alpa_oracle_small_batch_large_hidden_gives_megatron_alternation():
+    prog = _program("mlp", [32, 256, 6])
+    sched, _ = search(prog, {"a": 2, "b": 2})
+    loops = [next(iter(sched.assign[o.name])) for o in anchors(prog)]
+    assert loops == ["n", "k"] * 3  # column, row, column, ...
+    assert all(len(sched.assign[o.name][lp]) == 2 for o, lp in zip(anchors(prog), loops))
+    assert len(_psums(prog, sched)) == 5  # L - 1 all-reduces
+
+
+def test_alpa_oracle_large_batch_small_hidden_gives_data_parallelism_on_a_fast_network():
+    # On this CPU (collective latency ~0.4 ms against ~0.1 ms of compute per layer) the plan is
+    # to replicate; with latencies 100x smaller, as on an accelerator interconnect, it is pure data
+    # parallelism: the batch split everywhere, one all-reduce per weight gradient (and the loss).
+    prog = _program("mlp", [256, 32, 6])
+    cpu = Calibration.default()
+    fast = dataclasses.replace(cpu, latency_s={k: v / 100 for k, v in cpu.latency_s.items()})
+    sched, _ = search(prog, {"a": 2, "b": 2}, fast)
+    assert [sched.assign[o.name] for o in anchors(prog)] == [{"m": ("a", "b")}] * 6
+    psums = _psums(prog, sched)
+    assert len(psums) == 7 and psums[0].startswith("reduce_sum")
+    replicated, _ = search(prog, {"a": 2, "b": 2}, cpu)
+    assert all(not replicated.assign[o.name] for o in anchors(prog))
+
+
+def test_transformer_training_step_runs_exactly_under_its_plan():
+    import jax
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+    fn, args = workload("transformer", [8, 8, 2, 4, 2], np.random.default_rng(0))
+    cpu = Calibration.default()  # at this size CPU latencies say replicate: price a fast network
+    fast = dataclasses.replace(cpu, latency_s={k: v / 1000 for k, v in cpu.latency_s.items()})
+    p = planner.plan(fn, *args, mesh=mesh, calibration=fast)
+    assert sum(bool(loops) for loops in p.schedule.assign.values()) > 50  # most ops are split
+    for got, want in zip(jax.tree.leaves(p(*args)), jax.tree.leaves(fn(*args))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
