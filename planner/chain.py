@@ -123,45 +123,39 @@ class ChainDP:
                     edges.add(tuple(sorted((seg_of[p], seg_of[o.name]))))
         self.edges = sorted(edges)
         self.is_chain = all(j == i + 1 for i, j in self.edges)
-        self._programs: dict[tuple[int, ...], tuple[Program, tuple]] = {}
+        self._programs: dict[tuple[int, ...], tuple[Program, int]] = {}
         self._grids: dict = {}
-        self.context: dict = {}
-        self._keyed: dict = {}
         self._ids: dict = {}
         self._costs: dict = {}
         self.evaluations = 0
 
-    def set_context(self, layouts: dict) -> None:
-        """Layouts (value name -> spec) that values produced outside a window are assumed to
-        have: a window's ops propagate from them, and the borders price the difference."""
-        self.context = layouts
-        self._keyed.clear()
-
-    def _window(self, segs: tuple[int, ...]):
-        """The window's program, an integer naming its structure and context, and its inputs'
-        stored layouts."""
-        if segs not in self._keyed:
-            if segs not in self._programs:
-                ops = sorted((o for s in segs for o in self.segments[s]),
-                             key=lambda o: self._index[o.name])  # fmt: skip
-                sub = subprogram(self.prog, ops)
-                self._programs[segs] = (sub, structure(sub))
-            sub, key = self._programs[segs]
-            stored = {v.name: self.context[v.name] for v in sub.inputs if v.name in self.context}
-            full = (key, tuple(stored.get(v.name) for v in sub.inputs))
-            self._keyed[segs] = (sub, self._ids.setdefault(full, len(self._ids)), stored)
-        return self._keyed[segs]
+    def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
+        """The window's program and an integer naming its structure."""
+        if segs not in self._programs:
+            ops = sorted((o for s in segs for o in self.segments[s]),
+                         key=lambda o: self._index[o.name])  # fmt: skip
+            sub = subprogram(self.prog, ops)
+            self._programs[segs] = (sub, self._ids.setdefault(structure(sub), len(self._ids)))
+        return self._programs[segs]
 
     def grids(self, g: int, anchor: dict) -> dict[str, dict]:
         """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
         propagated inside the segment only, so that a segment's layouts do not depend on its
         neighbours' choices and the cost decomposes."""
-        sub, key, stored = self._window((g,))
+        sub, key = self._window((g,))
         frozen = (key, tuple(sorted(anchor.items())))
         if frozen not in self._grids:
             try:
                 named = {self.anchors[g].name: anchor} if anchor else {}
-                sched = make_schedule(sub, named, self.mesh, stored=stored)
+                # Inputs the anchor reads are assumed laid out as it needs them, so that the
+                # group's other products (which share such an input) propagate from them too.
+                head = make_schedule(sub, named, self.mesh, default="replicate")
+                op = self.anchors[g]
+                given = {v.name for v in sub.inputs}
+                seeds = {
+                    a.value.name: head.spec(op, a) for a in op.operands if a.value.name in given
+                }
+                sched = make_schedule(sub, named, self.mesh, stored=seeds)
                 self._grids[frozen] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
             except ValueError:
                 self._grids[frozen] = None
@@ -182,7 +176,7 @@ class ChainDP:
 
     def cost(self, segs: tuple[int, ...], assigns: tuple[dict, ...]) -> float:
         """Predicted time of the segments ``segs`` alone, their anchors assigned ``assigns``."""
-        sub, key, stored = self._window(segs)
+        sub, key = self._window(segs)
         full = (key, tuple(tuple(sorted(a.items())) for a in assigns))
         if full not in self._costs:
             self.evaluations += 1
@@ -193,7 +187,7 @@ class ChainDP:
             if named is None:
                 self._costs[full] = math.inf
             else:
-                sched = make_schedule(sub, named, self.mesh, default="replicate", stored=stored)
+                sched = make_schedule(sub, named, self.mesh, default="replicate")
                 self._costs[full] = simulate(sub, sched, self.cal).time_s
         return self._costs[full]
 

@@ -203,37 +203,47 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
     return out
 
 
-def _propagate(prog: Program, mesh, result: dict, fixed: set[str], at_rest) -> None:
-    layout: dict[str, Spec] = dict(at_rest)  # value name -> produced (or stored) layout
+def _propagate(
+    prog: Program, mesh, result: dict, fixed: set[str], at_rest, rounds: int = 3
+) -> None:
     consumers: dict[str, list[tuple[Op, Access]]] = {}
     for o in prog.ops:
         for acc in o.operands:
             consumers.setdefault(acc.value.name, []).append((o, acc))
     sched = Schedule(prog, mesh, result)
-    # Forward: an op follows the layouts of its operands.
-    for o in prog.ops:
-        if o.name not in fixed:
-            wanted: dict[str, Axes] = {}
-            for acc in o.operands:
-                spec = layout.get(acc.value.name)
-                if spec is None:
-                    continue
-                for d, axes in zip(acc.dims, spec):
-                    if d and axes and d[0] not in wanted:
-                        wanted[d[0]] = axes
+    for k in range(rounds):
+        changed = False
+        # Forward: an op follows the layouts of its operands (after the first round, only ops
+        # still unpartitioned, which a later op's requirement may since have reached).
+        layout: dict[str, Spec] = dict(at_rest)  # value name -> produced (or stored) layout
+        for o in prog.ops:
+            if o.name not in fixed and (k == 0 or not result.get(o.name)):
+                wanted: dict[str, Axes] = {}
+                for acc in o.operands:
+                    spec = layout.get(acc.value.name)
+                    if spec is None:
+                        continue
+                    for d, axes in zip(acc.dims, spec):
+                        if d and axes and d[0] not in wanted:
+                            wanted[d[0]] = axes
+                new = _try(o, mesh, wanted)
+                changed |= k > 0 and bool(new)
+                result[o.name] = new
+            for acc in o.results:
+                layout[acc.value.name] = sched.spec(o, acc)
+        # Backward: an op left unpartitioned follows what its consumers require of its results.
+        for o in reversed(prog.ops):
+            if o.name in fixed or result.get(o.name):
+                continue
+            wanted = {}
+            for res in o.results:
+                for c, acc in consumers.get(res.value.name, ()):
+                    if not result.get(c.name):
+                        continue
+                    for d, axes in zip(res.dims, sched.spec(c, acc)):
+                        if d and axes and d[0] not in wanted:
+                            wanted[d[0]] = axes
             result[o.name] = _try(o, mesh, wanted)
-        for acc in o.results:
-            layout[acc.value.name] = sched.spec(o, acc)
-    # Backward: an op left unpartitioned follows what its consumers require of its results.
-    for o in reversed(prog.ops):
-        if o.name in fixed or result.get(o.name):
-            continue
-        wanted = {}
-        for res in o.results:
-            for c, acc in consumers.get(res.value.name, ()):
-                if not result.get(c.name):
-                    continue
-                for d, axes in zip(res.dims, sched.spec(c, acc)):
-                    if d and axes and d[0] not in wanted:
-                        wanted[d[0]] = axes
-        result[o.name] = _try(o, mesh, wanted)
+            changed |= bool(result[o.name])
+        if not changed:
+            break

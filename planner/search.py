@@ -25,7 +25,6 @@ import networkx as nx
 
 from planner.chain import ChainDP
 from planner.costmodel import Calibration
-from planner.dataflow import dataflow
 from planner.ir import Op, Program
 from planner.schedule import Schedule, make_schedule
 from planner.simulator import Prediction, simulate
@@ -164,31 +163,17 @@ def search(
     return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
 
 
-def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP, rounds: int = 3):
-    """One DP per factor group; each DP is repeated (at most ``rounds`` times) with the layouts
-    that the whole program, propagated from the latest choice, gives the segments' borders."""
-    prog = evaluate.prog
+def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
+    """One DP per factor group (:mod:`planner.chain`); the whole program is simulated under the
+    result, propagated across segments and segment by segment, and the better is kept."""
     for group in factor_groups:
         size = math.prod(sizes[f] for f in group)
         opts = [_options(o, assign[o.name], size, sizes) for o in ops]
         candidates = [
             [_with(assign, [loop], [o], group)[o.name] for loop in opt] for o, opt in zip(ops, opts)
         ]
-        current = assign
-        for _ in range(rounds):
-            sched = evaluate(current)[2]
-            if sched is None:
-                break
-            dp.set_context({r.value.name: spec for st in dataflow(prog, sched)
-                            for r, spec in zip(st.op.results, st.out_specs)})  # fmt: skip
-            picks = dp.solve(candidates)
-            chosen = _with(assign, [opt[k] for opt, k in zip(opts, picks)], ops, group)
-            if chosen == current:
-                break
-            current = chosen
-        assign = current
-    # The tables priced each segment propagated on its own; the whole program may also propagate
-    # across segments: both are simulated, the better is kept.
+        picks = dp.solve(candidates)
+        assign = _with(assign, [opt[k] for opt, k in zip(opts, picks)], ops, group)
     explicit = dp.assignment([assign[o.name] for o in ops])
     scores = [evaluate(assign)]
     if explicit is not None:
