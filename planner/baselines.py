@@ -3,8 +3,9 @@
 | strategy        | what it names                                                             |
 |-----------------|---------------------------------------------------------------------------|
 | data_parallel   | the batch (first free) loop of the first dense op, over the given axes    |
-| megatron        | dense ops whose weight is a program input, alternately by output columns |
-|                 | (``n``) and by the contraction (``k``, then an all-reduce)                |
+| megatron        | dense ops whose weight is a program input: by output columns (``n``), or |
+|                 | by the contraction (``k``, then an all-reduce) when their input derives   |
+|                 | from a column-split layer (MLPs alternate; attention: heads, then rows)   |
 | data_and_model  | both: batch over ``data_axes``, Megatron over ``model_axes``              |
 | fsdp_stored     | with data_parallel: weights stored split on their first dim (ZeRO-3)      |
 
@@ -45,8 +46,8 @@ def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
 
 
 def _weight_ops(prog: Program) -> list[Op]:
-    """Forward layer products ``x @ W``: a program input whose first use is as the right operand
-    of a product, contracted on its first dimension, is a weight; those first uses are layers."""
+    """Forward layer products ``x @ W`` as ``(op, weight operand position)``: a program input whose
+    first use is as an operand of a product contracted on its leading dimensions is a weight."""
     first_use: dict = {}
     for o in prog.ops:
         for pos, acc in enumerate(o.operands):
@@ -54,22 +55,34 @@ def _weight_ops(prog: Program) -> list[Op]:
     out = []
     for v in prog.inputs:
         o, pos = first_use.get(v, (None, None))
-        if o is None or o.primitive != "dot_general" or pos != 1:
+        if o is None or o.primitive != "dot_general" or len(o.operands) != 2:
             continue
-        (_, rhs_contract), _ = o.eqn.params["dimension_numbers"]
-        if tuple(rhs_contract) == (0,):
-            out.append(o)
-    return sorted(out, key=prog.ops.index)
+        contract = o.eqn.params["dimension_numbers"][0][pos]
+        if contract and sorted(contract) == list(range(len(contract))):
+            out.append((o, pos))
+    return sorted(out, key=lambda op_pos: prog.ops.index(op_pos[0]))
 
 
 def megatron(prog: Program, axes: Sequence[str]) -> dict:
-    """Alternate column (``n``) and row (``k``) splits over the layers' weight products."""
+    """Column (``n``) splits for layers whose input is whole, row (``k``) splits for layers whose
+    input derives from a column-split layer's output (then an all-reduce): an MLP alternates; in
+    attention the q, k, v projections are split by heads and the output projection by rows."""
+    layers = dict(_weight_ops(prog))  # op -> position of its weight operand
+    split: set[str] = set()  # values derived from a column-split layer's output
     out = {}
-    for k, op in enumerate(_weight_ops(prog)):
-        free = [lp.name for lp in op.loops if lp.name.startswith("n")]
-        contracting = [lp.name for lp in op.loops if lp.name.startswith("k")]
-        loop = (free or contracting)[0] if k % 2 == 0 else (contracting or free)[0]
-        out[op.name] = {loop: tuple(axes)}
+    for op in prog.ops:
+        if op in layers:
+            row = op.operands[1 - layers[op]].value.name in split
+            # Row: the weight's leading (contracted) dimension; column: its first free one.
+            summed = {name for name, _ in op.reductions}
+            dims = [d[0] for d in op.operands[layers[op]].dims if d]
+            loops = [d for d in dims if (d in summed) == row]
+            if loops:
+                out[op.name] = {loops[0]: tuple(axes)}
+            if not row:
+                split.update(r.value.name for r in op.results)
+        elif any(a.value.name in split for a in op.operands):
+            split.update(r.value.name for r in op.results)
     if not out:
         raise ValueError("megatron needs products with a program input (a weight) as right operand")
     return out
@@ -82,8 +95,8 @@ def fsdp_stored(prog: Program, axes: Sequence[str], mesh_sizes: dict[str, int]) 
     for a in axes:
         parts *= mesh_sizes[a]
     out = {}
-    for op in _weight_ops(prog):
-        w = op.operands[1].value
+    for op, pos in _weight_ops(prog):
+        w = op.operands[pos].value
         if w.shape[0] % parts == 0:
             out[w.name] = (tuple(axes),) + ((),) * (len(w.shape) - 1)
     return out

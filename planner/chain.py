@@ -73,6 +73,30 @@ def segments(prog: Program, groups: Sequence[Sequence[Op]]) -> list[list[Op]]:
     return [sorted(s, key=lambda o: index[o.name]) for s in out]
 
 
+def siblings(group: Sequence[Op]) -> list[Op]:
+    """The group's products that share the anchor's loop nest and read one of its operands in the
+    same position through the same access (the q, k and v projections of one input): they take
+    the anchor's split verbatim."""
+    head = group[0]
+    reads = {(k, a.value.name, a.dims) for k, a in enumerate(head.operands)}
+    return [
+        o for o in group[1:]
+        if o.primitive == head.primitive and o.loops == head.loops
+        and any((k, a.value.name, a.dims) in reads for k, a in enumerate(o.operands))
+    ]  # fmt: skip
+
+
+def with_siblings(anchor_assign: dict, groups: Sequence[Sequence[Op]]) -> dict:
+    """An assignment of anchors (op name -> loops) extended to their :func:`siblings`."""
+    out = dict(anchor_assign)
+    for g in groups:
+        loops = anchor_assign.get(g[0].name)
+        if loops:
+            for o in siblings(g):
+                out.setdefault(o.name, loops)
+    return out
+
+
 def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     """The program of ``ops`` alone: values they read but do not produce become its inputs."""
     inside = {o.name for o in ops}
@@ -112,6 +136,7 @@ class ChainDP:
         self.prog, self.mesh, self.cal = prog, dict(mesh), cal
         self._index = {o.name: k for k, o in enumerate(prog.ops)}
         self.anchors = [g[0] for g in groups]
+        self.siblings = [siblings(g) for g in groups]
         self.segments = segments(prog, groups)
         seg_of = {o.name: k for k, s in enumerate(self.segments) for o in s}
         producer = {r.value.name: o.name for o in prog.ops for r in o.results}
@@ -146,7 +171,9 @@ class ChainDP:
         frozen = (key, tuple(sorted(anchor.items())))
         if frozen not in self._grids:
             try:
-                named = {self.anchors[g].name: anchor} if anchor else {}
+                named = (
+                    {o.name: anchor for o in [self.anchors[g], *self.siblings[g]]} if anchor else {}
+                )
                 # Inputs the anchor reads are assumed laid out as it needs them, so that the
                 # group's other products (which share such an input) propagate from them too.
                 head = make_schedule(sub, named, self.mesh, default="replicate")

@@ -1,15 +1,18 @@
 """Automatic search over how the mesh's prime factors split the loops of the heavy ops.
 
 Anchors are the dense ops (``dot_general``, convolutions), coarsened so that the products of one
-layer (forward and backward) are chosen together; every other op follows by propagation. As in Tofu, the mesh is taken one prime factor at a time (major first): for each
-factor, every anchor picks a loop to split by it, or none. The objective is the simulator's
-predicted time (ties: peak memory), and plans over ``memory_limit_bytes`` are refused.
+layer (forward and backward) are chosen together (:func:`groups`); every other op follows by
+propagation. The objective is the simulator's predicted time (ties: peak memory); plans over
+``memory_limit_bytes`` are refused. Deterministic.
 
-When the joint space (all factors at once) has at most ``exhaustive_limit`` assignments it is
-searched exhaustively, which is optimal under the simulator. Otherwise two greedy passes run and
-the better wins: the whole mesh as one group of factors, then one prime factor at a time (Tofu's
-recursion); at each step all combinations of the anchors' choices are tried when at most
-``step_limit``, else coordinate descent over anchors (deterministic: anchors in program order, options in loop order).
+- Joint space (every factor of every anchor) of at most ``exhaustive_limit`` assignments: all
+  are simulated, which is optimal under the simulator.
+- Larger: dynamic programming over layer segments (:mod:`planner.chain`: exact on chains such as
+  MLPs, a documented heuristic on DAGs with residual connections), in two passes, the whole mesh
+  as one group of factors, then one prime factor at a time as in Tofu's recursion. On programs
+  of at most ``greedy_ops`` ops the same two passes also run greedily (at each step all
+  combinations of the anchors' choices when at most ``step_limit``, else coordinate descent).
+  The best full simulation wins.
 
 Example:
     >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
@@ -23,7 +26,7 @@ from collections.abc import Mapping
 
 import networkx as nx
 
-from planner.chain import ChainDP
+from planner.chain import ChainDP, with_siblings
 from planner.costmodel import Calibration
 from planner.ir import Op, Program
 from planner.schedule import Schedule, make_schedule
@@ -76,8 +79,9 @@ def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes) -
 
 
 class _Evaluator:
-    def __init__(self, prog, mesh, cal, limit):
+    def __init__(self, prog, mesh, cal, limit, groups):
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
+        self.groups = groups
         self.cache: dict = {}
         self.best_peak = math.inf
 
@@ -87,7 +91,7 @@ class _Evaluator:
         key = (default, tuple(sorted((op, tuple(sorted(lp.items()))) for op, lp in assign.items())))
         if key not in self.cache:
             try:
-                named = {k: v for k, v in assign.items() if v}
+                named = {k: v for k, v in with_siblings(assign, self.groups).items() if v}
                 sched = make_schedule(self.prog, named, self.mesh, default=default)
             except ValueError:
                 self.cache[key] = (math.inf, math.inf, None, None)
@@ -117,6 +121,7 @@ def search(
     exhaustive_limit: int = 4096,
     step_limit: int = 64,
     greedy_ops: int = 400,
+    dp: bool = True,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
@@ -127,8 +132,9 @@ def search(
     shape = MeshShape.of(dict(getattr(mesh, "shape", mesh)))
     sizes = shape.factor_size
     cal = calibration or Calibration.default()
-    ops = anchors(prog)
-    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes)
+    grouped = groups(prog)
+    ops = [g[0] for g in grouped]
+    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped)
     empty: Assignment = {o.name: {} for o in ops}
 
     def joint_space() -> int:
@@ -152,13 +158,13 @@ def search(
             if best is None or score[:2] < best[0][:2]:
                 best = (score, assign)
         return _result(best[0], evaluate, memory_limit_bytes)
-    # Large spaces: dynamic programming over the coarsened graph (planner.chain), with the whole
-    # mesh as one group of factors, then one prime factor at a time (Tofu's recursion); on
-    # programs of at most greedy_ops ops, the greedy passes too. The best full simulation wins.
-    dp = ChainDP(prog, groups(prog), shape.sizes, cal)
     passes = [[tuple(names)], [(f,) for f in names]]
-    results = [_dynamic(empty, p, ops, sizes, evaluate, dp) for p in passes]
-    if len(prog.ops) <= greedy_ops:
+    results = _seeds(prog, shape, evaluate)
+    if dp:
+        tables = ChainDP(prog, grouped, shape.sizes, cal)
+        results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]
+    # The DP prices time only: when its plans break the memory limit, the greedy passes run too.
+    if len(prog.ops) <= greedy_ops or all(math.isinf(r[0]) for r in results):
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
 
@@ -211,6 +217,27 @@ def _descend(assign: Assignment, opts, ops, factor: tuple[str, ...], evaluate) -
                 choices[k] = best_loop
                 improved = True
     return choices
+
+
+def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
+    """The hand-written strategies over the whole mesh, simulated as starting points that the
+    searched plans must beat (Megatron's q/k/v-by-heads split, for one, is a joint choice of
+    several groups that a per-segment search can miss)."""
+    from planner import baselines
+
+    axes = shape.axis_names
+    makers = [
+        lambda: baselines.data_parallel(prog, axes),
+        lambda: baselines.megatron(prog, axes),
+        lambda: baselines.data_and_model(prog, axes[:1], axes[1:]),
+    ]
+    out = []
+    for make in makers:
+        try:
+            out.append(evaluate(make()))
+        except ValueError:  # not applicable to this program
+            continue
+    return out
 
 
 def _result(score, evaluate: _Evaluator, limit):

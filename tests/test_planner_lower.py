@@ -305,3 +305,21 @@ def test_fsdp_weights_stored_sharded_and_gathered_before_use(mesh):
     assert device_bytes(f, params, x, y) < device_bytes(dp, params, x, y)
     with pytest.raises(ValueError, match="stored names unknown input 'nope'"):
         prog.schedule({}, mesh, stored={"nope": ((),)})
+
+
+def test_megatron_transformer_block_training_step(mesh):
+    from experiments.workloads import workload
+    from planner import baselines
+
+    fn, args = workload("transformer", [8, 8, 8, 2, 1], np.random.default_rng(1))
+    prog = planner.analyze(fn, *args)
+    assign = baselines.megatron(prog, ALL)
+    # q, k, v by heads (their weights' first free dim), the output projection by heads (its
+    # leading contracted dim), the MLP's first layer by columns and its second by rows.
+    layers = sorted(assign, key=lambda name: dots(prog).index(name))
+    assert [next(iter(assign[n])) for n in layers] == ["n0", "n0", "n0", "k1", "n", "k"]
+    f = planner.lower(prog, prog.schedule(assign, mesh), mesh)
+    for g, w in zip(jax.tree.leaves(f(*args)), jax.tree.leaves(fn(*args))):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    psums = [e.op for e in f.events if e.kind == "psum"]
+    assert psums[:2] == [layers[3], layers[5]]  # forward: after each row-parallel layer only
