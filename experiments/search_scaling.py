@@ -6,8 +6,10 @@ Usage:
 For each workload and depth, plans with ``search`` restricted to each method (``dp``: the
 dynamic program of :mod:`planner.chain`; ``greedy``: coordinate descent, run only up to
 ``--greedy_max_ops`` ops because its cost grows with depth squared) and records search time,
-predicted time and the number of ops and anchors. Writes ``results.jsonl`` and ``report.md``.
-Nothing is executed: this measures the planner itself, on the default CPU calibration.
+predicted time and the number of ops and anchors. Both methods also simulate the hand-written
+strategies as seeds (see ``planner.search``) and keep the best. Writes ``results.jsonl`` and
+``report.md``. Nothing is executed: this measures the planner itself, on the default CPU
+calibration.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def run(workloads: list[str], depths: list[int], mesh: dict, greedy_max_ops: int
             fn, args = workload(kind, [int(s) for s in sizes.split("x")] + [depth],
                                 np.random.default_rng(0))  # fmt: skip
             prog = planner.analyze(fn, *args)
-            for method, kw in (("dp", {"greedy_ops": 0}), ("greedy", {"dp": False})):
+            for method, kw in (
+                ("dp", {"greedy_ops": 0}),
+                ("greedy", {"dp": False, "greedy_ops": 10**9}),
+            ):
                 if method == "greedy" and len(prog.ops) > greedy_max_ops:
                     continue
                 start = time.perf_counter()

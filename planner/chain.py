@@ -2,30 +2,35 @@
 
 The program is cut into *segments*, one per group of dense ops (see
 :func:`planner.search.groups`): every other op joins the group nearest to it in the data-flow
-graph (breadth-first from all groups at once; ties go to the earlier group). The simulator's cost
-is a sum over ops of terms that depend on an op's own layout and its producers' layouts, so it
-splits, up to propagation effects at segment borders, into
+graph (breadth-first from all groups at once; ties go to the earlier group). A segment's layouts
+follow from its anchor's choice alone: the anchor and its :func:`siblings` take it, the inputs the
+anchor reads are assumed laid out as it needs them, and the rest of the segment propagates
+from these inside the segment. Every op's loops are then a function of its own segment's
+choice, and since the simulator's cost is a sum over ops of terms that depend on an op's own
+layout and its producers', the predicted time splits exactly into
 
     total(c) = sum_g U_g(c_g) + sum_{(g, h) adjacent} E_gh(c_g, c_h)
 
-where ``U_g(a)`` is the predicted time of segment ``g`` simulated alone with its anchor choosing
-``a`` and ``E_gh(a, b)`` is what simulating ``g`` and ``h`` together adds to ``U_g(a) + U_h(b)``:
-the layout changes and partial-sum resolutions across their border. Sub-programs with the same
-structure (the layers of a deep network) are priced once, so the cost of building the tables
+where ``U_g(a)`` is the predicted time of segment ``g`` simulated alone with choice ``a`` and
+``E_gh(a, b)`` is what simulating ``g`` and ``h`` together adds to ``U_g(a) + U_h(b)``: the layout
+changes and partial-sum resolutions across their border. (The only interactions left out are
+three-way ones, e.g. a reduce-scatter decided by the next of several consumers.) Sub-programs
+with the same structure (the layers of a deep network) are priced once, so building the tables
 does not grow with depth.
 
 Segments are ordered by their anchors' program order. When every adjacency joins consecutive
 segments (a chain: an MLP, forward and backward ops grouped per layer), Viterbi's recursion
-over that order finds the exact minimum of the decomposed cost. For general DAGs (residual
-connections join segments several positions apart) the same recursion runs, and an edge reaching
-back past the previous segment is priced with the choice that the best path into the previous
-state made for the earlier segment (the back-pointer path): a documented heuristic, exact on
-chains. The search simulates the whole program under the result, so decomposition errors cost
-optimality, never correctness of the prediction.
+over that order finds the exact minimum. For general DAGs (residual connections join segments
+several positions apart) the same recursion runs with an edge reaching back past the previous
+segment priced by the choice the best path into the previous state made for the earlier
+segment (its back-pointer path); then rounds of iterated conditional modes, every edge priced
+exactly, improve it. That is a heuristic, documented as such; the search simulates the whole
+program under the result (and under global propagation from the same anchors) and keeps the
+better, so the prediction it reports is never the decomposition's.
 
 Example:
     >>> dp = ChainDP(prog, groups(prog), mesh_sizes, calibration)            # doctest: +SKIP
-    >>> choices = dp.solve(assignment, options, factors)
+    >>> picks = dp.solve(candidates)      # per segment, the index of its chosen assignment
 """
 
 from __future__ import annotations

@@ -63,3 +63,15 @@ def test_planner_benchmark_smoke(tmp_path):
     assert [r["strategy"] for r in rows[:3]] == ["replicated", "data", "auto"]
     assert planner_benchmark.spearman([1, 2, 3], [10, 30, 20]) == 0.5
     assert "| mm | auto |" in (tmp_path / "report.md").read_text()
+
+
+def test_search_scaling_smoke(tmp_path):
+    from experiments import search_scaling
+
+    rows = search_scaling.run(["mlp:16x16"], [1, 2], {"a": 2, "b": 2}, 1000, str(tmp_path))
+    assert [(r["layers"], r["method"]) for r in rows] == [
+        (1, "dp"), (1, "greedy"), (2, "dp"), (2, "greedy")
+    ]  # fmt: skip
+    assert all(r["search_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+    assert rows[2]["anchors"] == 2
+    assert "| mlp 16x16 | 2 |" in (tmp_path / "report.md").read_text()

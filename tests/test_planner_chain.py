@@ -123,3 +123,19 @@ def test_transformer_training_step_runs_exactly_under_its_plan():
     assert sum(bool(loops) for loops in p.schedule.assign.values()) > 50  # most ops are split
     for got, want in zip(jax.tree.leaves(p(*args)), jax.tree.leaves(fn(*args))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[8, 16, 8, 16, 1], [8, 8, 8, 32, 2]])
+def test_search_never_predicts_worse_than_a_hand_strategy(sizes):
+    from planner import baselines
+
+    prog = _program("transformer", sizes)
+    _, pred = search(prog, MESH)
+    axes = tuple(MESH)
+    for assign in (
+        baselines.data_parallel(prog, axes),
+        baselines.megatron(prog, axes),
+        baselines.data_and_model(prog, axes[:1], axes[1:]),
+    ):
+        hand = planner.simulate(prog, make_schedule(prog, assign, MESH)).time_s
+        assert pred.time_s <= hand * (1 + 1e-9)
