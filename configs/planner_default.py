@@ -16,7 +16,10 @@ def get_config() -> ml_collections.ConfigDict:
         "attention=attention:4x64x8x16;"
         "tf_many_tokens=transformer:16x64x8x16x1;tf_wide=transformer:8x16x8x64x1"
     )
-    c.strategies = "replicated,data,fsdp,megatron,data_x_model,xla_propagation,auto"
+    c.strategies = "replicated,data,fsdp,megatron,data_x_model,xla_propagation,auto,auto_memory"
+    # auto_memory: the search under a memory limit of this fraction of the replicated program's
+    # predicted peak per device.
+    c.memory_limit_fraction = 0.25
     c.warmup = 2
     c.repeats = 7
     c.min_time_s = 0.3

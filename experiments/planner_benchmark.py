@@ -22,13 +22,23 @@ from ml_collections import config_flags
 from experiments.workloads import parse_workload, workload
 
 
-def schedule_for(strategy: str, prog, mesh, axes):
+def memory_limit(prog, mesh, fraction: float) -> int:
+    """``fraction`` of the replicated program's predicted peak per device, in bytes."""
+    import planner
+
+    replicated = prog.schedule({}, mesh, default="replicate")
+    return int(fraction * planner.simulate(prog, replicated).peak_bytes)
+
+
+def schedule_for(strategy: str, prog, mesh, axes, limit: int | None = None):
+    """``(schedule, search seconds, backend)``; ``auto_memory`` searches under ``limit`` bytes."""
     from planner import baselines
     from planner.search import search
 
-    if strategy == "auto":
+    if strategy in ("auto", "auto_memory"):
+        limit = limit if strategy == "auto_memory" else None
         start = time.perf_counter()
-        sched, _ = search(prog, mesh)
+        sched, _ = search(prog, mesh, memory_limit_bytes=limit)
         return sched, time.perf_counter() - start, "explicit"
     if strategy == "fsdp":
         stored = baselines.fsdp_stored(prog, axes, dict(mesh.shape))
@@ -84,10 +94,11 @@ def run(config, workdir: str) -> dict:
     for name, kind, sizes in entries:
         fn, args = workload(kind, sizes, rng)
         prog = planner.analyze(fn, *args)
+        limit = memory_limit(prog, mesh, config.memory_limit_fraction)
         rows, runs = [], []
         for strategy in strategies:
             try:
-                sched, search_s, backend = schedule_for(strategy, prog, mesh, axes)
+                sched, search_s, backend = schedule_for(strategy, prog, mesh, axes, limit)
             except ValueError as e:
                 print(f"{name}/{strategy}: not applicable ({e})")
                 continue
@@ -99,6 +110,7 @@ def run(config, workdir: str) -> dict:
             flat = jax.tree.leaves(args)
             rows.append({
                 "workload": name, "strategy": strategy, "search_s": search_s,
+                "memory_limit_bytes": limit if strategy == "auto_memory" else None,
                 "predicted_s": pred.time_s, "predicted_comm_bytes": pred.comm_bytes,
                 "predicted_peak_bytes": pred.peak_bytes,
                 "device_bytes": mem.argument_size_in_bytes + mem.output_size_in_bytes
@@ -132,7 +144,8 @@ def summarize(results: list[dict]) -> dict:
     for w in dict.fromkeys(r["workload"] for r in results):
         rows = [r for r in results if r["workload"] == w]
         auto = [r for r in rows if r["strategy"] == "auto"]
-        base = [r for r in rows if r["strategy"] != "auto"]
+        base = [r for r in rows if not r["strategy"].startswith("auto")]
+        limited = [r for r in rows if r["strategy"] == "auto_memory"]
         best = min(base, key=lambda r: r["measured_s"]) if base else None
         per[w] = {
             "best_baseline": best["strategy"] if best else None,
@@ -140,6 +153,14 @@ def summarize(results: list[dict]) -> dict:
             "predicted_best": min(rows, key=lambda r: r["predicted_s"])["strategy"],
             "measured_best": min(rows, key=lambda r: r["measured_s"])["strategy"],
         }  # fmt: skip
+        if limited:
+            r = limited[0]
+            per[w]["auto_memory"] = {
+                "limit_bytes": r["memory_limit_bytes"],
+                "predicted_peak_bytes": r["predicted_peak_bytes"],
+                "compiled_device_bytes": r["device_bytes"],
+                "over_auto_time": r["measured_s"] / auto[0]["measured_s"] if auto else None,
+            }
     return {
         "pairs": len(results),
         "spearman_predicted_vs_measured": spearman(

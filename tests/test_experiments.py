@@ -56,11 +56,13 @@ def test_planner_benchmark_smoke(tmp_path):
     from experiments import planner_benchmark
 
     summary = planner_benchmark.run(planner_smoke.get_config(), str(tmp_path))
-    assert summary["pairs"] == 9
+    assert summary["pairs"] == 12
     assert set(summary["workloads"]) == {"mm", "mlp", "tf"}
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
-    assert [r["strategy"] for r in rows[:3]] == ["replicated", "data", "auto"]
+    assert [r["strategy"] for r in rows[:4]] == ["replicated", "data", "auto", "auto_memory"]
+    limited = summary["workloads"]["mlp"]["auto_memory"]
+    assert limited["predicted_peak_bytes"] <= limited["limit_bytes"]
     assert planner_benchmark.spearman([1, 2, 3], [10, 30, 20]) == 0.5
     assert "| mm | auto |" in (tmp_path / "report.md").read_text()
 
