@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategies = "replicated,data,fsdp,megatron,data_x_model,xla_propagation,auto,auto_memory"
     # auto_memory: the search under a memory limit of this fraction of the replicated program's
     # predicted peak per device.
-    c.memory_limit_fraction = 0.25
+    c.memory_limit_fraction = 0.3
     c.warmup = 2
     c.repeats = 7
     c.min_time_s = 0.3

@@ -160,15 +160,21 @@ class ChainDP:
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
-        """The window's program and an integer naming its structure."""
+        """The window's program and an integer naming its structure (with where its segments'
+        anchors and siblings sit): windows with equal integers cost the same."""
         if segs not in self._programs:
             ops = sorted((o for s in segs for o in self.segments[s]),
                          key=lambda o: self._index[o.name])  # fmt: skip
             sub = subprogram(self.prog, ops)
-            self._programs[segs] = (sub, self._ids.setdefault(structure(sub), len(self._ids)))
+            position = {o.name: k for k, o in enumerate(sub.ops)}
+            heads = tuple(
+                tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs
+            )
+            key = self._ids.setdefault((structure(sub), heads), len(self._ids))
+            self._programs[segs] = (sub, key)
         return self._programs[segs]
 
-    def grids(self, g: int, anchor: dict) -> dict[str, dict]:
+    def grids(self, g: int, anchor: dict) -> dict[str, dict] | None:
         """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
         propagated inside the segment only, so that a segment's layouts do not depend on its
         neighbours' choices and the cost decomposes."""
