@@ -102,12 +102,23 @@ def with_siblings(anchor_assign: dict, groups: Sequence[Sequence[Op]]) -> dict:
     return out
 
 
-def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
-    """The program of ``ops`` alone: values they read but do not produce become its inputs."""
+def readers(prog: Program) -> dict[str, set[str]]:
+    """Value name -> names of the ops reading it."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for o in prog.ops:
+        for a in o.operands:
+            out[a.value.name].add(o.name)
+    return out
+
+
+def subprogram(prog: Program, ops: Sequence[Op], read_by: dict | None = None) -> Program:
+    """The program of ``ops`` alone: values they read but do not produce become its inputs, and
+    values read after it (or returned) its outputs. ``read_by``: :func:`readers`, if known."""
+    read_by = readers(prog) if read_by is None else read_by
     inside = {o.name for o in ops}
     produced = {r.value.name for o in ops for r in o.results}
-    read_outside = {a.value.name for o in prog.ops if o.name not in inside for a in o.operands}
-    read_outside |= {v.name for v in prog.outputs}
+    returned = {v.name for v in prog.outputs}
+    read_outside = {v for v in produced if v in returned or read_by.get(v, set()) - inside}
     inputs: dict[str, Value] = {}
     for o in ops:
         for a in o.operands:
@@ -140,6 +151,7 @@ class ChainDP:
     def __init__(self, prog: Program, groups: Sequence[Sequence[Op]], mesh, cal: Calibration):
         self.prog, self.mesh, self.cal = prog, dict(mesh), cal
         self._index = {o.name: k for k, o in enumerate(prog.ops)}
+        self._readers = readers(prog)
         self.anchors = [g[0] for g in groups]
         self.siblings = [siblings(g) for g in groups]
         self.segments = segments(prog, groups)
@@ -165,7 +177,7 @@ class ChainDP:
         if segs not in self._programs:
             ops = sorted((o for s in segs for o in self.segments[s]),
                          key=lambda o: self._index[o.name])  # fmt: skip
-            sub = subprogram(self.prog, ops)
+            sub = subprogram(self.prog, ops, self._readers)
             position = {o.name: k for k, o in enumerate(sub.ops)}
             heads = tuple(
                 tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.ir import Op, Program, Value
+from planner.ir import Access, Op, Program, Value
 from planner.schedule import Axes, Schedule, Spec
 
 
@@ -43,15 +43,24 @@ class OpStep:
         return bool(self.pending) or any(any(s) for s in self.in_specs + self.out_specs)
 
 
+def first_uses(prog: Program) -> dict[str, tuple[Op, Access]]:
+    """Value name -> the first op reading it and how (computed once per program)."""
+    cached = prog.__dict__.get("_first_uses")
+    if cached is None:
+        cached = {}
+        for op in prog.ops:
+            for acc in op.operands:
+                cached.setdefault(acc.value.name, (op, acc))
+        object.__setattr__(prog, "_first_uses", cached)  # a cache on a frozen dataclass
+    return cached
+
+
 def input_spec(prog: Program, sched: Schedule, v: Value) -> Spec:
     """An input's layout: its stored one if given, else what its first consumer requires."""
     if v.name in sched.stored:
         return sched.stored[v.name]
-    for op in prog.ops:
-        for acc in op.operands:
-            if acc.value == v:
-                return sched.spec(op, acc)
-    return ((),) * len(v.shape)
+    use = first_uses(prog).get(v.name)
+    return sched.spec(*use) if use else ((),) * len(v.shape)
 
 
 def _next_requirement(prog: Program, sched: Schedule, after: int, value: Value) -> Spec | None:
