@@ -5,6 +5,9 @@
 | mlp         | batch x hidden x layers                 | L-layer ReLU MLP training step (grad + SGD) |
 | transformer | batch x seq x heads x head_dim x layers | pre-norm blocks (attention + 4x MLP, both   |
 |             |                                         | residual) training step (grad + SGD)        |
+| moe         | tokens x d x experts x hidden           | top-1 mixture of experts (GShard-style      |
+|             |                                         | dense dispatch, capacity 2 tokens/experts), |
+|             |                                         | training step (grad + SGD)                  |
 | matmul      | m x k x n                               | ``tanh(x @ w)`` (the thesis' matmul)        |
 | attention   | batch x seq x heads x head_dim          | multi-head attention forward                |
 
@@ -26,7 +29,7 @@ def parse_workload(text: str) -> tuple[str, str, list[int]]:
     return name, kind, [int(n) for n in sizes.split("x")]
 
 
-_SIZES = {"mlp": 3, "transformer": 5, "matmul": 3, "attention": 4}
+_SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4}
 
 
 def _sgd(loss):
@@ -55,6 +58,30 @@ def _rms_norm(x):
     import jax.numpy as jnp
 
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _moe_loss(params, x, y):
+    """Top-1 routing with capacity ``2 t / e`` per expert; dispatch and combine are dense one-hot
+    tensors (tokens x experts x slots), so every step is an einsum the planner can split."""
+    import jax
+    import jax.numpy as jnp
+
+    t, e = x.shape[0], params["wg"].shape[1]
+    capacity = 2 * t // e
+    logits = x @ params["wg"]
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), e, dtype=x.dtype)
+    position = jnp.cumsum(onehot, axis=0) * onehot - 1.0
+    keep = onehot * (position < capacity)
+    slot = jnp.sum(position * keep, axis=-1).astype(jnp.int32)
+    dispatch = jax.lax.stop_gradient(
+        keep[:, :, None] * jax.nn.one_hot(slot, capacity, dtype=x.dtype)[:, None, :]
+    )
+    gate = jnp.sum(jax.nn.softmax(logits, axis=-1) * keep, axis=-1)
+    expert_in = jnp.einsum("tec,td->ecd", dispatch, x)
+    h = jax.nn.relu(jnp.einsum("ecd,edh->ech", expert_in, params["w1"]))
+    expert_out = jnp.einsum("ech,ehd->ecd", h, params["w2"])
+    y_hat = jnp.einsum("tec,ecd->td", dispatch * gate[:, None, None], expert_out)
+    return jnp.mean((y_hat - y) ** 2)
 
 
 def workload(kind: str, sizes: list[int], rng):
@@ -97,6 +124,14 @@ def workload(kind: str, sizes: list[int], rng):
             return jnp.mean((x - y) ** 2)
 
         return _sgd(loss), (params, r(b, s, d), r(b, s, d))
+    if kind == "moe":
+        t, d, e, h = sizes
+        params = {
+            "wg": r(d, e),
+            "w1": r(e, d, h) * math.sqrt(e / d),
+            "w2": r(e, h, d) * math.sqrt(e / h),
+        }
+        return _sgd(_moe_loss), (params, r(t, d), r(t, d))
     if kind == "matmul":
         m, k, n = sizes
         return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))

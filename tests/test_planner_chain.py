@@ -111,16 +111,20 @@ def test_alpa_oracle_large_batch_small_hidden_gives_data_parallelism_on_a_fast_n
     assert all(not replicated.assign[o.name] for o in anchors(prog))
 
 
-def test_transformer_training_step_runs_exactly_under_its_plan():
+@pytest.mark.parametrize(
+    "kind,sizes", [("transformer", [8, 8, 2, 4, 2]), ("moe", [64, 8, 8, 16])]
+)
+def test_training_step_runs_exactly_under_its_plan(kind, sizes):
     import jax
     from jax.sharding import AxisType
 
     mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
-    fn, args = workload("transformer", [8, 8, 2, 4, 2], np.random.default_rng(0))
+    fn, args = workload(kind, sizes, np.random.default_rng(0))
     cpu = Calibration.default()  # at this size CPU latencies say replicate: price a fast network
     fast = dataclasses.replace(cpu, latency_s={k: v / 1000 for k, v in cpu.latency_s.items()})
     p = planner.plan(fn, *args, mesh=mesh, calibration=fast)
-    assert sum(bool(loops) for loops in p.schedule.assign.values()) > 50  # most ops are split
+    split = sum(bool(loops) for loops in p.schedule.assign.values())
+    assert split > len(p.program.ops) // 2  # most ops are split
     for got, want in zip(jax.tree.leaves(p(*args)), jax.tree.leaves(fn(*args))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
