@@ -109,7 +109,8 @@ def run(config, workdir: str) -> dict:
             colls = hlo_collectives(compiled.as_text())
             # Inputs are placed once, as the program wants them (parameters stay on the devices
             # between steps): the timing is the program's, not a host-to-device copy per call.
-            placed = jax.tree.leaves(jax.device_put(args, compiled.input_shardings[0]))
+            flat = jax.tree.leaves(args)  # the lowered programs take the leaves
+            placed = jax.device_put(flat, list(compiled.input_shardings[0]))
             rows.append({
                 "workload": name, "strategy": strategy, "search_s": search_s,
                 "memory_limit_bytes": limit if strategy == "auto_memory" else None,
