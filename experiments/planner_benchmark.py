@@ -3,7 +3,8 @@
 Usage:
     python -m experiments.planner_benchmark --config=configs/planner_default.py --workdir=workdir/planner
 
-For every workload x strategy (all lowered the same way): measured time (interleaved repetitions),
+For every workload x strategy (all lowered the same way): measured time (interleaved repetitions,
+inputs placed on the devices once as the program wants them),
 per-device memory of the compiled program (arguments + outputs + temporaries), collective bytes from
 the HLO, the simulator's predicted time / bytes / peak memory, and the search time for ``auto``.
 Writes ``results.jsonl``, ``summary.json`` (Spearman rank correlation of predicted and measured

@@ -111,9 +111,7 @@ def test_alpa_oracle_large_batch_small_hidden_gives_data_parallelism_on_a_fast_n
     assert all(not replicated.assign[o.name] for o in anchors(prog))
 
 
-@pytest.mark.parametrize(
-    "kind,sizes", [("transformer", [8, 8, 2, 4, 2]), ("moe", [64, 8, 8, 16])]
-)
+@pytest.mark.parametrize("kind,sizes", [("transformer", [8, 8, 2, 4, 2]), ("moe", [64, 8, 8, 16])])
 def test_training_step_runs_exactly_under_its_plan(kind, sizes):
     import jax
     from jax.sharding import AxisType
