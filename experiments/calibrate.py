@@ -3,7 +3,8 @@
 Usage:
     python -m experiments.calibrate --out=planner/calibrations/cpu.json [--devices=8]
 
-Measures per-device dense matmul throughput and local copy bandwidth with all devices working at
+Measures per-device dense matmul throughput, local copy bandwidth (read + write a fresh buffer)
+and streaming read bandwidth (a column sum of a resident buffer) with all devices working at
 once (simulated CPU devices share the host's cores), and for every collective kind over all
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
 ``planner.costmodel``).
@@ -48,6 +49,9 @@ def measure(repeats: int):
     big = jax.device_put(np.ones((n * 2**21,), np.float32), NamedSharding(mesh, P("d")))
     copy, big = on_all(lambda t: t * 1.5, big)
     copy_bw = 2 * (big.nbytes // n) / seconds(copy, big)
+    wide = jax.device_put(np.ones((n * 2048, 1024), np.float32), NamedSharding(mesh, P("d")))
+    reduce, wide = on_all(lambda t: jnp.sum(t, axis=0, keepdims=True), wide)
+    read_bw = (wide.nbytes // n) / seconds(reduce, wide)
 
     perm = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
@@ -71,7 +75,7 @@ def measure(repeats: int):
         bw = (b1 - b0) / max(t1 - t0, 1e-9)
         latency[kind] = max(t0 - b0 / bw, 1e-7)
         bandwidth[kind] = bw
-    return Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth)
+    return Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw)
 
 
 def main(argv):

@@ -50,15 +50,19 @@ class Calibration:
     copy_bytes_per_s: float
     latency_s: dict[str, float]
     bytes_per_s: dict[str, float]
+    read_bytes_per_s: float | None = None  # streaming a resident operand; None: copy's rate
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
         if n <= 1:
             return 0.0
         return self.latency_s[kind] + wire_bytes(kind, nbytes, n) / self.bytes_per_s[kind]
 
-    def compute_time(self, flops: float, touched_bytes: float) -> float:
-        """Roofline: the slower of arithmetic and memory traffic."""
-        return max(flops / self.flops_per_s, touched_bytes / self.copy_bytes_per_s)
+    def compute_time(self, flops: float, read_bytes: float, written_bytes: float = 0.0) -> float:
+        """Roofline: the slower of arithmetic and memory traffic (operands read at the streaming
+        rate, results written at the copy rate)."""
+        read_rate = self.read_bytes_per_s or self.copy_bytes_per_s
+        traffic = read_bytes / read_rate + written_bytes / self.copy_bytes_per_s
+        return max(flops / self.flops_per_s, traffic)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -117,7 +117,7 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
             _bytes(a.value.shape, s, sizes, a.value.dtype) for a, s in zip(op.operands, st.in_specs)
         )
         flops = (2 if op.primitive in DENSE else 1) * extent / parts
-        compute = cal.compute_time(flops, ins + sum(outs))
+        compute = cal.compute_time(flops, ins, sum(outs))
         if st.pending:
             n = math.prod(sizes[a] for a in st.pending)
             for k_res, size in enumerate(outs):

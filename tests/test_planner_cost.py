@@ -31,6 +31,23 @@ def test_default_calibration_loads_and_round_trips(tmp_path):
         Calibration.from_json(json.dumps(data))
 
 
+def test_roofline_reads_at_the_streaming_rate_and_writes_at_the_copy_rate():
+    import dataclasses
+
+    cal = Calibration.default()
+    assert cal.read_bytes_per_s > cal.copy_bytes_per_s  # streaming a resident buffer is faster
+    mb = 2**20
+    assert cal.compute_time(0, mb, mb) == pytest.approx(
+        mb / cal.read_bytes_per_s + mb / cal.copy_bytes_per_s
+    )
+    assert cal.compute_time(1e12, mb) == pytest.approx(1e12 / cal.flops_per_s)  # compute-bound
+    old = dataclasses.replace(cal, read_bytes_per_s=None)  # files without the field
+    assert old.compute_time(0, mb, mb) == pytest.approx(2 * mb / cal.copy_bytes_per_s)
+    data = json.loads(cal.to_json())
+    del data["read_bytes_per_s"]
+    assert Calibration.from_json(json.dumps(data)).read_bytes_per_s is None
+
+
 def test_wire_bytes_table():
     assert wire_bytes("all-gather", 800, 8) == 700
     assert wire_bytes("all-reduce", 800, 8) == 1400
