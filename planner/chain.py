@@ -45,19 +45,21 @@ from planner.schedule import make_schedule
 from planner.simulator import simulate
 
 
+def flow_edges(prog: Program) -> list[tuple[str, str]]:
+    """``(producer, consumer)`` op names for every operand produced by an op."""
+    producer = {r.value.name: o.name for o in prog.ops for r in o.results}
+    return [(producer[a.value.name], o.name)
+            for o in prog.ops for a in o.operands if a.value.name in producer]  # fmt: skip
+
+
 def segments(prog: Program, groups: Sequence[Sequence[Op]]) -> list[list[Op]]:
     """Every op of ``prog`` in exactly one segment, one segment per group (program order)."""
     if not groups:
         return []
-    index = {o.name: k for k, o in enumerate(prog.ops)}
     neighbours: dict[str, list[str]] = {o.name: [] for o in prog.ops}
-    producer = {r.value.name: o.name for o in prog.ops for r in o.results}
-    for o in prog.ops:
-        for acc in o.operands:
-            p = producer.get(acc.value.name)
-            if p is not None:
-                neighbours[o.name].append(p)
-                neighbours[p].append(o.name)
+    for p, c in flow_edges(prog):
+        neighbours[c].append(p)
+        neighbours[p].append(c)
     owner: dict[str, int] = {}
     queue: collections.deque = collections.deque()
     for g, members in enumerate(groups):
@@ -75,7 +77,7 @@ def segments(prog: Program, groups: Sequence[Sequence[Op]]) -> list[list[Op]]:
     for o in prog.ops:  # ops connected to no group (constants, iotas) join the previous segment
         last = owner.get(o.name, last)
         out[last].append(o)
-    return [sorted(s, key=lambda o: index[o.name]) for s in out]
+    return out
 
 
 def siblings(group: Sequence[Op]) -> list[Op]:
@@ -156,14 +158,8 @@ class ChainDP:
         self.siblings = [siblings(g) for g in groups]
         self.segments = segments(prog, groups)
         seg_of = {o.name: k for k, s in enumerate(self.segments) for o in s}
-        producer = {r.value.name: o.name for o in prog.ops for r in o.results}
-        edges = set()
-        for o in prog.ops:
-            for acc in o.operands:
-                p = producer.get(acc.value.name)
-                if p is not None and seg_of[p] != seg_of[o.name]:
-                    edges.add(tuple(sorted((seg_of[p], seg_of[o.name]))))
-        self.edges = sorted(edges)
+        self.edges = sorted({tuple(sorted((seg_of[p], seg_of[c])))
+                             for p, c in flow_edges(prog) if seg_of[p] != seg_of[c]})  # fmt: skip
         self.is_chain = all(j == i + 1 for i, j in self.edges)
         self._programs: dict[tuple[int, ...], tuple[Program, int]] = {}
         self._grids: dict = {}

@@ -105,11 +105,18 @@ class _Evaluator:
         return self.cache[key]
 
 
+def _extend(loops: Mapping, loop: str | None, factors: tuple[str, ...]) -> dict:
+    """One op's loops with ``factors`` added to ``loop`` (unchanged for ``None``)."""
+    out = dict(loops)
+    if loop is not None:
+        out[loop] = out.get(loop, ()) + tuple(factors)
+    return out
+
+
 def _with(assign: Assignment, choices, ops, factors: tuple[str, ...]) -> Assignment:
-    out = {k: dict(v) for k, v in assign.items()}
+    out = dict(assign)
     for op, loop in zip(ops, choices):
-        if loop is not None:
-            out[op.name][loop] = out[op.name].get(loop, ()) + tuple(factors)
+        out[op.name] = _extend(assign[op.name], loop, factors)
     return out
 
 
@@ -175,9 +182,8 @@ def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
     for group in factor_groups:
         size = math.prod(sizes[f] for f in group)
         opts = [_options(o, assign[o.name], size, sizes) for o in ops]
-        candidates = [
-            [_with(assign, [loop], [o], group)[o.name] for loop in opt] for o, opt in zip(ops, opts)
-        ]
+        candidates = [[_extend(assign[o.name], loop, group) for loop in opt]
+                      for o, opt in zip(ops, opts)]  # fmt: skip
         picks = dp.solve(candidates)
         assign = _with(assign, [opt[k] for opt, k in zip(opts, picks)], ops, group)
     explicit = dp.assignment([assign[o.name] for o in ops])
