@@ -6,10 +6,10 @@ one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (cal
 ``python -m experiments.calibrate``). :func:`plan` / :func:`auto_shard` search a schedule (:func:`search`) and run it.
 """
 
-from planner.analyze import analyze
+from planner.analysis import analyze
 from planner.auto import AutoPlan, auto_shard, plan
 from planner.ir import Access, Loop, Op, Program, Value
-from planner.lower import Lowered, lower
+from planner.lowering import Lowered, lower
 from planner.schedule import Schedule, make_schedule
 from planner.search import search
 from planner.simulator import Prediction, simulate

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec
 
-from planner.analyze import analyze
+from planner.analysis import analyze
 from planner.costmodel import Calibration
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program
-from planner.lower import Lowered, lower
+from planner.lowering import Lowered, lower
 from planner.schedule import Schedule, Spec
 from planner.search import search
 from redist.types import DistType, MeshShape

@@ -21,11 +21,9 @@ from collections.abc import Sequence
 
 from planner.ir import Op, Program
 
-DENSE = ("dot_general", "conv_general_dilated")
-
 
 def _dense(prog: Program) -> list[Op]:
-    return [o for o in prog.ops if o.primitive in DENSE]
+    return [o for o in prog.ops if o.dense]
 
 
 def _batch_loop(op: Op) -> str:
@@ -48,19 +46,17 @@ def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
 def _weight_ops(prog: Program) -> list[Op]:
     """Forward layer products ``x @ W`` as ``(op, weight operand position)``: a program input whose
     first use is as an operand of a product contracted on its leading dimensions is a weight."""
-    first_use: dict = {}
-    for o in prog.ops:
-        for pos, acc in enumerate(o.operands):
-            first_use.setdefault(acc.value, (o, pos))
     out = []
     for v in prog.inputs:
-        o, pos = first_use.get(v, (None, None))
-        if o is None or o.primitive != "dot_general" or len(o.operands) != 2:
+        uses = prog.uses.get(v.name)
+        if not uses or uses[0][0].primitive != "dot_general" or len(uses[0][0].operands) != 2:
             continue
+        o = uses[0][0]
+        pos = next(k for k, a in enumerate(o.operands) if a is uses[0][1])
         contract = o.eqn.params["dimension_numbers"][0][pos]
         if contract and sorted(contract) == list(range(len(contract))):
             out.append((o, pos))
-    return sorted(out, key=lambda op_pos: prog.ops.index(op_pos[0]))
+    return sorted(out, key=lambda op_pos: prog.index[op_pos[0].name])
 
 
 def megatron(prog: Program, axes: Sequence[str]) -> dict:

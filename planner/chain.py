@@ -47,8 +47,8 @@ from planner.simulator import simulate
 
 def flow_edges(prog: Program) -> list[tuple[str, str]]:
     """``(producer, consumer)`` op names for every operand produced by an op."""
-    producer = {r.value.name: o.name for o in prog.ops for r in o.results}
-    return [(producer[a.value.name], o.name)
+    producer = prog.producer
+    return [(producer[a.value.name].name, o.name)
             for o in prog.ops for a in o.operands if a.value.name in producer]  # fmt: skip
 
 
@@ -104,30 +104,23 @@ def with_siblings(anchor_assign: dict, groups: Sequence[Sequence[Op]]) -> dict:
     return out
 
 
-def readers(prog: Program) -> dict[str, set[str]]:
-    """Value name -> names of the ops reading it."""
-    out: dict[str, set[str]] = collections.defaultdict(set)
-    for o in prog.ops:
-        for a in o.operands:
-            out[a.value.name].add(o.name)
-    return out
-
-
-def subprogram(prog: Program, ops: Sequence[Op], read_by: dict | None = None) -> Program:
+def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     """The program of ``ops`` alone: values they read but do not produce become its inputs, and
-    values read after it (or returned) its outputs. ``read_by``: :func:`readers`, if known."""
-    read_by = readers(prog) if read_by is None else read_by
+    values read after it (or returned) its outputs; ties between its own ops are kept."""
     inside = {o.name for o in ops}
     produced = {r.value.name for o in ops for r in o.results}
     returned = {v.name for v in prog.outputs}
-    read_outside = {v for v in produced if v in returned or read_by.get(v, set()) - inside}
+    uses = prog.uses
+    read_outside = {v for v in produced
+                    if v in returned or any(o.name not in inside for o, _ in uses.get(v, ()))}  # fmt: skip
     inputs: dict[str, Value] = {}
     for o in ops:
         for a in o.operands:
             if a.value.name not in produced:
                 inputs.setdefault(a.value.name, a.value)
     outputs = [r.value for o in ops for r in o.results if r.value.name in read_outside]
-    return Program(tuple(ops), tuple(inputs.values()), tuple(outputs))
+    ties = tuple(t for t in prog.ties if t[0] in inside and t[1] in inside)
+    return Program(tuple(ops), tuple(inputs.values()), tuple(outputs), ties=ties)
 
 
 def structure(prog: Program) -> tuple:
@@ -139,7 +132,7 @@ def structure(prog: Program) -> tuple:
 
     ins = tuple(vid(v) for v in prog.inputs)
     ops = tuple(
-        (o.primitive, o.loops, o.reductions, o.how,
+        (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
          tuple((vid(r.value), r.dims, r.halo) for r in o.results))
         for o in prog.ops
@@ -152,8 +145,7 @@ class ChainDP:
 
     def __init__(self, prog: Program, groups: Sequence[Sequence[Op]], mesh, cal: Calibration):
         self.prog, self.mesh, self.cal = prog, dict(mesh), cal
-        self._index = {o.name: k for k, o in enumerate(prog.ops)}
-        self._readers = readers(prog)
+        self._index = prog.index
         self.anchors = [g[0] for g in groups]
         self.siblings = [siblings(g) for g in groups]
         self.segments = segments(prog, groups)
@@ -173,7 +165,7 @@ class ChainDP:
         if segs not in self._programs:
             ops = sorted((o for s in segs for o in self.segments[s]),
                          key=lambda o: self._index[o.name])  # fmt: skip
-            sub = subprogram(self.prog, ops, self._readers)
+            sub = subprogram(self.prog, ops)
             position = {o.name: k for k, o in enumerate(sub.ops)}
             heads = tuple(
                 tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs

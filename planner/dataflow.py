@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.ir import Access, Op, Program, Value
+from planner.ir import Op, Program, Value
 from planner.schedule import Axes, Schedule, Spec
 
 
@@ -27,8 +27,10 @@ class Move:
 class OpStep:
     """One op's kernel: operand moves, kernel layouts, and partial-sum resolution.
 
+    ``combine`` is how partial results over ``pending`` are combined (``"sum"``: ``psum``;
+    ``"max"`` / ``"min"``: ``pmax`` / ``pmin``; ``"and"`` / ``"or"`` on booleans likewise).
     ``scatter[k]`` is the result dimension a ``psum_scatter`` splits over ``pending`` (the next
-    consumer wants it split so), or ``None`` for a ``psum``.
+    consumer wants it split so), or ``None`` for an all-reduce.
     """
 
     op: Op
@@ -37,38 +39,24 @@ class OpStep:
     out_specs: tuple[Spec, ...]
     pending: Axes
     scatter: tuple[int | None, ...]
+    combine: str = "sum"
 
     @property
     def partitioned(self) -> bool:
         return bool(self.pending) or any(any(s) for s in self.in_specs + self.out_specs)
 
 
-def first_uses(prog: Program) -> dict[str, tuple[Op, Access]]:
-    """Value name -> the first op reading it and how (computed once per program)."""
-    cached = prog.__dict__.get("_first_uses")
-    if cached is None:
-        cached = {}
-        for op in prog.ops:
-            for acc in op.operands:
-                cached.setdefault(acc.value.name, (op, acc))
-        object.__setattr__(prog, "_first_uses", cached)  # a cache on a frozen dataclass
-    return cached
-
-
 def input_spec(prog: Program, sched: Schedule, v: Value) -> Spec:
     """An input's layout: its stored one if given, else what its first consumer requires."""
     if v.name in sched.stored:
         return sched.stored[v.name]
-    use = first_uses(prog).get(v.name)
-    return sched.spec(*use) if use else ((),) * len(v.shape)
+    uses = prog.uses.get(v.name)
+    return sched.spec(*uses[0]) if uses else ((),) * len(v.shape)
 
 
-def _next_requirement(prog: Program, sched: Schedule, after: int, value: Value) -> Spec | None:
-    for c in prog.ops[after + 1 :]:
-        for acc in c.operands:
-            if acc.value == value:
-                return sched.spec(c, acc)
-    return None
+def _next_requirement(prog: Program, sched: Schedule, value: Value) -> Spec | None:
+    uses = prog.uses.get(value.name)
+    return sched.spec(*uses[0]) if uses else None
 
 
 def dataflow(prog: Program, sched: Schedule) -> tuple[OpStep, ...]:
@@ -77,7 +65,7 @@ def dataflow(prog: Program, sched: Schedule) -> tuple[OpStep, ...]:
     for v, _ in prog.consts:
         layout[v.name] = ((),) * len(v.shape)
     steps = []
-    for index, op in enumerate(prog.ops):
+    for op in prog.ops:
         moves, in_specs = [], []
         for acc in op.operands:
             cur, want = layout[acc.value.name], sched.spec(op, acc)
@@ -86,10 +74,11 @@ def dataflow(prog: Program, sched: Schedule) -> tuple[OpStep, ...]:
             in_specs.append(want)
         out_specs = [sched.spec(op, r) for r in op.results]
         pending = sched.pending(op)
+        combine = sched.combine(op)
         scatter: list[int | None] = [None] * len(op.results)
-        if pending:
+        if pending and combine == "sum":
             for k, r in enumerate(op.results):
-                want = _next_requirement(prog, sched, index, r.value)
+                want = _next_requirement(prog, sched, r.value)
                 for d, axes in enumerate(want or ()):
                     if axes == pending and not out_specs[k][d]:
                         scatter[k] = d
@@ -98,5 +87,5 @@ def dataflow(prog: Program, sched: Schedule) -> tuple[OpStep, ...]:
         for r, s in zip(op.results, out_specs):
             layout[r.value.name] = s
         steps.append(OpStep(op, tuple(moves), tuple(in_specs), tuple(out_specs), pending,
-                            tuple(scatter)))  # fmt: skip
+                            tuple(scatter), combine))  # fmt: skip
     return tuple(steps)

@@ -7,7 +7,11 @@ applied to every operand that has the dimension), and compare with the whole res
   dimensions and ``d`` share a parallel loop;
 - if they sum to the whole result, the split dimensions form a sum-reduction loop.
 
-What is not discovered is read whole and its loops are not partitionable.
+What is not discovered is read whole and its loops are not partitionable. The probes run on
+shrunk shapes (every distinct dimension size mapped to a distinct small one of the same parity,
+so a dimension shared by several operands stays shared); when the primitive does not accept
+them (a parameter fixes a size), on the real shapes if they hold at most ``FULL_SIZE_LIMIT``
+elements, else not at all (the op runs replicated).
 
 Example:
     >>> op = discover("cumsum_4", eqn, ins, outs)   # doctest: +SKIP
@@ -16,21 +20,31 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
-from planner.ir import Access, Loop, Op, Value
+from planner.ir import Access, Loop, Op
 
 MAX_COMBOS = 64
+FULL_SIZE_LIMIT = 1 << 16
 
 
-def _random(v: Value, rng: np.random.Generator) -> np.ndarray:
-    dt = np.dtype(v.dtype)
+def _shrink(shapes: list[tuple[int, ...]]) -> dict[int, int]:
+    """Distinct sizes -> small sizes: even ones to 2, 4, 6, ..., odd ones (> 1) to 3, 5, ..."""
+    sizes = sorted({n for s in shapes for n in s if n > 1})
+    evens = iter(range(2, 1 << 30, 2))
+    odds = iter(range(3, 1 << 30, 2))
+    return {n: next(evens) if n % 2 == 0 else next(odds) for n in sizes}
+
+
+def _random(shape, dtype: str, rng: np.random.Generator) -> np.ndarray:
+    dt = np.dtype(dtype)
     if dt == np.bool_:
-        return rng.random(v.shape) < 0.5
+        return rng.random(shape) < 0.5
     if np.issubdtype(dt, np.integer):
-        return rng.integers(0, 7, size=v.shape).astype(dt)
-    return (rng.random(v.shape) + 0.5).astype(dt)  # positive: inside most functions' domains
+        return rng.integers(0, 7, size=shape).astype(dt)
+    return (rng.random(shape) + 0.5).astype(dt)  # positive: inside most functions' domains
 
 
 def _split(x: np.ndarray, dim: int | None, half: int) -> np.ndarray:
@@ -44,22 +58,31 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
     """An :class:`Op` from running ``eqn``'s primitive on pieces, or ``None`` if it cannot run."""
     if len(outs) != 1:
         return None
-    rng = np.random.default_rng(seed)
     out = outs[0]
     literal = [getattr(v, "val", None) for v in eqn.invars]
-    args = [_random(v, rng) if v is not None else literal[k] for k, v in enumerate(ins)]
+    idx = [k for k, v in enumerate(ins) if v is not None]
 
     def run(pieces):
         res = eqn.primitive.bind(*pieces, **eqn.params)
         return np.asarray(res[0] if eqn.primitive.multiple_results else res)
 
-    try:
-        whole = run(args)
-    except Exception:  # noqa: BLE001 - a primitive that cannot run eagerly is simply replicated
+    small = _shrink([out.shape] + [ins[k].shape for k in idx])
+    probes = [small, {n: n for n in small}]  # shrunk shapes, else the real ones if small enough
+    if sum(math.prod(ins[k].shape) for k in idx) > FULL_SIZE_LIMIT:
+        probes.pop()
+    for size in probes:
+        rng = np.random.default_rng(seed)
+        shapes = {k: tuple(size.get(n, n) for n in ins[k].shape) for k in idx}
+        args = [_random(shapes[k], ins[k].dtype, rng) if k in shapes else literal[k]
+                for k in range(len(ins))]  # fmt: skip
+        try:
+            whole = run(args)
+        except Exception:  # noqa: BLE001 - a primitive that cannot run eagerly is replicated
+            continue
+        if whole.shape == tuple(size.get(n, n) for n in out.shape):
+            break
+    else:
         return None
-    if whole.shape != out.shape:
-        return None
-    idx = [k for k, v in enumerate(ins) if v is not None]
     in_dims = {k: [()] * len(ins[k].shape) for k in idx}
     out_dims: list = [()] * len(out.shape)
     loops: list[Loop] = []
@@ -67,7 +90,7 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
     used = {k: set() for k in idx}
 
     def combos(size: int):
-        options = [[None] + [d for d, n in enumerate(ins[k].shape) if n == size and d not in used[k]]
+        options = [[None] + [d for d, n in enumerate(shapes[k]) if n == size and d not in used[k]]
                    for k in idx]  # fmt: skip
         for combo in itertools.islice(itertools.product(*options), MAX_COMBOS):
             if any(d is not None for d in combo):
@@ -82,8 +105,10 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
             res.append(run(pieces))
         return res
 
-    for od, size in enumerate(out.shape):
+    for od, size in enumerate(whole.shape):
         if size < 2 or size % 2:
+            loops.append(Loop(f"i{od}", out.shape[od], partitionable=False))
+            out_dims[od] = (f"i{od}",)
             continue
         for combo in combos(size):
             try:
@@ -96,7 +121,7 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
                 and joined.shape == whole.shape
                 and np.allclose(joined, whole, equal_nan=True)
             ):
-                lp = Loop(f"i{od}", size)
+                lp = Loop(f"i{od}", out.shape[od])
                 loops.append(lp)
                 out_dims[od] = (lp.name,)
                 for k, d in zip(idx, combo):
@@ -105,9 +130,9 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
                         used[k].add(d)
                 break
         else:
-            loops.append(Loop(f"i{od}", size, partitionable=False))
+            loops.append(Loop(f"i{od}", out.shape[od], partitionable=False))
             out_dims[od] = (f"i{od}",)
-    sizes = sorted({n for k in idx for d, n in enumerate(ins[k].shape) if d not in used[k]})
+    sizes = sorted({n for k in idx for d, n in enumerate(shapes[k]) if d not in used[k]})
     for size in sizes:
         if size < 2 or size % 2:
             continue
@@ -117,7 +142,8 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
             except Exception:  # noqa: BLE001
                 continue
             if a.shape == whole.shape and np.allclose(a + b, whole, rtol=1e-4, atol=1e-5):
-                lp = Loop(f"r{len(reductions)}", size)
+                k0, d0 = next((k, d) for k, d in zip(idx, combo) if d is not None)
+                lp = Loop(f"r{len(reductions)}", ins[k0].shape[d0])
                 loops.append(lp)
                 reductions.append((lp.name, "sum"))
                 for k, d in zip(idx, combo):

@@ -14,8 +14,35 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import re
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
+import numpy as np
 
 Dims = tuple[tuple[str, ...], ...]
+
+DENSE = frozenset({"dot_general", "conv_general_dilated"})  # ops costing 2 flops per loop point
+KEY_ITEMSIZE = {"fry": 8, "rbg": 16, "unsafe_rbg": 16}  # bytes of one PRNG key, by implementation
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name, PRNG key types included (``"key<fry>"`` -> 8).
+
+    Example:
+        >>> itemsize("float32"), itemsize("key<fry>")
+        (4, 8)
+    """
+    key = re.fullmatch(r"key<(\w+)>", dtype)
+    if key:
+        return KEY_ITEMSIZE.get(key.group(1), 16)
+    return np.dtype(dtype).itemsize
+
+
+def is_key(dtype: str) -> bool:
+    """Whether ``dtype`` names a typed PRNG key array (which runs whole, never split)."""
+    return dtype.startswith("key<")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +90,11 @@ class Op:
         loops: the iteration space.
         operands, results: access maps (literals are omitted from ``operands``).
         reductions: loop name -> combining op (``"sum"``, ``"max"``, ...), for loops no result uses.
-        how: ``"rule"`` (the table), ``"discovered"`` (run on pieces), or ``"replicated"`` (neither:
-            the op runs whole on every device).
+        how: ``"rule"`` (the table), ``"discovered"`` (run on pieces), ``"replicated"`` (neither:
+            the op runs whole on every device), or ``"region"`` (a boundary of a region such as a
+            scan body: an identity that moves values in or out, see :class:`Region`).
         eqn: the jaxpr equation, for execution.
+        trips: how often the op runs per call (the product of the enclosing scans' lengths).
     """
 
     name: str
@@ -76,10 +105,20 @@ class Op:
     reductions: tuple[tuple[str, str], ...] = ()
     how: str = "rule"
     eqn: object = dataclasses.field(default=None, compare=False, repr=False)
+    trips: int = 1
 
     @property
     def loop(self) -> dict[str, Loop]:
         return {lp.name: lp for lp in self.loops}
+
+    @property
+    def dense(self) -> bool:
+        return self.primitive in DENSE
+
+    @property
+    def flops(self) -> int:
+        """Arithmetic of one run of the whole op: 2 per loop point for products, else 1."""
+        return (2 if self.dense else 1) * math.prod(lp.extent for lp in self.loops)
 
     def __str__(self) -> str:
         loops = " ".join(
@@ -88,20 +127,49 @@ class Op:
         red = ", ".join(f"{kind} over {name}" for name, kind in self.reductions)
         ins = " ".join(str(a) for a in self.operands)
         outs = " ".join(str(a) for a in self.results)
-        tags = [t for t in (red, "" if self.how == "rule" else self.how) if t]
+        trips = f"x{self.trips}" if self.trips != 1 else ""
+        tags = [t for t in (red, "" if self.how == "rule" else self.how, trips) if t]
         tag = f" ({'; '.join(tags)})" if tags else ""
         return f"{self.name}: {loops or '-'}{tag} | {ins} -> {outs}"
 
 
 @dataclasses.dataclass(frozen=True)
+class Region:
+    """Ops ``[start, stop)`` of a program that the lowering runs inside one JAX construct.
+
+    ``kind`` is ``"scan"`` (ops ``[start, body)`` are the boundary ops that bring loop-invariant
+    operands, the initial carry and the stacked inputs into the body, run once; ``[body, stop)``
+    is the body followed by the boundary ops that hand the carry back and stack the outputs, run
+    ``length`` times), or a call kept as a call so that its semantics survive: ``"checkpoint"``
+    (rematerialisation and its optimisation barriers), ``"custom_jvp"`` / ``"custom_vjp"`` (the
+    user's differentiation rules). ``inputs`` / ``outputs`` are the values the construct reads and
+    produces, in its equation's order; ``eqn`` gives its parameters.
+    """
+
+    kind: str
+    start: int
+    body: int
+    stop: int
+    inputs: tuple[Value, ...]
+    outputs: tuple[Value, ...]
+    eqn: object = dataclasses.field(default=None, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
-    """A traced function as a flat list of ops (nested jaxprs inlined)."""
+    """A traced function as a flat list of ops (nested jaxprs inlined, regions marked).
+
+    ``ties`` pairs ops that must share one assignment: a scan's carry leaves the body in the
+    layout it entered with ``(entry op, exit op)``.
+    """
 
     ops: tuple[Op, ...]
     inputs: tuple[Value, ...]
     outputs: tuple[Value, ...]
     jaxpr: object = dataclasses.field(default=None, compare=False, repr=False)
     consts: tuple = dataclasses.field(default=(), compare=False, repr=False)  # (Value, array)
+    regions: tuple[Region, ...] = ()
+    ties: tuple[tuple[str, str], ...] = ()
 
     def schedule(self, assign, mesh, default: str = "propagate", stored=None):
         """A :class:`planner.schedule.Schedule`: see :func:`planner.schedule.make_schedule`."""
@@ -109,11 +177,30 @@ class Program:
 
         return make_schedule(self, assign, dict(getattr(mesh, "shape", mesh)), default, stored)
 
-    def op(self, name: str) -> Op:
+    @functools.cached_property
+    def index(self) -> dict[str, int]:
+        """Op name -> position in ``ops``."""
+        return {o.name: k for k, o in enumerate(self.ops)}
+
+    @functools.cached_property
+    def producer(self) -> dict[str, Op]:
+        """Value name -> the op producing it (inputs and constants have none)."""
+        return {r.value.name: o for o in self.ops for r in o.results}
+
+    @functools.cached_property
+    def uses(self) -> dict[str, tuple[tuple[Op, Access], ...]]:
+        """Value name -> the ops reading it and how, in program order (the def-use index)."""
+        out: dict[str, list[tuple[Op, Access]]] = {}
         for o in self.ops:
-            if o.name == name:
-                return o
-        raise KeyError(f"no op named {name!r}; ops: {[o.name for o in self.ops]}")
+            for acc in o.operands:
+                out.setdefault(acc.value.name, []).append((o, acc))
+        return {k: tuple(v) for k, v in out.items()}
+
+    def op(self, name: str) -> Op:
+        k = self.index.get(name)
+        if k is None:
+            raise KeyError(f"no op named {name!r}; ops: {[o.name for o in self.ops]}")
+        return self.ops[k]
 
     def __str__(self) -> str:
         head = (

@@ -1,20 +1,27 @@
 """Iteration spaces of the core primitives, written as a table of rules.
 
-| primitives                    | loops                                   | access maps                      |
-|-------------------------------|-----------------------------------------|----------------------------------|
-| elementwise (add, exp, ...)   | one per result dim                      | same loops; scalars read whole   |
-| broadcast_in_dim              | one per result dim                      | operand dim -> its result dim    |
-| transpose                     | one per result dim                      | permuted                         |
-| reshape                       | the finer side of each split/merge      | merged dims list several loops   |
-| squeeze / expand_dims         | one per kept dim                        | size-1 dims read whole           |
-| dot_general                   | batch b*, free m*/n*, contracting k*    | reduction (sum) over k*          |
-| reduce_sum/max/min/prod/...   | kept i*, reduced r*                     | reduction over r*                |
-| argmax / argmin               | kept i*, reduced r* (not partitionable) |                                  |
-| concatenate                   | one per result dim (axis not partit.)   | operands whole on the axis       |
-| iota                          | one per result dim (counted one: not)   |                                  |
-| dynamic_slice, gather, ...    | one per result dim (not partitionable)  | operands read whole              |
-| conv_general_dilated          | n, o (features), i (in features, sum),  | spatial with halo (kernel - 1),  |
-|                               | spatial s* (not partitionable yet)      |                                  |
+| primitives                      | loops                                  | access maps                      |
+|---------------------------------|----------------------------------------|----------------------------------|
+| elementwise (add, exp, ...)     | one per result dim                     | same loops; scalars read whole   |
+| broadcast_in_dim                | one per result dim                     | operand dim -> its result dim    |
+| transpose                       | one per result dim                     | permuted                         |
+| reshape                         | the finer side of each split/merge     | merged dims list several loops   |
+| squeeze / expand_dims           | one per kept dim                       | size-1 dims read whole           |
+| dot_general                     | batch b*, free m*/n*, contracting k*   | reduction (sum) over k*          |
+| reduce_sum/max/min/and/or       | kept i*, reduced r*                    | reduction over r* (combined by   |
+|                                 |                                        | psum / pmax / pmin)              |
+| reduce_prod/xor, argmax/argmin  | kept i*, reduced r* (not partitionable)|                                  |
+| concatenate, split, cumsum,     | one per result dim; the axis they work | operands whole on that axis      |
+| sort, top_k, rev                | along is not partitionable             |                                  |
+| slice, pad, dynamic_slice,      | one per result dim; dims not taken     | operands whole on those dims     |
+| dynamic_update_slice            | whole are not partitionable            |                                  |
+| gather                          | index batch dims, whole-slice offsets  | indexed operand dims whole       |
+| scatter, scatter-add            | window dims; scatter dims (scatter-add:| indexed operand dims whole;      |
+|                                 | a sum, the operand added once)         |                                  |
+| iota                            | one per result dim (counted one: not)  |                                  |
+| random ops, PRNG key values     | whole (a split would draw other bits)  | read whole                       |
+| conv_general_dilated            | n, o (features), i (in features, sum), | spatial with halo (kernel - 1),  |
+|                                 | spatial s* (not partitionable yet)     |                                  |
 
 A rule returns ``None`` when it does not apply; the analysis then tries generic discovery.
 """
@@ -28,7 +35,9 @@ from planner.ir import Access, Loop, Op, Value
 
 ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type
-    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag
+    copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag add_any
+    bitcast_convert_type threefry2x32 polygamma igamma igammac igamma_grad_a random_gamma_grad
+    bessel_i0e bessel_i1e zeta regularized_incomplete_beta clz square
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
     population_count pow real reduce_precision rem round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan
@@ -39,10 +48,18 @@ REDUCTIONS = {
     "reduce_and": "and", "reduce_or": "or", "reduce_xor": "xor",
     "argmax": "argmax", "argmin": "argmin",
 }  # fmt: skip
+COMBINABLE = frozenset({"sum", "max", "min", "and", "or"})  # partial results the lowering combines
 READ_WHOLE = frozenset(
-    "dynamic_slice dynamic_update_slice gather scatter scatter-add scatter_add sort cumsum "
-    "cumprod cummax cummin pad rev slice top_k".split()
+    "random_bits random_seed random_split random_fold_in random_wrap random_unwrap "
+    "rng_bit_generator rng_uniform".split()
 )
+CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+SCATTERS = frozenset("scatter scatter-add scatter_add scatter-mul scatter_mul scatter-min "
+                     "scatter_min scatter-max scatter_max".split())  # fmt: skip
+SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+# Parameters listing sizes of operand 0's dimensions: where an entry is the whole dimension,
+# the lowering replaces it by the local size (the dimension may be split).
+OPERAND_SIZE_PARAMS = {"gather": "slice_sizes", "dynamic_slice": "slice_sizes"}
 
 Rule = Callable[[str, object, Sequence[Value | None], Sequence[Value]], Op | None]
 
@@ -210,11 +227,12 @@ def reduction(name, eqn, ins, outs):
     v = ins[0]
     axes = {a % len(v.shape) for a in eqn.params["axes"]}
     kind = REDUCTIONS[eqn.primitive.name]
-    arg = kind in ("argmax", "argmin")
+    # and / or combine as min / max only on booleans (on integers they are bitwise)
+    split = kind in COMBINABLE and (kind not in ("and", "or") or v.dtype == "bool")
     loops, dims, kept = [], [], []
     for d, size in enumerate(v.shape):
         if d in axes:
-            lp = Loop(f"r{d}", size, partitionable=not arg)
+            lp = Loop(f"r{d}", size, partitionable=split)
         else:
             lp = Loop(f"i{d}", size)
             kept.append((lp.name,))
@@ -243,6 +261,150 @@ def iota(name, eqn, ins, outs):
     d = eqn.params.get("dimension", 0)
     loops = [Loop(f"i{k}", n, k != d) for k, n in enumerate(outs[0].shape)]
     return Op(name, "iota", tuple(loops), (), (_acc(outs[0], [(lp.name,) for lp in loops]),))
+
+
+def _aligned(name, eqn, ins, outs, whole: set[int], reductions=()) -> Op | None:
+    """One loop per dimension of the first result; the dimensions in ``whole`` are not
+    partitionable and read (and written) whole; operands of another rank are read whole."""
+    shape = outs[0].shape
+    loops = [Loop(f"i{d}", n, d not in whole) for d, n in enumerate(shape)]
+
+    def dims(v: Value) -> list | None:
+        if len(v.shape) != len(shape):
+            return [()] * len(v.shape)
+        out = []
+        for d, (n, lp) in enumerate(zip(v.shape, loops)):
+            if d in whole:
+                out.append(())
+            elif n == lp.extent:
+                out.append((lp.name,))
+            else:
+                return None
+        return out
+
+    operands = [dims(v) for v in ins if v is not None]
+    results = [dims(o) for o in outs]
+    if any(d is None for d in operands + results):
+        return None
+    return Op(name, eqn.primitive.name, tuple(loops),
+              tuple(_acc(v, d) for v, d in zip([v for v in ins if v is not None], operands)),
+              tuple(_acc(o, d) for o, d in zip(outs, results)), reductions)  # fmt: skip
+
+
+def along_axis(name, eqn, ins, outs):
+    """cumsum & co, sort, top_k, split: the dimension they work along stays whole."""
+    p, rank = eqn.params, len(outs[0].shape)
+    axis = p.get("axis", p.get("dimension", rank - 1))
+    return _aligned(name, eqn, ins, outs, {axis % rank} if rank else set())
+
+
+def rev(name, eqn, ins, outs):
+    return _aligned(name, eqn, ins, outs, set(eqn.params["dimensions"]))
+
+
+def pad(name, eqn, ins, outs):
+    padded = {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+    return _aligned(name, eqn, ins, outs, padded)
+
+
+def slice_(name, eqn, ins, outs):
+    p, v = eqn.params, ins[0]
+    strides = p.get("strides") or (1,) * len(v.shape)
+    cut = {d for d, (lo, hi, st, n) in enumerate(zip(p["start_indices"], p["limit_indices"],
+                                                     strides, v.shape))
+           if (lo, hi, st or 1) != (0, n, 1)}  # fmt: skip
+    return _aligned(name, eqn, ins, outs, cut)
+
+
+def dynamic_slice(name, eqn, ins, outs):
+    v = ins[0]
+    cut = {d for d, (k, n) in enumerate(zip(eqn.params["slice_sizes"], v.shape)) if k != n}
+    return _aligned(name, eqn, ins, outs, cut)
+
+
+def dynamic_update_slice(name, eqn, ins, outs):
+    v, update = ins[0], ins[1]
+    if v is None or update is None:
+        return None
+    cut = {d for d, (k, n) in enumerate(zip(update.shape, v.shape)) if k != n}
+    return _aligned(name, eqn, ins, outs, cut)
+
+
+def gather(name, eqn, ins, outs):
+    """Output batch dims share loops with the indices (and operand batching dims); offset dims
+    that take a whole operand dimension share loops with it; indexed dimensions stay whole."""
+    v, idx = ins
+    out = outs[0]
+    if v is None or idx is None:
+        return None
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    loops = [Loop(f"i{d}", n) for d, n in enumerate(out.shape)]
+    odims = [(lp.name,) for lp in loops]
+    vdims: list = [()] * len(v.shape)
+    idims: list = [()] * len(idx.shape)
+    window = [d for d in range(len(v.shape))
+              if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    batch_out = [d for d in range(len(out.shape)) if d not in dn.offset_dims]
+    batch_idx = list(range(len(idx.shape) - 1))  # the last indices dim is the index vector
+    if len(window) != len(dn.offset_dims) or len(batch_out) != len(batch_idx):
+        return None
+    for od, vd in zip(dn.offset_dims, window):
+        if sizes[vd] == v.shape[vd] and vd not in dn.start_index_map:
+            vdims[vd] = (loops[od].name,)
+        else:
+            loops[od] = Loop(loops[od].name, loops[od].extent, False)
+    for od, jd in zip(batch_out, batch_idx):
+        idims[jd] = (loops[od].name,)
+        if jd in dn.start_indices_batching_dims:
+            vd = dn.operand_batching_dims[dn.start_indices_batching_dims.index(jd)]
+            vdims[vd] = (loops[od].name,)
+    # fmt: skip
+    return Op(name, "gather", tuple(loops), (_acc(v, vdims), _acc(idx, idims)), (_acc(out, odims),))
+
+
+def scatter(name, eqn, ins, outs):
+    """Window dims covering a whole operand dimension and batching dims split; scatter dims are
+    a sum for scatter-add (each device adds its updates; the operand is added once), else whole."""
+    if len(ins) != 3 or any(v is None for v in ins):
+        return None
+    v, idx, upd = ins
+    out = outs[0]
+    dn = eqn.params["dimension_numbers"]
+    loops = [Loop(f"i{d}", n) for d, n in enumerate(v.shape)]
+    vdims = [(lp.name,) for lp in loops]
+    udims: list = [()] * len(upd.shape)
+    idims: list = [()] * len(idx.shape)
+    window = [d for d in range(len(v.shape))
+              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    scatter_upd = [d for d in range(len(upd.shape)) if d not in dn.update_window_dims]
+    batch_idx = list(range(len(idx.shape) - 1))
+    if len(window) != len(dn.update_window_dims) or len(scatter_upd) != len(batch_idx):
+        return None
+    shared = set()
+    for ud, vd in zip(dn.update_window_dims, window):
+        if upd.shape[ud] == v.shape[vd] and vd not in dn.scatter_dims_to_operand_dims:
+            udims[ud] = (loops[vd].name,)
+            shared.add(vd)
+    reductions = []
+    for ud, jd in zip(scatter_upd, batch_idx):
+        if jd in dn.scatter_indices_batching_dims:
+            vd = dn.operand_batching_dims[dn.scatter_indices_batching_dims.index(jd)]
+            udims[ud] = idims[jd] = (loops[vd].name,)
+            shared.add(vd)
+            continue
+        add = eqn.primitive.name in SCATTER_ADD
+        lp = Loop(f"r{len(reductions)}" if add else f"s{ud}", upd.shape[ud], add)
+        loops.append(lp)
+        udims[ud] = idims[jd] = (lp.name,)
+        if add:
+            reductions.append((lp.name, "sum"))
+    for vd in range(len(v.shape)):
+        if vd not in shared:
+            loops[vd] = Loop(loops[vd].name, loops[vd].extent, False)
+            vdims[vd] = ()
+    return Op(name, eqn.primitive.name, tuple(loops),
+              (_acc(v, vdims), _acc(idx, idims), _acc(upd, udims)), (_acc(out, vdims),),
+              tuple(reductions))  # fmt: skip
 
 
 def read_whole(name, eqn, ins, outs):
@@ -296,7 +458,20 @@ def rule_for(primitive: str) -> Rule | None:
         return reduction
     if primitive in READ_WHOLE:
         return read_whole
+    if primitive in CUMULATIVE:
+        return along_axis
+    if primitive in SCATTERS:
+        return scatter
     return {
+        "sort": along_axis,
+        "top_k": along_axis,
+        "split": along_axis,
+        "rev": rev,
+        "pad": pad,
+        "slice": slice_,
+        "dynamic_slice": dynamic_slice,
+        "dynamic_update_slice": dynamic_update_slice,
+        "gather": gather,
         "broadcast_in_dim": broadcast_in_dim,
         "transpose": transpose,
         "reshape": reshape,

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from planner.ir import Access, Op, Program
+from planner.rules import COMBINABLE
 from redist.types import MeshShape
 
 Axes = tuple[str, ...]
@@ -60,8 +61,14 @@ class Schedule:
         return tuple(out)
 
     def pending(self, op: Op) -> Axes:
-        """Mesh axes over which the op's results are partial sums (partitioned reductions)."""
+        """Mesh axes over which the op's results are partial (partitioned reductions)."""
         return tuple(a for lp, _ in op.reductions for a in self.axes_of(op, lp))
+
+    def combine(self, op: Op) -> str:
+        """How the partial results are combined: ``"sum"``, ``"max"``, ``"min"``, ``"and"`` or
+        ``"or"`` (one kind per op: :func:`check_assignment` refuses mixtures)."""
+        kinds = {kind for lp, kind in op.reductions if self.axes_of(op, lp)}
+        return kinds.pop() if kinds else "sum"
 
     def grid(self, op: Op) -> str:
         parts = []
@@ -119,6 +126,12 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping) -> dict:
             )
         if axes:
             out[loop] = axes
+    kinds = {kind for lp, kind in op.reductions if out.get(lp)}
+    if kinds - COMBINABLE or len(kinds) > 1:
+        raise ValueError(
+            f"op {op.name!r}: partitioned reductions of kinds {sorted(kinds)} cannot be combined; "
+            f"split one kind of {sorted(COMBINABLE)} at a time"
+        )
     for acc in op.operands + op.results:
         for d in acc.dims:
             if any(out.get(lp) for lp in d[1:]):
@@ -158,6 +171,8 @@ def make_schedule(
     result = dict(fixed)
     if default == "propagate":
         _propagate(prog, mesh, result, set(fixed), at_rest)
+    for src, dst in prog.ties:  # a scan's carry leaves the body in the layout it entered with
+        result[dst] = result.get(src, {})
     return Schedule(prog, mesh, result, at_rest)
 
 
@@ -206,10 +221,8 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
 def _propagate(
     prog: Program, mesh, result: dict, fixed: set[str], at_rest, rounds: int = 3
 ) -> None:
-    consumers: dict[str, list[tuple[Op, Access]]] = {}
-    for o in prog.ops:
-        for acc in o.operands:
-            consumers.setdefault(acc.value.name, []).append((o, acc))
+    consumers = prog.uses
+    tied = dict((dst, src) for src, dst in prog.ties)
     sched = Schedule(prog, mesh, result)
     for k in range(rounds):
         changed = False
@@ -217,7 +230,9 @@ def _propagate(
         # still unpartitioned, which a later op's requirement may since have reached).
         layout: dict[str, Spec] = dict(at_rest)  # value name -> produced (or stored) layout
         for o in prog.ops:
-            if o.name not in fixed and (k == 0 or not result.get(o.name)):
+            if o.name in tied:
+                result[o.name] = result.get(tied[o.name], {})
+            elif o.name not in fixed and (k == 0 or not result.get(o.name)):
                 wanted: dict[str, Axes] = {}
                 for acc in o.operands:
                     spec = layout.get(acc.value.name)
@@ -233,7 +248,7 @@ def _propagate(
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.
         for o in reversed(prog.ops):
-            if o.name in fixed or result.get(o.name):
+            if o.name in fixed or o.name in tied or result.get(o.name):
                 continue
             wanted = {}
             for res in o.results:

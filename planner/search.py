@@ -33,7 +33,6 @@ from planner.schedule import Schedule, make_schedule
 from planner.simulator import Prediction, simulate
 from redist.types import MeshShape
 
-DENSE = ("dot_general", "conv_general_dilated")
 Assignment = dict[str, dict[str, tuple[str, ...]]]
 
 
@@ -46,18 +45,15 @@ def groups(prog: Program) -> list[list[Op]]:
     layer's forward and backward products are chosen together. Without dense ops, the first op
     with a partitionable loop is the only group.
     """
-    dense = [o for o in prog.ops if o.primitive in DENSE]
+    dense = [o for o in prog.ops if o.dense]
     if not dense:
         return [[o] for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
     graph = nx.Graph()
     graph.add_nodes_from(o.name for o in dense)
-    readers: dict[str, list[str]] = {}
-    for o in dense:
-        for acc in o.operands:
-            readers.setdefault(acc.value.name, []).append(o.name)
-    for names in readers.values():
+    for uses in prog.uses.values():
+        names = [o.name for o, _ in uses if o.dense]
         graph.add_edges_from(zip(names, names[1:]))
-    order = {o.name: k for k, o in enumerate(prog.ops)}
+    order = prog.index
     by_name = {o.name: o for o in dense}
     out = [sorted((by_name[n] for n in c), key=lambda o: order[o.name])
            for c in nx.connected_components(graph)]  # fmt: skip

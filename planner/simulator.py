@@ -3,10 +3,13 @@
 Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 
 - each op's kernel costs the roofline of its local flops (``2 * prod(extents)`` for dot_general and
-  convolutions, one per result element otherwise) and the bytes it touches;
+  convolutions, one per loop point otherwise) and the bytes it touches; a region boundary op
+  (a value passing into or out of a scan body) costs nothing but its moves;
+- an op inside a scan body costs its trip count times its one run (``op.trips``);
 - each layout change costs its ``redist`` plan, step by step (dynslice: a local copy; collectives:
   latency + wire bytes / bandwidth of their kind and group size);
-- each pending sum costs an all-reduce, or a reduce-scatter when the dataflow scatters it;
+- each pending sum (or max, min, ...) costs an all-reduce, or a reduce-scatter when the
+  dataflow scatters it;
 - memory: inputs and outputs stay live; other values from production to their last use; at each
   op, the live values plus its results plus the largest tile of its layout changes.
 
@@ -20,15 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 import redist
 from planner.costmodel import Calibration, wire_bytes
 from planner.dataflow import dataflow, input_spec
-from planner.ir import Program
+from planner.ir import Program, itemsize
 from planner.schedule import Schedule, Spec, local_shape
-
-DENSE = ("dot_general", "conv_general_dilated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +54,7 @@ class Prediction:
 
 
 def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
-    return math.prod(local_shape(shape, spec, sizes)) * np.dtype(dtype).itemsize
+    return math.prod(local_shape(shape, spec, sizes)) * itemsize(dtype)
 
 
 def _plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
@@ -109,15 +108,13 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
         parts = math.prod(
             math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops
         )
-        extent = math.prod(lp.extent for lp in op.loops)
         outs = [
             _bytes(r.value.shape, s, sizes, r.value.dtype) for r, s in zip(op.results, st.out_specs)
         ]
         ins = sum(
             _bytes(a.value.shape, s, sizes, a.value.dtype) for a, s in zip(op.operands, st.in_specs)
         )
-        flops = (2 if op.primitive in DENSE else 1) * extent / parts
-        compute = cal.compute_time(flops, ins, sum(outs))
+        compute = 0.0 if op.how == "region" else cal.compute_time(op.flops / parts, ins, sum(outs))
         if st.pending:
             n = math.prod(sizes[a] for a in st.pending)
             for k_res, size in enumerate(outs):
@@ -131,7 +128,7 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
             live[r.value.name] = size
         now = sum(live.values()) + transient
         peak = max(peak, now)
-        costs.append(OpCost(op.name, compute, comm_t, wire, now))
+        costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now))
         for acc in op.operands:
             name = acc.value.name
             if last_use.get(name) == k and name not in keep:

@@ -2,9 +2,12 @@
 
 Backend ``"explicit"``: every op runs its local kernel in a ``shard_map`` on the layouts the
 schedule derives; between a producer's layout and a consumer's required layout a memory-bounded
-``redist`` plan moves the data; a partitioned reduction loop leaves partial sums, resolved right
-away with ``psum``, or ``psum_scatter`` when the first consumer wants that result split along the
-summed axes. Backend ``"xla"``: the original ops with ``with_sharding_constraint`` on every value
+``redist`` plan moves the data; a partitioned reduction loop leaves partial results, combined
+right away by their own operation (``psum``, or ``psum_scatter`` when the first consumer wants
+the sum split along the summed axes; ``pmax`` / ``pmin`` for max / min, and / or). Regions keep
+their construct: a scan runs as ``lax.scan`` whose body runs on the split layouts (collectives
+inside the body); ``checkpoint`` and ``custom_jvp`` / ``custom_vjp`` calls are re-bound around
+their planned bodies, so rematerialisation and the user's differentiation rules survive. Backend ``"xla"``: the original ops with ``with_sharding_constraint`` on every value
 (XLA inserts the collectives) - the baseline. Backend ``"xla-inputs"``: only the inputs are placed
 as the schedule says and XLA's sharding propagation decides the rest.
 
@@ -16,18 +19,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
 from planner.dataflow import OpStep, dataflow, input_spec
-from planner.ir import Op, Program
+from planner.ir import Op, Program, Region, itemsize
+from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
 
 SHAPE_PARAMS = ("shape", "new_sizes")
@@ -42,7 +47,7 @@ def _pspec(spec: Spec) -> PartitionSpec:
 @dataclasses.dataclass
 class Event:
     op: str
-    kind: str  # "redistribute", "psum", "psum_scatter"
+    kind: str  # "redistribute", "psum", "psum_scatter", "pmax", "pmin"
     value: str
     detail: str
     bytes: int
@@ -78,9 +83,77 @@ class Lowered:
     def _explicit(self, *flat):
         env: dict[str, object] = {v.name: x for v, x in zip(self.prog.inputs, flat)}
         env.update({v.name: c for v, c in self.prog.consts})
-        for step in self.steps:
-            self._run(step, env)
+        self._run_range(0, len(self.steps), env, ())
         return tuple(env[v.name] for v in self.prog.outputs)
+
+    def _run_range(self, lo: int, hi: int, env, inside: tuple[Region, ...]) -> None:
+        k = lo
+        while k < hi:
+            region = next((r for r in self.prog.regions
+                           if r.start == k and r.stop <= hi and r not in inside), None)  # fmt: skip
+            if region is None:
+                self._run(self.steps[k], env)
+                k += 1
+            elif region.kind == "scan":
+                self._run_scan(region, env, (*inside, region))
+                k = region.stop
+            else:
+                self._run_call(region, env, (*inside, region))
+                k = region.stop
+
+    def _run_scan(self, r: Region, env, inside) -> None:
+        for step in self.steps[r.start : r.body]:  # loop-invariant operands, carry, stacked xs
+            self._run(step, env)
+        entry = [s.op for s in self.steps[r.start : r.body]]
+        carry_in = [o.results[0].value.name for o in entry if o.primitive == "scan_carry"]
+        xs_in = [o.results[0].value.name for o in entry if o.primitive == "scan_xs"]
+        exit_ = [s.op for s in self.steps[r.stop - len(r.outputs) : r.stop]]
+        carry_out = [o.results[0].value.name for o in exit_ if o.primitive == "scan_carry_out"]
+        ys_out = [o.results[0].value.name for o in exit_ if o.primitive == "scan_ys"]
+
+        def body(carry, xs):
+            inner = dict(env)
+            inner.update(zip(carry_in, carry))
+            inner.update(zip(xs_in, xs))
+            self._run_range(r.body, r.stop, inner, inside)
+            return [inner[n] for n in carry_out], [inner[n] for n in ys_out]
+
+        p = r.eqn.params
+        final, ys = lax.scan(body, [env[n] for n in carry_in], [env[n] for n in xs_in],
+                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])  # fmt: skip
+        env.update(zip(carry_out, final))
+        env.update(zip(ys_out, ys))
+
+    def _run_call(self, r: Region, env, inside) -> None:
+        """Re-bind the call's primitive around its planned body (as ``jax.core.eval_jaxpr``
+        binds any equation), so that its remat policy or custom rules still apply."""
+        names = [v.name for v in r.inputs]
+
+        def body(*args):
+            inner = dict(env)
+            inner.update(zip(names, args))
+            self._run_range(r.start, r.stop, inner, inside)
+            return [inner[v.name] for v in r.outputs]
+
+        args = [env[n] for n in names]
+        closed = jax.make_jaxpr(body)(*args)
+        eqn = r.eqn
+        params = dict(eqn.params)
+        key = next(k for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params)
+        if not hasattr(params[key], "consts"):  # an open jaxpr: constants become operands
+            from jax._src.interpreters import partial_eval as pe
+
+            params[key] = pe.convert_constvars_jaxpr(closed.jaxpr)
+            args = [*closed.consts, *args]
+        else:
+            params[key] = closed
+        bind_params = eqn.primitive.get_bind_params(params)
+        subfuns = ()
+        if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+            subfuns, bind_params = bind_params
+        outs = eqn.primitive.bind(*subfuns, *args, **bind_params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update((v.name, x) for v, x in zip(r.outputs, outs))
 
     def _run(self, step: OpStep, env) -> None:
         op, mesh = step.op, self.mesh
@@ -89,15 +162,17 @@ class Lowered:
                 env[mv.value.name], _pspec(mv.src), _pspec(mv.dst), mesh=mesh
             )
         args = [env[acc.value.name] for acc in op.operands]
-        if not step.partitioned:
-            outs = _bind(op, args, None)
+        if op.how == "region":  # a boundary op: the value passes into or out of a region
+            outs = args
+        elif not step.partitioned:
+            outs = _bind(op, *args)
         else:
             local_out = [
                 local_shape(r.value.shape, s, self.sizes)
                 for r, s in zip(op.results, step.out_specs)
             ]
             outs = jax.shard_map(
-                lambda *xs: _bind(op, xs, local_out, step.pending, step.scatter),
+                functools.partial(_bind, op, local_out=local_out, step=step),
                 mesh=mesh,
                 in_specs=tuple(_pspec(s) for s in step.in_specs),
                 out_specs=tuple(_pspec(s) for s in step.out_specs),
@@ -108,10 +183,15 @@ class Lowered:
 
     # ----- the baseline: sharding constraints, XLA inserts the collectives -----
     def _xla(self, *flat):
+        if self.prog.regions:
+            raise NotImplementedError(
+                f"backend {self.backend!r} does not run programs with regions (scan, checkpoint, "
+                "custom rules) yet; use backend='explicit'"
+            )
         env = {v.name: x for v, x in zip(self.prog.inputs, flat)}
         env.update({v.name: c for v, c in self.prog.consts})
         for op in self.prog.ops:
-            outs = _bind(op, [env[a.value.name] for a in op.operands], None)
+            outs = _bind(op, *[env[a.value.name] for a in op.operands])
             for r, x in zip(op.results, outs):
                 if self.backend == "xla-inputs":  # only the inputs are placed; XLA propagates
                     env[r.value.name] = x
@@ -171,9 +251,9 @@ def _events(steps, m: redist.MeshShape) -> list[Event]:
         if step.pending:
             for k, r in enumerate(op.results):
                 size = math.prod(local_shape(r.value.shape, step.out_specs[k], m.factor_size))
-                kind = "psum_scatter" if step.scatter[k] is not None else "psum"
+                kind = "psum_scatter" if step.scatter[k] is not None else COLLECTIVE[step.combine]
                 out.append(Event(op.name, kind, r.value.name, f"over {step.pending}",
-                                 size * np.dtype(r.value.dtype).itemsize))  # fmt: skip
+                                 size * itemsize(r.value.dtype)))  # fmt: skip
     return out
 
 
@@ -189,26 +269,53 @@ def factored_mesh(mesh):
                 axis_types=(AxisType.Auto,) * len(sizes))  # fmt: skip
 
 
-def _bind(op: Op, args, local_out, pending=(), scatter=None):
+COLLECTIVE = {"sum": "psum", "max": "pmax", "min": "pmin", "and": "pmin", "or": "pmax"}
+
+
+def _combine(x, kind: str, axes):
+    """Combine partial results over ``axes`` by the reduction's own operation."""
+    if kind == "sum":
+        return lax.psum(x, axes)
+    if kind in ("and", "or"):  # booleans: and = min, or = max
+        return getattr(lax, COLLECTIVE[kind])(x.astype(jnp.int32), axes).astype(x.dtype)
+    return getattr(lax, COLLECTIVE[kind])(x, axes)
+
+
+def _first_device(axes):
+    """True on the devices at index 0 along every one of ``axes`` (inside ``shard_map``)."""
+    return functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in axes])
+
+
+def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
+    """Run ``op``'s primitive on ``args`` (local blocks when ``local_out`` is given)."""
     eqn = op.eqn
     params = dict(eqn.params)
+    pending = step.pending if step is not None else ()
     if local_out is not None:
         for key in SHAPE_PARAMS:
             if key in params and len(op.results) == 1:
                 params[key] = tuple(local_out[0])
+        key = OPERAND_SIZE_PARAMS.get(op.primitive)
+        if key:
+            whole, local = op.operands[0].value.shape, args[0].shape
+            params[key] = tuple(m if k == n else k
+                                for k, n, m in zip(params[key], whole, local))  # fmt: skip
     for key in SHARDING_PARAMS:
         if key in params:
             params[key] = None
+    args = list(args)
+    if pending and op.primitive in SCATTER_ADD:  # the operand is added once, not once per part
+        args[0] = jnp.where(_first_device(pending), args[0], jnp.zeros_like(args[0]))
     it = iter(args)
     full = [v.val if isinstance(v, jcore.Literal) else next(it) for v in eqn.invars]
     out = eqn.primitive.bind(*full, **params)
     outs = list(out) if eqn.primitive.multiple_results else [out]
     if pending:
         for k, x in enumerate(outs):
-            if scatter and scatter[k] is not None:
-                outs[k] = lax.psum_scatter(x, pending, scatter_dimension=scatter[k], tiled=True)
+            if step.scatter[k] is not None:
+                outs[k] = lax.psum_scatter(x, pending, scatter_dimension=step.scatter[k], tiled=True)
             else:
-                outs[k] = lax.psum(x, pending)
+                outs[k] = _combine(x, step.combine, pending)
     return tuple(outs)
 
 

@@ -1,0 +1,217 @@
+"""Trace a function to a jaxpr and describe every equation as a loop nest (:func:`analyze`).
+
+Nested calls (``jit``, ``closed_call``) are inlined. Constructs whose semantics the lowering must
+keep become :class:`planner.ir.Region`\\ s of the flat program: ``scan`` (its body analysed once,
+with boundary ops that bring operands in and hand the carry back, so the body's loops get splits
+like any other op's), ``checkpoint`` (rematerialisation), ``custom_jvp_call`` / ``custom_vjp_call``
+(differentiation rules). Each primitive gets its iteration space from the rule table
+(:mod:`planner.rules`), else from generic discovery (:mod:`planner.discover`), else it runs
+replicated, and :func:`analyze` warns naming it and its share of the flops.
+
+Example:
+    >>> prog = planner.analyze(lambda x, w: jnp.tanh(x @ w), x, w)   # doctest: +SKIP
+    >>> print(prog)
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+from planner import discover as discovery
+from planner import rules
+from planner.ir import Access, Loop, Op, Program, Region, Value, is_key
+
+INLINED = frozenset("pjit jit closed_call core_call custom_lin".split())
+KEPT = {
+    "checkpoint": "checkpoint", "remat": "checkpoint", "remat2": "checkpoint",
+    "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp",
+    "custom_vjp_call_jaxpr": "custom_vjp",
+}  # fmt: skip
+SCAN_BOUNDARY = ("scan_const", "scan_carry", "scan_xs", "scan_carry_out", "scan_ys")
+
+
+def _inner(eqn) -> tuple[object, tuple] | None:
+    """The inner jaxpr of a call-like equation and its constants, or ``None``."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(key)
+        if inner is None:
+            continue
+        if hasattr(inner, "jaxpr") and hasattr(inner, "consts"):  # ClosedJaxpr
+            jaxpr, consts = inner.jaxpr, inner.consts
+        elif hasattr(inner, "eqns"):
+            jaxpr, consts = inner, ()
+        else:
+            continue
+        if len(jaxpr.invars) == len(eqn.invars):
+            return jaxpr, tuple(consts)
+    return None
+
+
+def _identity(name: str, kind: str, src: Value, dst: Value, trips: int) -> Op:
+    """A boundary op: ``dst`` is ``src`` (a scan adds or drops the leading stacked dimension)."""
+    whole = is_key(src.dtype)
+    core = dst.shape if kind == "scan_xs" else src.shape
+    loops = tuple(Loop(f"i{d}", n, not whole) for d, n in enumerate(core))
+    dims = tuple((lp.name,) for lp in loops)
+    src_dims = ((),) + dims if kind == "scan_xs" else dims
+    dst_dims = ((),) + dims if kind == "scan_ys" else dims
+    return Op(name, kind, loops, (Access(src, src_dims),), (Access(dst, dst_dims),),
+              how="region", trips=trips)  # fmt: skip
+
+
+class _Builder:
+    def __init__(self):
+        self.ops: list[Op] = []
+        self.consts: list[tuple[Value, object]] = []
+        self.regions: list[Region] = []
+        self.ties: list[tuple[str, str]] = []
+        self.count = 0
+
+    def value(self, var, prefix="v") -> Value:
+        aval = var.aval
+        v = Value(f"{prefix}{self.count}", tuple(int(n) for n in aval.shape), str(aval.dtype))
+        self.count += 1
+        return v
+
+    def const(self, var, array) -> Value:
+        """A constant (a closed-over array or a literal) as a value of the program."""
+        v = self.value(var, "c")
+        self.consts.append((v, array))
+        return v
+
+    def read(self, env: dict, var) -> Value:
+        if isinstance(var, jcore.Literal):
+            return self.const(var, np.asarray(var.val, dtype=var.aval.dtype))
+        return env[var]
+
+    def walk(self, jaxpr, env: dict, trips: int = 1) -> None:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name == "scan":
+                self.scan(eqn, env, trips)
+                continue
+            nested = _inner(eqn) if name in INLINED or name in KEPT else None
+            if nested is not None:
+                self.call(eqn, nested, env, trips, KEPT.get(name))
+                continue
+            ins = [None if isinstance(v, jcore.Literal) else env[v] for v in eqn.invars]
+            outs = [self.value(var) for var in eqn.outvars]
+            for var, v in zip(eqn.outvars, outs):
+                env[var] = v
+            self.ops.append(self.describe(eqn, ins, outs, trips))
+
+    def call(self, eqn, nested, env: dict, trips: int, kind: str | None) -> None:
+        inner, consts = nested
+        inner_env = {var: self.const(var, c) for var, c in zip(inner.constvars, consts)}
+        ins = [self.read(env, v) for v in eqn.invars]
+        inner_env.update(zip(inner.invars, ins))
+        start = len(self.ops)
+        self.walk(inner, inner_env, trips)
+        outs = [self.read(inner_env, v) for v in inner.outvars]
+        env.update(zip(eqn.outvars, outs))
+        if kind is not None:
+            self.regions.append(Region(kind, start, start, len(self.ops), tuple(ins),
+                                       tuple(outs), eqn))  # fmt: skip
+
+    def scan(self, eqn, env: dict, trips: int) -> None:
+        p = eqn.params
+        closed = p["jaxpr"]
+        inner, length = closed.jaxpr, int(p["length"])
+        nc, nk = p["num_consts"], p["num_carry"]
+        inner_env = {var: self.const(var, c) for var, c in zip(inner.constvars, closed.consts)}
+        ins = [self.read(env, v) for v in eqn.invars]
+        start = len(self.ops)
+        entry = []
+        for k, (var, outer) in enumerate(zip(inner.invars, ins)):
+            kind = SCAN_BOUNDARY[0 if k < nc else 1 if k < nc + nk else 2]
+            res = self.value(var)
+            inner_env[var] = res
+            entry.append(_identity(f"{kind}_{len(self.ops)}", kind, outer, res, trips))
+            self.ops.append(entry[-1])
+        body = len(self.ops)
+        self.walk(inner, inner_env, trips * length)
+        outs = []
+        for k, (var, outvar) in enumerate(zip(inner.outvars, eqn.outvars)):
+            kind = SCAN_BOUNDARY[3 if k < nk else 4]
+            res = self.value(outvar)
+            env[outvar] = res
+            outs.append(res)
+            op = _identity(f"{kind}_{len(self.ops)}", kind, self.read(inner_env, var), res,
+                           trips * length)  # fmt: skip
+            self.ops.append(op)
+            if k < nk:
+                self.ties.append((entry[nc + k].name, op.name))
+        self.regions.append(Region("scan", start, body, len(self.ops), tuple(ins), tuple(outs),
+                                   eqn))  # fmt: skip
+
+    def describe(self, eqn, ins, outs, trips: int) -> Op:
+        name = f"{eqn.primitive.name}_{len(self.ops)}"
+        if any(is_key(v.dtype) for v in [*ins, *outs] if v is not None):
+            op = rules.read_whole(name, eqn, ins, outs)  # PRNG keys: random ops run whole
+        else:
+            rule = rules.rule_for(eqn.primitive.name)
+            op = rule(name, eqn, ins, outs) if rule is not None else None
+            if op is None:
+                op = discovery.discover(name, eqn, ins, outs)
+            if op is None:
+                op = _replicated(name, eqn, ins, outs)
+        return Op(op.name, op.primitive, op.loops, op.operands, op.results, op.reductions, op.how,
+                  eqn, trips)  # fmt: skip
+
+
+def _replicated(name, eqn, ins, outs) -> Op:
+    loops = tuple(Loop(f"i{d}", n, False) for d, n in enumerate(outs[0].shape)) if outs else ()
+    return Op(
+        name, eqn.primitive.name, loops,
+        tuple(Access(v, ((),) * len(v.shape)) for v in ins if v is not None),
+        tuple(Access(o, ((),) * len(o.shape)) for o in outs), how="replicated",
+    )  # fmt: skip
+
+
+def replicated_report(prog: Program) -> str | None:
+    """A sentence naming the ops that run replicated because neither the rule table nor discovery
+    understands them, with their share of the program's flops; ``None`` if there are none."""
+    total = sum(o.flops * o.trips for o in prog.ops) or 1
+    by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for o in prog.ops:
+        if o.how == "replicated":
+            by_kind[o.primitive][0] += 1
+            by_kind[o.primitive][1] += o.flops * o.trips
+    if not by_kind:
+        return None
+    parts = [f"{p} x{n} ({100 * f / total:.1f}% of flops)" for p, (n, f) in sorted(by_kind.items())]
+    return "planner: these ops are not understood and run replicated: " + ", ".join(parts)
+
+
+def analyze(fn: Callable, *args, **kwargs) -> Program:
+    """Trace ``fn(*args, **kwargs)`` and return its :class:`Program` of loop nests.
+
+    Args:
+        fn: a JAX-traceable function.
+        *args, **kwargs: example arguments (arrays or ``jax.ShapeDtypeStruct``s, pytrees allowed).
+
+    Returns:
+        The program: ops in order, with loops, access maps, reductions and regions. Warns (a
+        ``UserWarning``) naming the ops that run replicated because they are not understood.
+    """
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    b = _Builder()
+    env = {var: b.const(var, c) for var, c in zip(closed.jaxpr.constvars, closed.consts)}
+    inputs = []
+    for var in closed.jaxpr.invars:
+        env[var] = b.value(var, "in")
+        inputs.append(env[var])
+    b.walk(closed.jaxpr, env)
+    outputs = tuple(b.read(env, v) for v in closed.jaxpr.outvars)
+    prog = Program(tuple(b.ops), tuple(inputs), outputs, closed, tuple(b.consts),
+                   tuple(sorted(b.regions, key=lambda r: (r.start, -r.stop))), tuple(b.ties))  # fmt: skip
+    report = replicated_report(prog)
+    if report:
+        warnings.warn(report, stacklevel=2)
+    return prog
