@@ -34,6 +34,7 @@ KEPT = {
     "custom_vjp_call_jaxpr": "custom_vjp",
 }  # fmt: skip
 SCAN_BOUNDARY = ("scan_const", "scan_carry", "scan_xs", "scan_carry_out", "scan_ys")
+STACKING = {"scan_xs": "in", "scan_ys": "out"}  # boundary ops that drop / add the layer axis
 
 
 def _inner(eqn) -> tuple[object, tuple] | None:
@@ -53,16 +54,16 @@ def _inner(eqn) -> tuple[object, tuple] | None:
     return None
 
 
-def _identity(name: str, kind: str, src: Value, dst: Value, trips: int) -> Op:
-    """A boundary op: ``dst`` is ``src`` (a scan adds or drops the leading stacked dimension)."""
-    whole = is_key(src.dtype)
-    core = dst.shape if kind == "scan_xs" else src.shape
+def _identity(name: str, kind: str, srcs: list[Value], dst: Value, trips: int) -> Op:
+    """A boundary op: ``dst`` is (each of) ``srcs``; a scan adds or drops the stacked axis."""
+    whole = any(is_key(v.dtype) for v in srcs)
+    core = dst.shape if STACKING.get(kind) == "in" else srcs[0].shape
     loops = tuple(Loop(f"i{d}", n, not whole) for d, n in enumerate(core))
     dims = tuple((lp.name,) for lp in loops)
-    src_dims = ((),) + dims if kind == "scan_xs" else dims
-    dst_dims = ((),) + dims if kind == "scan_ys" else dims
-    return Op(name, kind, loops, (Access(src, src_dims),), (Access(dst, dst_dims),),
-              how="region", trips=trips)  # fmt: skip
+    src_dims = ((),) + dims if STACKING.get(kind) == "in" else dims
+    dst_dims = ((),) + dims if STACKING.get(kind) == "out" else dims
+    return Op(name, kind, loops, tuple(Access(v, src_dims) for v in srcs),
+              (Access(dst, dst_dims),), how="region", trips=trips)  # fmt: skip
 
 
 class _Builder:
@@ -93,8 +94,8 @@ class _Builder:
     def walk(self, jaxpr, env: dict, trips: int = 1) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name == "scan":
-                self.scan(eqn, env, trips)
+            if name in ("scan", "while", "cond"):
+                getattr(self, {"while": "while_"}.get(name, name))(eqn, env, trips)
                 continue
             nested = _inner(eqn) if name in INLINED or name in KEPT else None
             if nested is not None:
@@ -130,25 +131,77 @@ class _Builder:
         entry = []
         for k, (var, outer) in enumerate(zip(inner.invars, ins)):
             kind = SCAN_BOUNDARY[0 if k < nc else 1 if k < nc + nk else 2]
-            res = self.value(var)
-            inner_env[var] = res
-            entry.append(_identity(f"{kind}_{len(self.ops)}", kind, outer, res, trips))
-            self.ops.append(entry[-1])
+            inner_env[var] = self.boundary(kind, [outer], var, trips).results[0].value
+            entry.append(self.ops[-1])
         body = len(self.ops)
         self.walk(inner, inner_env, trips * length)
         outs = []
         for k, (var, outvar) in enumerate(zip(inner.outvars, eqn.outvars)):
             kind = SCAN_BOUNDARY[3 if k < nk else 4]
-            res = self.value(outvar)
-            env[outvar] = res
-            outs.append(res)
-            op = _identity(f"{kind}_{len(self.ops)}", kind, self.read(inner_env, var), res,
-                           trips * length)  # fmt: skip
-            self.ops.append(op)
+            op = self.boundary(kind, [self.read(inner_env, var)], outvar, trips * length)
+            env[outvar] = op.results[0].value
+            outs.append(env[outvar])
             if k < nk:
                 self.ties.append((entry[nc + k].name, op.name))
         self.regions.append(Region("scan", start, body, len(self.ops), tuple(ins), tuple(outs),
                                    eqn))  # fmt: skip
+
+    def boundary(self, kind: str, srcs: list[Value], var, trips: int) -> Op:
+        op = _identity(f"{kind}_{len(self.ops)}", kind, srcs, self.value(var), trips)
+        self.ops.append(op)
+        return op
+
+    def while_(self, eqn, env: dict, trips: int) -> None:
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        cond_env = {var: self.const(var, c) for var, c in zip(cond.jaxpr.constvars, cond.consts)}
+        body_env = {var: self.const(var, c) for var, c in zip(body.jaxpr.constvars, body.consts)}
+        ins = [self.read(env, v) for v in eqn.invars]
+        start = len(self.ops)
+        for var, outer in zip(cond.jaxpr.invars[:nc], ins[:nc]):
+            cond_env[var] = self.boundary("while_const", [outer], var, trips).results[0].value
+        for var, outer in zip(body.jaxpr.invars[:nb], ins[nc : nc + nb]):
+            body_env[var] = self.boundary("while_const", [outer], var, trips).results[0].value
+        entry = []
+        for cvar, bvar, outer in zip(cond.jaxpr.invars[nc:], body.jaxpr.invars[nb:], ins[nc + nb :]):
+            entry.append(self.boundary("while_carry", [outer], bvar, trips))
+            cond_env[cvar] = body_env[bvar] = entry[-1].results[0].value
+        first = len(self.ops)
+        self.walk(cond.jaxpr, cond_env, trips)
+        predicate = self.read(cond_env, cond.jaxpr.outvars[0])
+        second = len(self.ops)
+        self.walk(body.jaxpr, body_env, trips)
+        outs = []
+        for op_in, var, outvar in zip(entry, body.jaxpr.outvars, eqn.outvars):
+            op = self.boundary("while_carry_out", [self.read(body_env, var)], outvar, trips)
+            env[outvar] = op.results[0].value
+            outs.append(env[outvar])
+            self.ties.append((op_in.name, op.name))
+        self.regions.append(Region("while", start, first, len(self.ops), tuple(ins), tuple(outs),
+                                   eqn, (second,), predicate))  # fmt: skip
+
+    def cond(self, eqn, env: dict, trips: int) -> None:
+        branches = eqn.params["branches"]
+        ins = [self.read(env, v) for v in eqn.invars]
+        start = len(self.ops)
+        entered = [self.boundary("cond_operand", [outer], var, trips).results[0].value
+                   for var, outer in zip(branches[0].jaxpr.invars, ins[1:])]  # fmt: skip
+        parts, results = [], []
+        for br in branches:
+            parts.append(len(self.ops))
+            br_env = {var: self.const(var, c) for var, c in zip(br.jaxpr.constvars, br.consts)}
+            br_env.update(zip(br.jaxpr.invars, entered))
+            self.walk(br.jaxpr, br_env, trips)
+            results.append([self.read(br_env, v) for v in br.jaxpr.outvars])
+        parts.append(len(self.ops))
+        outs = []
+        for k, outvar in enumerate(eqn.outvars):
+            op = self.boundary("cond_merge", [r[k] for r in results], outvar, trips)
+            env[outvar] = op.results[0].value
+            outs.append(env[outvar])
+        self.regions.append(Region("cond", start, parts[0], len(self.ops), tuple(ins),
+                                   tuple(outs), eqn, tuple(parts)))  # fmt: skip
 
     def describe(self, eqn, ins, outs, trips: int) -> Op:
         name = f"{eqn.primitive.name}_{len(self.ops)}"

@@ -137,13 +137,24 @@ class Op:
 class Region:
     """Ops ``[start, stop)`` of a program that the lowering runs inside one JAX construct.
 
-    ``kind`` is ``"scan"`` (ops ``[start, body)`` are the boundary ops that bring loop-invariant
-    operands, the initial carry and the stacked inputs into the body, run once; ``[body, stop)``
-    is the body followed by the boundary ops that hand the carry back and stack the outputs, run
-    ``length`` times), or a call kept as a call so that its semantics survive: ``"checkpoint"``
-    (rematerialisation and its optimisation barriers), ``"custom_jvp"`` / ``"custom_vjp"`` (the
-    user's differentiation rules). ``inputs`` / ``outputs`` are the values the construct reads and
-    produces, in its equation's order; ``eqn`` gives its parameters.
+    Ops ``[start, body)`` are boundary ops (identities, run once) that bring the construct's
+    operands in, in its equation's order; the last ``len(outputs)`` ops hand its results out.
+
+    - ``"scan"``: entry = loop-invariant operands, initial carry, stacked inputs (their layer
+      axis whole); ``[body, stop)`` = the body, then the carry handed back (tied to its entry
+      op, so it keeps one layout) and the stacked outputs; run ``length`` times.
+    - ``"while"``: entry = the condition's and the body's invariant operands, the carry;
+      ``[body, parts[0])`` = the condition (its result is ``predicate``); ``[parts[0], stop)`` =
+      the body and the carry handed back. Run an unknown number of times: priced as once.
+    - ``"cond"``: entry = the operands (the branch index is read directly); branch ``b`` is
+      ``[parts[b], parts[b + 1])``; ``[parts[-1], stop)`` = one merge op per result, reading
+      every branch's value. Priced as if every branch ran.
+    - a call kept as a call so that its semantics survive (no boundary ops, ``body == start``):
+      ``"checkpoint"`` (rematerialisation and its optimisation barriers), ``"custom_jvp"`` /
+      ``"custom_vjp"`` (the user's differentiation rules).
+
+    ``inputs`` / ``outputs`` are the values the construct reads and produces, in its equation's
+    order; ``eqn`` gives its parameters.
     """
 
     kind: str
@@ -153,6 +164,8 @@ class Region:
     inputs: tuple[Value, ...]
     outputs: tuple[Value, ...]
     eqn: object = dataclasses.field(default=None, compare=False, repr=False)
+    parts: tuple[int, ...] = ()
+    predicate: Value | None = None
 
 
 @dataclasses.dataclass(frozen=True)

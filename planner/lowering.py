@@ -94,35 +94,74 @@ class Lowered:
             if region is None:
                 self._run(self.steps[k], env)
                 k += 1
-            elif region.kind == "scan":
-                self._run_scan(region, env, (*inside, region))
-                k = region.stop
             else:
-                self._run_call(region, env, (*inside, region))
+                run = {"scan": self._run_scan, "while": self._run_while, "cond": self._run_cond}
+                run.get(region.kind, self._run_call)(region, env, (*inside, region))
                 k = region.stop
 
-    def _run_scan(self, r: Region, env, inside) -> None:
-        for step in self.steps[r.start : r.body]:  # loop-invariant operands, carry, stacked xs
+    def _enter(self, r: Region, env) -> list[str]:
+        """Run a region's entry ops (outside it) and return the names of the values they enter."""
+        for step in self.steps[r.start : r.body]:
             self._run(step, env)
-        entry = [s.op for s in self.steps[r.start : r.body]]
-        carry_in = [o.results[0].value.name for o in entry if o.primitive == "scan_carry"]
-        xs_in = [o.results[0].value.name for o in entry if o.primitive == "scan_xs"]
-        exit_ = [s.op for s in self.steps[r.stop - len(r.outputs) : r.stop]]
-        carry_out = [o.results[0].value.name for o in exit_ if o.primitive == "scan_carry_out"]
-        ys_out = [o.results[0].value.name for o in exit_ if o.primitive == "scan_ys"]
+        return [s.op.results[0].value.name for s in self.steps[r.start : r.body]]
+
+    def _exits(self, r: Region) -> list[str]:
+        return [s.op.results[0].value.name for s in self.steps[r.stop - len(r.outputs) : r.stop]]
+
+    def _run_scan(self, r: Region, env, inside) -> None:
+        p = r.eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        entered, exits = self._enter(r, env), self._exits(r)
+        carry_in, xs_in = entered[nc : nc + nk], entered[nc + nk :]
 
         def body(carry, xs):
             inner = dict(env)
             inner.update(zip(carry_in, carry))
             inner.update(zip(xs_in, xs))
             self._run_range(r.body, r.stop, inner, inside)
-            return [inner[n] for n in carry_out], [inner[n] for n in ys_out]
+            return [inner[n] for n in exits[:nk]], [inner[n] for n in exits[nk:]]
 
-        p = r.eqn.params
         final, ys = lax.scan(body, [env[n] for n in carry_in], [env[n] for n in xs_in],
                              length=p["length"], reverse=p["reverse"], unroll=p["unroll"])  # fmt: skip
-        env.update(zip(carry_out, final))
-        env.update(zip(ys_out, ys))
+        env.update(zip(exits, [*final, *ys]))
+
+    def _run_while(self, r: Region, env, inside) -> None:
+        p = r.eqn.params
+        carry_in = self._enter(r, env)[p["cond_nconsts"] + p["body_nconsts"] :]
+        exits = self._exits(r)
+
+        def run(lo: int, hi: int, carry) -> dict:
+            inner = dict(env)
+            inner.update(zip(carry_in, carry))
+            self._run_range(lo, hi, inner, inside)
+            return inner
+
+        final = lax.while_loop(
+            lambda c: run(r.body, r.parts[0], c)[r.predicate.name],
+            lambda c: [run(r.parts[0], r.stop, c)[n] for n in exits],
+            [env[n] for n in carry_in],
+        )
+        env.update(zip(exits, final))
+
+    def _run_cond(self, r: Region, env, inside) -> None:
+        self._enter(r, env)
+        merges = self.steps[r.parts[-1] : r.stop]
+
+        def branch(b: int):
+            inner = dict(env)
+            self._run_range(r.parts[b], r.parts[b + 1], inner, inside)
+            outs = []
+            for m in merges:  # this branch's value, moved to the layout every branch agrees on
+                v = m.op.operands[b].value
+                for mv in m.moves:
+                    if mv.value == v:
+                        inner[v.name] = self._move(inner[v.name], mv)
+                outs.append(inner[v.name])
+            return outs
+
+        index = env[r.inputs[0].name]
+        outs = lax.switch(index, [functools.partial(branch, b) for b in range(len(r.parts) - 1)])
+        env.update((m.op.results[0].value.name, x) for m, x in zip(merges, outs))
 
     def _run_call(self, r: Region, env, inside) -> None:
         """Re-bind the call's primitive around its planned body (as ``jax.core.eval_jaxpr``
@@ -155,12 +194,13 @@ class Lowered:
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update((v.name, x) for v, x in zip(r.outputs, outs))
 
+    def _move(self, x, mv):
+        return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
+
     def _run(self, step: OpStep, env) -> None:
         op, mesh = step.op, self.mesh
         for mv in step.moves:
-            env[mv.value.name] = redist.redistribute(
-                env[mv.value.name], _pspec(mv.src), _pspec(mv.dst), mesh=mesh
-            )
+            env[mv.value.name] = self._move(env[mv.value.name], mv)
         args = [env[acc.value.name] for acc in op.operands]
         if op.how == "region":  # a boundary op: the value passes into or out of a region
             outs = args
