@@ -59,7 +59,7 @@ SCATTERS = frozenset("scatter scatter-add scatter_add scatter-mul scatter_mul sc
 SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
 # Parameters listing sizes of operand 0's dimensions: where an entry is the whole dimension,
 # the lowering replaces it by the local size (the dimension may be split).
-OPERAND_SIZE_PARAMS = {"gather": "slice_sizes", "dynamic_slice": "slice_sizes"}
+OPERAND_SIZE_PARAMS = {"gather": "slice_sizes", "dynamic_slice": "slice_sizes", "slice": "limit_indices"}
 
 Rule = Callable[[str, object, Sequence[Value | None], Sequence[Value]], Op | None]
 
