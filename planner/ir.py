@@ -27,6 +27,7 @@ DENSE = frozenset({"dot_general", "conv_general_dilated"})  # ops costing 2 flop
 KEY_ITEMSIZE = {"fry": 8, "rbg": 16, "unsafe_rbg": 16}  # bytes of one PRNG key, by implementation
 
 
+@functools.cache
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name, PRNG key types included (``"key<fry>"`` -> 8).
 

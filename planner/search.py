@@ -162,7 +162,7 @@ def search(
                 best = (score, assign)
         return _result(best[0], evaluate, memory_limit_bytes)
     passes = [[tuple(names)], [(f,) for f in names]]
-    results = _seeds(prog, shape, evaluate)
+    results = [evaluate(empty), *_seeds(prog, shape, evaluate)]  # never worse than replication
     if dp:
         tables = ChainDP(prog, grouped, shape.sizes, cal)
         results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]

@@ -77,6 +77,19 @@ def _plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
     return t, wire
 
 
+class _Live(dict):
+    """Live values -> bytes per device, with their running total."""
+
+    total = 0
+
+    def __setitem__(self, name: str, size: int) -> None:
+        self.total += size - self.get(name, 0)
+        super().__setitem__(name, size)
+
+    def pop(self, name: str) -> None:
+        self.total -= super().pop(name, 0)
+
+
 def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
     """Predicted time, wire bytes and peak memory per device of ``prog`` under ``sched``."""
     cal = calibration or Calibration.default()
@@ -88,13 +101,13 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
         for acc in st.op.operands:
             last_use[acc.value.name] = k
     keep = {v.name for v in prog.inputs} | {v.name for v in prog.outputs}
-    live: dict[str, int] = {}
+    live = _Live()
     for v in prog.inputs:
         live[v.name] = _bytes(v.shape, input_spec(prog, sched, v), sizes, v.dtype)
     for v, _ in prog.consts:
         live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     costs = []
-    peak = sum(live.values())
+    peak = live.total
     for k, st in enumerate(steps):
         op = st.op
         comm_t = wire = 0.0
@@ -126,12 +139,12 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
                     wire += wire_bytes("reduce-scatter", size * n, n)
         for r, size in zip(op.results, outs):
             live[r.value.name] = size
-        now = sum(live.values()) + transient
+        now = live.total + transient
         peak = max(peak, now)
         costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now))
         for acc in op.operands:
             name = acc.value.name
             if last_use.get(name) == k and name not in keep:
-                live.pop(name, None)
+                live.pop(name)
     total = sum(c.compute_s + c.comm_s for c in costs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs))
