@@ -1,0 +1,147 @@
+"""Small programs, one per construct, and random valid schedules: the planner's differential oracle.
+
+``random_schedule`` draws an assignment for *every* op of a program, built generically from the IR
+(no knowledge of primitives): each prime factor of the mesh goes to a random loop the op allows
+(or to none), as :func:`planner.schedule.check_assignment` validates it. Every schedule it draws is
+one the planner could produce, so lowering it must reproduce the unsharded program.
+
+Example:
+    >>> fn, make = PROGRAMS["max_of_product"]           # doctest: +SKIP
+    >>> assign = random_schedule(planner.analyze(fn, *make(rng)), {"a": 2, "b": 3}, random.Random(0))
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from planner.ir import Program
+from planner.schedule import check_assignment
+from redist.types import MeshShape
+
+
+def random_schedule(prog: Program, mesh: dict[str, int], rng: random.Random) -> dict:
+    """A random valid assignment (op -> loop -> factors) for every op of ``prog``."""
+    shape = MeshShape.of(mesh)
+    out = {}
+    for op in prog.ops:
+        loops: dict[str, tuple[str, ...]] = {}
+        factors = list(shape.factor_names)
+        rng.shuffle(factors)
+        for f in factors:
+            options = [None, *(lp.name for lp in op.loops if lp.partitionable)]
+            rng.shuffle(options)
+            for loop in options:
+                if loop is None:
+                    break
+                trial = {**loops, loop: loops.get(loop, ()) + (f,)}
+                try:
+                    check_assignment(shape, op, trial)
+                except ValueError:
+                    continue
+                loops = trial
+                break
+        out[op.name] = loops
+    return out
+
+
+def _f(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _i(rng, high, *shape):
+    return rng.integers(0, high, shape).astype(np.int32)
+
+
+def _layers(x, ws):
+    return lax.scan(lambda c, w: (jnp.tanh(c @ w), jnp.max(c, axis=1)), x, ws)
+
+
+def _attention(x, wq, wk):
+    q, k = x @ wq, x @ wk
+    s = jnp.einsum("bqd,bkd->bqk", q, k) / 4.0
+    mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+    return jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1) @ x
+
+
+def _mlp_step(ws, x, y):
+    def loss(ws):
+        h = jax.nn.relu(x @ ws[0])
+        return jnp.mean((h @ ws[1] - y) ** 2)
+
+    return jax.tree.map(lambda w, g: w - 0.1 * g, ws, jax.grad(loss)(ws))
+
+
+def _xent(z, y):
+    z = z - jax.nn.logsumexp(z, axis=-1, keepdims=True)
+    return -jnp.mean(jnp.take_along_axis(z, y[:, None], axis=-1))
+
+
+@jax.custom_vjp
+def _doubled(x):
+    return 2.0 * x
+
+
+_doubled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
+
+Make = Callable[[np.random.Generator], tuple]
+PROGRAMS: dict[str, tuple[Callable, Make]] = {
+    "matmul_tanh": (lambda x, w: jnp.tanh(x @ w), lambda r: (_f(r, 12, 24), _f(r, 24, 12))),
+    "max_of_product": (lambda x, w: jnp.max(jnp.tanh(x @ w), axis=1),
+                       lambda r: (_f(r, 12, 24), _f(r, 24, 24))),
+    "min_prod_argmax": (lambda x: (jnp.min(x, 0), jnp.prod(x, 1), jnp.argmax(x, 1), jnp.argmin(x, 0)),
+                        lambda r: (_f(r, 12, 12),)),
+    "any_all": (lambda x: (jnp.any(x > 1.0, axis=1), jnp.all(x > -1.0, axis=0)),
+                lambda r: (_f(r, 12, 24),)),
+    "int_sum_max": (lambda x: (jnp.sum(x, axis=1), jnp.max(x * 3, axis=0)),
+                    lambda r: (_i(r, 9, 12, 24),)),
+    "softmax_mean_lse": (lambda x: (jax.nn.softmax(x, -1), jnp.mean(x, 0), jax.nn.logsumexp(x, 1)),
+                         lambda r: (_f(r, 12, 24),)),
+    "broadcast_transpose_reshape": (lambda x, b: (x + b).T.reshape(6, 2, 24).sum(1).reshape(12, 12),
+                                    lambda r: (_f(r, 24, 12), _f(r, 12))),
+    "concatenate_split_slice": (lambda x: jnp.concatenate(jnp.split(x, 3, axis=1)[::-1], 0)[2:20],
+                                lambda r: (_f(r, 12, 36),)),
+    "embedding": (lambda e, i: jnp.take(e, i, axis=0) * 2.0,
+                  lambda r: (_f(r, 30, 12), _i(r, 30, 12, 6))),
+    "embedding_grad": (jax.grad(lambda e, i: jnp.sum(jnp.take(e, i, axis=0) ** 2)),
+                       lambda r: (_f(r, 30, 12), _i(r, 30, 12, 6))),
+    "cross_entropy_and_grad": (lambda z, y: (_xent(z, y), jax.grad(_xent)(z, y)),
+                               lambda r: (_f(r, 12, 24), _i(r, 24, 12))),
+    "pad_cumsum_flip_sort_topk": (
+        lambda x: (jnp.pad(x, ((0, 0), (1, 2))), jnp.cumsum(x, 1), jnp.flip(x, 1),
+                   jnp.sort(x, 1), lax.top_k(x, 3)[1]),
+        lambda r: (_f(r, 12, 12),)),
+    "dynamic_slices": (lambda x, i: (lax.dynamic_slice_in_dim(x, i, 4, 1),
+                                     lax.dynamic_update_slice_in_dim(x, -x[:, :4], i, 1)),
+                       lambda r: (_f(r, 12, 12), np.int32(3))),
+    "iota_where_clip": (lambda x: jnp.clip(jnp.where(x > 0, x, jnp.arange(12.0)), -0.5, 0.5),
+                        lambda r: (_f(r, 24, 12),)),
+    "bool_and_int_inputs": (lambda m, n, x: jnp.where(m, x * n, -x).sum(0),
+                            lambda r: (_f(r, 12, 12) > 0, _i(r, 5, 12, 12), _f(r, 12, 12))),
+    "nested_jit_literals": (lambda x: jax.jit(lambda y, s: (y * s, 2.0))(x, 3.0),
+                            lambda r: (_f(r, 12, 12),)),
+    "custom_rules": (lambda x: jax.nn.relu(_doubled(x)) @ x.T, lambda r: (_f(r, 12, 24),)),
+    "checkpoint_grad": (jax.grad(lambda x: jnp.sum(jax.checkpoint(lambda y: jnp.sin(y) @ y.T)(x))),
+                        lambda r: (_f(r, 12, 12),)),
+    "dropout": (lambda k, x: jnp.where(jax.random.bernoulli(k, 0.5, x.shape), x / 0.5, 0.0),
+                lambda r: (jax.random.key(int(r.integers(99))), _f(r, 12, 24))),
+    "dropout_raw_key": (lambda k, x: x * jax.random.uniform(k, x.shape),
+                        lambda r: (jax.random.PRNGKey(int(r.integers(99))), _f(r, 12, 24))),
+    "scan_layers": (_layers, lambda r: (_f(r, 12, 24), _f(r, 3, 24, 24) / 4)),
+    "scan_layers_grad": (jax.grad(lambda ws, x: jnp.sum(_layers(x, ws)[0] ** 2)),
+                         lambda r: (_f(r, 3, 24, 24) / 4, _f(r, 12, 24))),
+    "fori_static_and_traced": (
+        lambda x, w, n: (lax.fori_loop(0, 2, lambda i, c: jnp.tanh(c @ w), x),
+                         lax.fori_loop(0, n, lambda i, c: c * 0.5 + 1.0, x)),
+        lambda r: (_f(r, 12, 24), _f(r, 24, 24) / 4, np.int32(3))),
+    "cond": (lambda p, x, w: lax.cond(p, lambda x: jnp.tanh(x @ w), lambda x: x + 1.0, x),
+             lambda r: (np.bool_(r.integers(2)), _f(r, 12, 24), _f(r, 24, 24))),
+    "mlp_training_step": (_mlp_step, lambda r: ([_f(r, 24, 12), _f(r, 12, 24)], _f(r, 12, 24),
+                                                _f(r, 12, 24))),
+    "causal_attention": (_attention, lambda r: (_f(r, 2, 12, 24), _f(r, 24, 24), _f(r, 24, 24))),
+}  # fmt: skip
