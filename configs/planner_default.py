@@ -10,13 +10,16 @@ def get_config() -> ml_collections.ConfigDict:
     # layers); transformer = pre-norm blocks training step (batch x seq x heads x head_dim x
     # layers); moe = top-1 mixture-of-experts training step (tokens x d x experts x hidden);
     # matmul = tanh(x @ w) (m x k x n); attention = heads-splittable attention forward
-    # (batch x seq x heads x head_dim). See experiments/workloads.py.
+    # (batch x seq x heads x head_dim); lm / lm_scan = flax nnx language-model training step with
+    # adamw, layers as a loop / scanned (batch x seq x d x heads x layers x vocab). See
+    # experiments/workloads.py.
     c.workloads = (
         "mlp_big_batch=mlp:1024x64x2;mlp_big_hidden=mlp:32x512x2;"
         "matmul_tall=matmul:8192x256x64;matmul_wide=matmul:64x256x8192;"
         "attention=attention:4x64x8x16;"
         "tf_many_tokens=transformer:16x64x8x16x1;tf_wide=transformer:8x16x8x64x1;"
-        "moe=moe:512x64x8x256"
+        "moe=moe:512x64x8x256;"
+        "lm=lm:8x32x64x4x2x256;lm_scan=lm_scan:8x32x64x4x2x256"
     )
     c.strategies = "replicated,data,fsdp,megatron,data_x_model,xla_propagation,auto,auto_memory"
     # auto_memory: the search under a memory limit of this fraction of the replicated program's

@@ -10,6 +10,8 @@
 |             |                                         | training step (grad + SGD)                  |
 | matmul      | m x k x n                               | ``tanh(x @ w)`` (the thesis' matmul)        |
 | attention   | batch x seq x heads x head_dim          | multi-head attention forward                |
+| lm, lm_scan | batch x seq x d x heads x layers x vocab| flax nnx decoder LM training step (adamw,  |
+|             |                                         | integer labels); lm_scan: layers scanned    |
 
 Example:
     >>> fn, args = workload("mlp", [64, 16, 2], np.random.default_rng(0))   # doctest: +SKIP
@@ -29,7 +31,7 @@ def parse_workload(text: str) -> tuple[str, str, list[int]]:
     return name, kind, [int(n) for n in sizes.split("x")]
 
 
-_SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4}
+_SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4, "lm": 6, "lm_scan": 6}
 
 
 def _sgd(loss):
@@ -132,6 +134,10 @@ def workload(kind: str, sizes: list[int], rng):
             "w2": r(e, h, d) * math.sqrt(e / h),
         }
         return _sgd(_moe_loss), (params, r(t, d), r(t, d))
+    if kind in ("lm", "lm_scan"):
+        from experiments.language_model import lm_step
+
+        return lm_step(*sizes, scan=kind == "lm_scan", rng=rng)
     if kind == "matmul":
         m, k, n = sizes
         return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))

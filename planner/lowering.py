@@ -223,19 +223,19 @@ class Lowered:
 
     # ----- the baseline: sharding constraints, XLA inserts the collectives -----
     def _xla(self, *flat):
+        if self.backend == "xla-inputs":  # the original program; XLA propagates from the inputs
+            return tuple(jcore.jaxpr_as_fun(self.prog.jaxpr)(*flat))
         if self.prog.regions:
             raise NotImplementedError(
-                f"backend {self.backend!r} does not run programs with regions (scan, checkpoint, "
-                "custom rules) yet; use backend='explicit'"
+                "backend 'xla' (a sharding constraint on every value) does not reach into regions "
+                "(scan, while, cond, checkpoint, custom rules) yet; use backend='explicit' or "
+                "'xla-inputs'"
             )
         env = {v.name: x for v, x in zip(self.prog.inputs, flat)}
         env.update({v.name: c for v, c in self.prog.consts})
         for op in self.prog.ops:
             outs = _bind(op, *[env[a.value.name] for a in op.operands])
             for r, x in zip(op.results, outs):
-                if self.backend == "xla-inputs":  # only the inputs are placed; XLA propagates
-                    env[r.value.name] = x
-                    continue
                 spec = self.sched.spec(op, r)
                 env[r.value.name] = lax.with_sharding_constraint(
                     x, NamedSharding(self.mesh, _pspec(spec))
