@@ -4,6 +4,7 @@ compared with the unsharded program (exact for integers and booleans, 1e-4 for f
 import random
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -82,3 +83,24 @@ def test_the_harness_catches_a_wrong_combiner(monkeypatch):
     sched = make_schedule(prog, assign, dict(mesh.shape))
     with pytest.raises(AssertionError):
         assert_same(planner.lower(prog, sched, mesh)(*args), jax.jit(fn)(*args))
+
+
+REDUCERS = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "any": lambda v, axis: jnp.any(v > 0, axis)}
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    m=st.sampled_from([6, 12, 24]), k=st.sampled_from([6, 12]), n=st.sampled_from([4, 6, 12]),
+    kind=st.sampled_from(sorted(REDUCERS)), axis=st.sampled_from([0, 1]),
+    mesh_name=st.sampled_from(sorted(MESHES)), seed=st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_random_shapes_reductions_and_schedules(m, k, n, kind, axis, mesh_name, seed):
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    fn = lambda x, w: REDUCERS[kind](jnp.tanh(x @ w) - 0.1, axis=axis)  # noqa: E731
+    prog = planner.analyze(fn, x, w)
+    mesh = make_mesh(mesh_name)
+    sizes = dict(mesh.shape)
+    sched = make_schedule(prog, random_schedule(prog, sizes, random.Random(seed)), sizes,
+                          default="replicate")  # fmt: skip
+    assert_same(planner.lower(prog, sched, mesh)(x, w), jax.jit(fn)(x, w))
