@@ -81,6 +81,24 @@ def _moves(step: Step) -> tuple[tuple[int, int, int], ...]:
     return step.moves or ((step.dim, step.to_dim, step.group_size),)
 
 
+def _tiled_all_to_all(x, split_axis: int, concat_axis: int, **args):
+    """``lax.all_to_all(tiled=True)`` on ``x`` with its other size-1 dimensions squeezed out.
+
+    XLA:CPU rewrites an all-to-all into a tuple of slices and may then give those slices
+    different layouts on size-1 dimensions, which its HLO verifier rejects ("all-to-all has
+    operands with different shapes"); without such dimensions the layouts agree.
+    """
+    keep = [d for d, n in enumerate(x.shape) if n != 1 or d in (split_axis, concat_axis)]
+    if len(keep) == x.ndim:
+        return lax.all_to_all(x, split_axis=split_axis, concat_axis=concat_axis, tiled=True, **args)
+    y = lax.all_to_all(x.reshape([x.shape[d] for d in keep]), split_axis=keep.index(split_axis),
+                       concat_axis=keep.index(concat_axis), tiled=True, **args)  # fmt: skip
+    shape = list(x.shape)
+    for k, d in enumerate(keep):
+        shape[d] = y.shape[k]
+    return y.reshape(shape)
+
+
 def _all_to_all(x, step: Step, args: dict):
     """An all-to-all of ``step.moves``: factors leave the gathered dimensions for the split ones.
 
@@ -92,7 +110,7 @@ def _all_to_all(x, step: Step, args: dict):
     moves = _moves(step)
     if len(moves) == 1 and math.prod(x.shape[: moves[0][0]]) != 1:
         i, j, _ = moves[0]
-        return lax.all_to_all(x, split_axis=j, concat_axis=i, tiled=True, **args)
+        return _tiled_all_to_all(x, split_axis=j, concat_axis=i, **args)
     m, shape = len(moves), x.shape
     # Split every destination dim into (digit axes of its moves, last move major; rest).
     split_shape, digit_axis, rest_axis = [], {}, []
@@ -108,7 +126,7 @@ def _all_to_all(x, step: Step, args: dict):
     y = jnp.transpose(x.reshape(split_shape), order)
     rest = [split_shape[a] for a in rest_axis]
     y = y.reshape((math.prod(mv[2] for mv in moves), *rest))
-    y = lax.all_to_all(y, split_axis=0, concat_axis=0, tiled=True, **args)
+    y = _tiled_all_to_all(y, split_axis=0, concat_axis=0, **args)
     y = y.reshape(tuple(mv[2] for mv in reversed(moves)) + tuple(rest))
     # Digit axis of move k is m - 1 - k; put each before its gathered dim, last move major.
     order, out_shape = [], []

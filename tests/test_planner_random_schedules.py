@@ -104,3 +104,22 @@ def test_random_shapes_reductions_and_schedules(m, k, n, kind, axis, mesh_name, 
     sched = make_schedule(prog, random_schedule(prog, sizes, random.Random(seed)), sizes,
                           default="replicate")  # fmt: skip
     assert_same(planner.lower(prog, sched, mesh)(x, w), jax.jit(fn)(x, w))
+
+
+# Schedules that once failed, found by running the harness with more examples.
+REGRESSIONS = [
+    # XLA:CPU gave the slices of a decomposed all-to-all different layouts on size-1 dims
+    ("causal_attention", "2x2x2", 843),
+]
+
+
+@pytest.mark.parametrize("program, mesh_name, seed", REGRESSIONS)
+def test_schedules_that_once_failed(program, mesh_name, seed):
+    fn, make = PROGRAMS[program]
+    args = make(np.random.default_rng(0))
+    prog = planner.analyze(fn, *args)
+    mesh = make_mesh(mesh_name)
+    sizes = dict(mesh.shape)
+    assign = random_schedule(prog, sizes, random.Random(seed))
+    sched = make_schedule(prog, assign, sizes, default="replicate")
+    assert_same(planner.lower(prog, sched, mesh)(*args), jax.jit(fn)(*args))
