@@ -7,7 +7,7 @@ For each workload and depth, plans with ``search`` restricted to each method (``
 dynamic program of :mod:`planner.chain`; ``greedy``: coordinate descent, run only up to
 ``--greedy_max_ops`` ops because its cost grows with depth squared) and records search time,
 predicted time and the number of ops and anchors. Both methods also simulate the hand-written
-strategies as seeds (see ``planner.search``) and keep the best. Writes ``results.jsonl`` and
+strategies as seeds (see ``planner.schedule_search``) and keep the best. Writes ``results.jsonl`` and
 ``report.md``. Nothing is executed: this measures the planner itself, on the default CPU
 calibration.
 """
@@ -27,7 +27,7 @@ def run(workloads: list[str], depths: list[int], mesh: dict, greedy_max_ops: int
     import numpy as np
 
     import planner
-    from planner.search import anchors, search
+    from planner.schedule_search import anchors, search
 
     rows = []
     for spec in workloads:

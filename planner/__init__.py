@@ -11,7 +11,7 @@ from planner.auto import AutoPlan, auto_shard, plan
 from planner.ir import Access, Loop, Op, Program, Value
 from planner.lowering import Lowered, lower
 from planner.schedule import Schedule, make_schedule
-from planner.search import search
+from planner.schedule_search import search
 from planner.simulator import Prediction, simulate
 
 __all__ = [

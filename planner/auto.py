@@ -23,7 +23,7 @@ from planner.dataflow import dataflow, input_spec
 from planner.ir import Program
 from planner.lowering import Lowered, lower
 from planner.schedule import Schedule, Spec
-from planner.search import search
+from planner.schedule_search import search
 from redist.types import DistType, MeshShape
 
 

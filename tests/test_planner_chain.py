@@ -13,7 +13,7 @@ from planner.chain import ChainDP
 from planner.costmodel import Calibration
 from planner.dataflow import dataflow
 from planner.schedule import make_schedule
-from planner.search import _options, anchors, groups, search
+from planner.schedule_search import _options, anchors, groups, search
 
 MESH = {"a": 2, "b": 2, "c": 2}
 

@@ -11,7 +11,7 @@ from test_planner_lower import ALL, _mlp_args, matmul, rand, sgd_step
 
 import planner
 from planner.schedule import make_schedule
-from planner.search import _options, anchors, search
+from planner.schedule_search import _options, anchors, search
 from planner.simulator import simulate
 
 
