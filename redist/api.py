@@ -133,6 +133,13 @@ def _redistribute_array(x, src, dst, mesh, options):
                 )
             src_spec = xs.spec
     plan = synthesize(m, s, d, name, itemsize, *options)
+    if s.global_size == 0:  # a zero-size array: only its sharding changes
+        target = NamedSharding(mesh, dst_spec)
+        if not isinstance(x, jax.core.Tracer):
+            return jax.device_put(x, target)
+        if any(str(t).endswith("Explicit") for t in mesh.axis_types):
+            return jax.sharding.reshard(x, target)
+        return jax.lax.with_sharding_constraint(x, target)
     if not plan.steps:
         return x
     if isinstance(x, jax.core.Tracer):

@@ -41,6 +41,8 @@ def synthesize(
         )
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    if src.global_size == 0:  # nothing to move: the destination layout is had for free
+        return Plan(mesh, src, dst, dtype, itemsize, ())
     paths = weak_paths(
         src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, cost_model
     )

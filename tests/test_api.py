@@ -149,3 +149,14 @@ def test_errors(arr):
         redist.redistribute({"w": x, "b": x}, {"w": DST})
     with _err(r"expected a PartitionSpec or NamedSharding, got int"):
         redist.redistribute(x, 3)
+
+
+def test_zero_size_arrays_take_the_destination_layout_at_once(mesh):
+    empty = np.zeros((0, 16, 8), np.float32)
+    p = redist.plan(empty.shape, SRC, DST, {"a": 2, "b": 2, "c": 2})
+    assert p.steps == () and p.cost_bytes == 0 and p.peak_bytes == 0
+    x = jax.device_put(empty, NamedSharding(mesh, P(None, "c", ("a", "b"))))
+    y = redist.redistribute(x, DST)
+    assert y.shape == empty.shape and y.sharding.is_equivalent_to(NamedSharding(mesh, DST), 3)
+    z = jax.jit(lambda v: redist.redistribute(v, P(None, "c", ("a", "b")), DST, mesh=mesh))(x)
+    assert z.shape == empty.shape
