@@ -36,7 +36,10 @@ def _pspec(s: SpecLike) -> PartitionSpec:
 
 
 def _device_ids(mesh) -> tuple[int, ...] | None:
-    devices = getattr(mesh, "devices", None)
+    try:
+        devices = getattr(mesh, "devices", None)
+    except (NotImplementedError, ValueError):  # an AbstractMesh has no devices
+        return None
     if devices is None:
         return None
     return tuple(int(d.id) for d in devices.flat)
@@ -54,9 +57,14 @@ def _resolve_mesh(x, src, dst, mesh):
                 f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}"
             )
         candidates.append(("mesh", mesh))
-    xs = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else None
-    if isinstance(xs, NamedSharding):
-        candidates.append(("x.sharding", xs.mesh))
+    if isinstance(x, jax.core.Tracer):  # inside jit: the mesh of the value's type, if it has one
+        traced = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if traced is not None and not traced.empty:
+            candidates.append(("x's type", traced))
+    else:
+        xs = getattr(x, "sharding", None)
+        if isinstance(xs, NamedSharding):
+            candidates.append(("x.sharding", xs.mesh))
     if not candidates:
         ambient = jax.sharding.get_abstract_mesh()
         if ambient.empty:

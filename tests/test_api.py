@@ -160,3 +160,11 @@ def test_zero_size_arrays_take_the_destination_layout_at_once(mesh):
     assert y.shape == empty.shape and y.sharding.is_equivalent_to(NamedSharding(mesh, DST), 3)
     z = jax.jit(lambda v: redist.redistribute(v, P(None, "c", ("a", "b")), DST, mesh=mesh))(x)
     assert z.shape == empty.shape
+
+
+def test_inside_jit_on_explicit_axes_the_mesh_comes_from_the_value(arr):
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Explicit,) * 3)
+    x = jax.device_put(arr, NamedSharding(mesh, SRC))
+    y = jax.jit(lambda v: redist.redistribute(v, DST) + 1)(x)
+    np.testing.assert_array_equal(np.asarray(y), arr + 1)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, DST), 3)
