@@ -110,6 +110,8 @@ PROGRAMS: dict[str, tuple[Callable, Make]] = {
                   lambda r: (_f(r, 30, 12), _i(r, 30, 12, 6))),
     "embedding_grad": (jax.grad(lambda e, i: jnp.sum(jnp.take(e, i, axis=0) ** 2)),
                        lambda r: (_f(r, 30, 12), _i(r, 30, 12, 6))),
+    "scatter_add_onto_values": (lambda t, i, u: t.at[i].add(u),  # the operand must be added once
+                                lambda r: (_f(r, 30, 12), _i(r, 30, 24), _f(r, 24, 12))),
     "cross_entropy_and_grad": (lambda z, y: (_xent(z, y), jax.grad(_xent)(z, y)),
                                lambda r: (_f(r, 12, 24), _i(r, 24, 12))),
     "pad_cumsum_flip_sort_topk": (

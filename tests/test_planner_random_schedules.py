@@ -123,3 +123,18 @@ def test_schedules_that_once_failed(program, mesh_name, seed):
     assign = random_schedule(prog, sizes, random.Random(seed))
     sched = make_schedule(prog, assign, sizes, default="replicate")
     assert_same(planner.lower(prog, sched, mesh)(*args), jax.jit(fn)(*args))
+
+
+def test_the_harness_catches_an_operand_added_per_part(monkeypatch):
+    """A scatter-add split over its updates must add its operand once, not once per device."""
+    from planner import lowering
+
+    monkeypatch.setattr(lowering, "SCATTER_ADD", frozenset())
+    fn, make = PROGRAMS["scatter_add_onto_values"]
+    args = make(np.random.default_rng(0))
+    prog = planner.analyze(fn, *args)
+    mesh = make_mesh("2x2x2")
+    op = next(o for o in prog.ops if o.primitive == "scatter-add")
+    sched = make_schedule(prog, {op.name: {"r0": ("a", "b")}}, dict(mesh.shape))
+    with pytest.raises(AssertionError):
+        assert_same(planner.lower(prog, sched, mesh)(*args), jax.jit(fn)(*args))
