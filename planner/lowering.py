@@ -105,6 +105,12 @@ class Lowered:
             self._run(step, env)
         return [s.op.results[0].value.name for s in self.steps[r.start : r.body]]
 
+    def _run_inside(self, lo: int, hi: int, env, bound: dict, inside) -> dict:
+        """Run ops ``[lo, hi)`` in a copy of ``env`` with ``bound`` values; return that copy."""
+        inner = {**env, **bound}
+        self._run_range(lo, hi, inner, inside)
+        return inner
+
     def _exits(self, r: Region) -> list[str]:
         return [s.op.results[0].value.name for s in self.steps[r.stop - len(r.outputs) : r.stop]]
 
@@ -115,10 +121,8 @@ class Lowered:
         carry_in, xs_in = entered[nc : nc + nk], entered[nc + nk :]
 
         def body(carry, xs):
-            inner = dict(env)
-            inner.update(zip(carry_in, carry))
-            inner.update(zip(xs_in, xs))
-            self._run_range(r.body, r.stop, inner, inside)
+            bound = {**dict(zip(carry_in, carry)), **dict(zip(xs_in, xs))}
+            inner = self._run_inside(r.body, r.stop, env, bound, inside)
             return [inner[n] for n in exits[:nk]], [inner[n] for n in exits[nk:]]
 
         final, ys = lax.scan(body, [env[n] for n in carry_in], [env[n] for n in xs_in],
@@ -131,10 +135,7 @@ class Lowered:
         exits = self._exits(r)
 
         def run(lo: int, hi: int, carry) -> dict:
-            inner = dict(env)
-            inner.update(zip(carry_in, carry))
-            self._run_range(lo, hi, inner, inside)
-            return inner
+            return self._run_inside(lo, hi, env, dict(zip(carry_in, carry)), inside)
 
         final = lax.while_loop(
             lambda c: run(r.body, r.parts[0], c)[r.predicate.name],
@@ -148,8 +149,7 @@ class Lowered:
         merges = self.steps[r.parts[-1] : r.stop]
 
         def branch(b: int):
-            inner = dict(env)
-            self._run_range(r.parts[b], r.parts[b + 1], inner, inside)
+            inner = self._run_inside(r.parts[b], r.parts[b + 1], env, {}, inside)
             outs = []
             for m in merges:  # this branch's value, moved to the layout every branch agrees on
                 v = m.op.operands[b].value
@@ -169,9 +169,7 @@ class Lowered:
         names = [v.name for v in r.inputs]
 
         def body(*args):
-            inner = dict(env)
-            inner.update(zip(names, args))
-            self._run_range(r.start, r.stop, inner, inside)
+            inner = self._run_inside(r.start, r.stop, env, dict(zip(names, args)), inside)
             return [inner[v.name] for v in r.outputs]
 
         args = [env[n] for n in names]
