@@ -164,7 +164,9 @@ class _Builder:
         for var, outer in zip(body.jaxpr.invars[:nb], ins[nc : nc + nb]):
             body_env[var] = self.boundary("while_const", [outer], var, trips).results[0].value
         entry = []
-        for cvar, bvar, outer in zip(cond.jaxpr.invars[nc:], body.jaxpr.invars[nb:], ins[nc + nb :]):
+        for cvar, bvar, outer in zip(
+            cond.jaxpr.invars[nc:], body.jaxpr.invars[nb:], ins[nc + nb :]
+        ):
             entry.append(self.boundary("while_carry", [outer], bvar, trips))
             cond_env[cvar] = body_env[bvar] = entry[-1].results[0].value
         first = len(self.ops)

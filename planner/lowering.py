@@ -351,7 +351,9 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
     if pending:
         for k, x in enumerate(outs):
             if step.scatter[k] is not None:
-                outs[k] = lax.psum_scatter(x, pending, scatter_dimension=step.scatter[k], tiled=True)
+                outs[k] = lax.psum_scatter(
+                    x, pending, scatter_dimension=step.scatter[k], tiled=True
+                )
             else:
                 outs[k] = _combine(x, step.combine, pending)
     return tuple(outs)

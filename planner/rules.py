@@ -59,7 +59,11 @@ SCATTERS = frozenset("scatter scatter-add scatter_add scatter-mul scatter_mul sc
 SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
 # Parameters listing sizes of operand 0's dimensions: where an entry is the whole dimension,
 # the lowering replaces it by the local size (the dimension may be split).
-OPERAND_SIZE_PARAMS = {"gather": "slice_sizes", "dynamic_slice": "slice_sizes", "slice": "limit_indices"}
+OPERAND_SIZE_PARAMS = {
+    "gather": "slice_sizes",
+    "dynamic_slice": "slice_sizes",
+    "slice": "limit_indices",
+}
 
 Rule = Callable[[str, object, Sequence[Value | None], Sequence[Value]], Op | None]
 
@@ -342,8 +346,11 @@ def gather(name, eqn, ins, outs):
     odims = [(lp.name,) for lp in loops]
     vdims: list = [()] * len(v.shape)
     idims: list = [()] * len(idx.shape)
-    window = [d for d in range(len(v.shape))
-              if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    window = [
+        d
+        for d in range(len(v.shape))
+        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
+    ]
     batch_out = [d for d in range(len(out.shape)) if d not in dn.offset_dims]
     batch_idx = list(range(len(idx.shape) - 1))  # the last indices dim is the index vector
     if len(window) != len(dn.offset_dims) or len(batch_out) != len(batch_idx):
@@ -374,8 +381,11 @@ def scatter(name, eqn, ins, outs):
     vdims = [(lp.name,) for lp in loops]
     udims: list = [()] * len(upd.shape)
     idims: list = [()] * len(idx.shape)
-    window = [d for d in range(len(v.shape))
-              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    window = [
+        d
+        for d in range(len(v.shape))
+        if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
+    ]
     scatter_upd = [d for d in range(len(upd.shape)) if d not in dn.update_window_dims]
     batch_idx = list(range(len(idx.shape) - 1))
     if len(window) != len(dn.update_window_dims) or len(scatter_upd) != len(batch_idx):

@@ -43,6 +43,11 @@ def _with_dim(t: DistType, i: int, local: int, axes: tuple[str, ...]) -> DistTyp
     return DistType(tuple(dims))
 
 
+def _nested(a: np.ndarray) -> tuple[tuple[int, ...], ...]:
+    """A 2-d integer array as a tuple of tuples of Python ints (hashable, printable)."""
+    return tuple(map(tuple, a.tolist()))
+
+
 def _radix_index(mesh: MeshShape, axes: Sequence[str]) -> np.ndarray:
     """Per logical point, the mixed-radix number of its coordinates on ``axes`` (first = fastest)."""
     coords = mesh.factor_coords
@@ -84,7 +89,7 @@ def _groups(state: _State, axes: tuple[str, ...]) -> tuple[Group, ...]:
     n = math.prod(mesh.factor_size[a] for a in axes)
     table = np.empty((mesh.num_devices // n, n), dtype=np.int64)
     table[key, rank] = state.phi
-    return tuple(tuple(int(d) for d in row) for row in table)
+    return _nested(table)
 
 
 def _pick(candidates: Sequence[str], n: int, score, mesh: MeshShape) -> tuple[str, ...]:
@@ -126,8 +131,8 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
         start[state.phi, i] = local * _radix_index(mesh, x)
         return Step(
             "dynslice", i, None, x, before, state.t, 0,
-            offsets=tuple(tuple(int(v) for v in row) for row in start),
-            device_map=tuple(int(v) for v in state.phi),
+            offsets=_nested(start),
+            device_map=tuple(state.phi.tolist()),
         )  # fmt: skip
     if w.kind == "allgather":
         axes_i = t.dims[i].axes
@@ -143,8 +148,7 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
         moves: tuple[tuple[int, int, int], ...] = ()
         xs: list[tuple[str, ...]] = []
     else:
-        moves = w.moves or ((i, w.to_dim, w.factor),)
-        xs = _alltoall_axes(t, moves, dst, mesh)
+        moves, xs = _alltoall_moves(t, w.after, dst, mesh)
         # Moves into one dimension land in move order (first minor-most): follow dst's order.
         rank_in_dst = [
             min(
@@ -173,26 +177,39 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
     cost = step_cost(w.kind, before=before.local_size, after=new_t.local_size, itemsize=itemsize)
     return Step(
         w.kind, i, w.to_dim, x, before, new_t, cost, groups=groups,
-        device_map=tuple(int(v) for v in state.phi), moves=moves,
+        device_map=tuple(state.phi.tolist()), moves=moves,
         move_axes=tuple(xs) if moves else (),
     )  # fmt: skip
 
 
-def _alltoall_axes(t: DistType, moves, dst: DistType, mesh: MeshShape) -> list[tuple[str, ...]]:
-    """Factors for each ``(from, to, n)`` move, biased to where ``dst`` wants them."""
-    taken: set[str] = set()
-    out = []
-    for i, j, n in moves:
+def _alltoall_moves(
+    t: DistType, after: Sequence[int], dst: DistType, mesh: MeshShape
+) -> tuple[tuple[tuple[int, int, int], ...], list[tuple[str, ...]]]:
+    """The ``(from, to, n)`` moves of one all-to-all from ``t`` to local shape ``after``, and the
+    factors each moves: every dimension that grows gives up factors, preferring those ``dst``
+    places in a dimension that shrinks; each goes where ``dst`` wants it if that dimension still
+    needs its prime, else to the first that does."""
+    before = t.local_shape
+    need = {j: list(prime_factors(u // a)) for j, (u, a) in enumerate(zip(before, after)) if a < u}
+    assigned: dict[tuple[int, int], list[str]] = {}
+    for i, (u, a) in enumerate(zip(before, after)):
+        if a <= u:
+            continue
 
-        def score(a: str, i=i, j=j) -> int:
-            d = dst.dim_of(a)
-            return 0 if d == j else 2 if d == i else 1
+        def score(x: str, i=i) -> int:
+            d = dst.dim_of(x)
+            return 0 if d in need else 2 if d == i else 1
 
-        cands = [a for a in t.dims[i].axes if a not in taken]
-        x = _order_like(_pick(cands, n, score, mesh), dst.dims[j].axes)
-        taken.update(x)
-        out.append(x)
-    return out
+        for x in _pick(t.dims[i].axes, a // u, score, mesh):
+            p, d = mesh.factor_size[x], dst.dim_of(x)
+            j = d if p in need.get(d, ()) else next(j for j, ps in need.items() if p in ps)
+            need[j].remove(p)
+            assigned.setdefault((i, j), []).append(x)
+    moves = tuple(
+        (i, j, math.prod(mesh.factor_size[x] for x in xs)) for (i, j), xs in assigned.items()
+    )
+    axes = [_order_like(tuple(xs), dst.dims[j].axes) for (_, j), xs in assigned.items()]
+    return moves, axes
 
 
 def _permute(state: _State, target: DistType, itemsize: int) -> Step | None:
@@ -201,24 +218,20 @@ def _permute(state: _State, target: DistType, itemsize: int) -> Step | None:
     want = target.base_offsets(state.mesh)
     if np.array_equal(have, want):
         return None
-    holders: dict[tuple[int, ...], list[int]] = {}
-    for d, off in enumerate(map(tuple, have.tolist())):
-        holders.setdefault(off, []).append(d)
-    needs: dict[tuple[int, ...], list[int]] = {}
-    for d, off in enumerate(map(tuple, want.tolist())):
-        needs.setdefault(off, []).append(d)
-    pairs = []
-    for off, dsts in needs.items():
-        srcs = holders.get(off, [])
-        if len(srcs) != len(dsts):  # pragma: no cover - equal local types hold equal multisets
-            raise RuntimeError(f"tile {off} held {len(srcs)} times but needed {len(dsts)} times")
-        stay = set(srcs) & set(dsts)
-        for s, d in zip(sorted(set(srcs) - stay), sorted(set(dsts) - stay)):
-            pairs.append((s, d))
+    # Tile ids; a device holding the tile it needs stays; the others pair up per tile, in order.
+    shape = target.global_shape
+    held = np.ravel_multi_index(tuple(have.T), shape) if shape else np.zeros(len(have), int)
+    needed = np.ravel_multi_index(tuple(want.T), shape) if shape else np.zeros(len(want), int)
+    moving = np.flatnonzero(held != needed)
+    senders = moving[np.lexsort((moving, held[moving]))]
+    receivers = moving[np.lexsort((moving, needed[moving]))]
+    if not np.array_equal(held[senders], needed[receivers]):  # pragma: no cover
+        raise RuntimeError("the tiles held and the tiles needed differ")
+    pairs = list(zip(senders.tolist(), receivers.tolist()))
     identity = np.arange(state.mesh.num_devices)
     step = Step(
         "allpermute", None, None, (), state.t, target, target.local_size * itemsize,
-        perm=tuple(sorted(pairs)), device_map=tuple(int(v) for v in identity),
+        perm=tuple(sorted(pairs)), device_map=tuple(identity.tolist()),
     )  # fmt: skip
     state.t, state.phi = target, identity
     return step

@@ -78,11 +78,13 @@ def random_problem(
     mesh: dict[str, int],
     *,
     max_rank: int = 6,
+    min_rank: int = 1,
     min_elems: int = 1,
     max_elems: int = 4096,
     name: str = "random",
 ) -> Problem:
-    """A random problem whose global size is log-uniform in ``[min_elems, max_elems]``.
+    """A random problem of rank in ``[min_rank, max_rank]`` whose global size is log-uniform in
+    ``[min_elems, max_elems]``.
 
     Example:
         >>> random_problem(random.Random(0), {"a": 2, "b": 2}, max_elems=64).shape  # doctest: +SKIP
@@ -91,7 +93,7 @@ def random_problem(
     if not 1 <= min_elems <= max_elems:
         raise ValueError(f"need 1 <= min_elems <= max_elems, got {min_elems}, {max_elems}")
     for _ in range(10_000):
-        rank = rng.randint(1, max_rank)
+        rank = rng.randint(min_rank, max_rank)
         src, dst = random_spec(rng, mesh, rank), random_spec(rng, mesh, rank)
         base = [
             math.lcm(*(math.prod(mesh[n] for n in _names(spec[i])) for spec in (src, dst)))

@@ -68,8 +68,9 @@ def _fits(counts: Shape, primes: Counter) -> bool:
     return all(primes[p] >= k for p, k in need.items())
 
 
-MAX_MOVES = 3  # factor moves merged into one all-to-all
-MAX_MULTI_EDGES = 2048  # per node, to keep huge meshes fast
+def _divides(a: Shape, b: Shape) -> bool:
+    """``a[i] | b[i]`` for every dimension."""
+    return all(y % x == 0 for x, y in zip(a, b))
 
 
 def apply_moves(node: Shape, moves) -> Shape:
@@ -80,59 +81,105 @@ def apply_moves(node: Shape, moves) -> Shape:
     return tuple(new)
 
 
-def _multi_moves(singles, counts: Shape, node: Shape):
-    """Sets of 2..MAX_MOVES single moves that one all-to-all can do at once: distinct
-    (from, to) pairs, no dimension both gathered and split, divisibility per dimension."""
-    out = []
+def _goal_targets(node: Shape, dst: Shape, global_shape: Shape) -> list[Shape]:
+    """Local shapes one all-to-all can reach from ``node`` that divide ``dst`` (so that only
+    allgathers remain): each dimension grows or shrinks by a whole factor, the size is kept."""
+    size = math.prod(node)
+    options = []
+    for u, d, g in zip(node, dst, global_shape):
+        opts = [v for v in (1, *_products(prime_factors(d))) if d % v == 0 and g % v == 0]
+        options.append([v for v in opts if v % u == 0 or u % v == 0])
+    suffix = [1] * (len(node) + 1)  # the largest size the remaining dimensions can reach
+    for k in range(len(node) - 1, -1, -1):
+        suffix[k] = suffix[k + 1] * max(options[k])
+    out: list[Shape] = []
 
-    def grow(start, chosen, gathered, split):
-        if len(out) >= MAX_MULTI_EDGES:
+    def grow(k: int, prefix: tuple[int, ...], prod: int) -> None:
+        if k == len(node):
+            if prod == size and prefix != node:
+                out.append(prefix)
             return
-        if len(chosen) >= 2:
-            out.append(tuple(chosen))
-        if len(chosen) == MAX_MOVES:
-            return
-        for k in range(start, len(singles)):
-            i, j, n = singles[k]
-            if i in split or j in gathered or any(m[0] == i and m[1] == j for m in chosen):
-                continue
-            g, s = dict(gathered), dict(split)
-            g[i] = g.get(i, 1) * n
-            s[j] = s.get(j, 1) * n
-            if counts[i] % g[i] or node[j] % s[j]:
-                continue
-            grow(k + 1, chosen + [singles[k]], g, s)
+        for v in options[k]:
+            p = prod * v
+            if size % p == 0 and p * suffix[k + 1] >= size:
+                grow(k + 1, prefix + (v,), p)
 
-    grow(0, [], {}, {})
+    grow(0, (), 1)
     return out
 
 
-def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int):
+def _moves_to(node: Shape, target: Shape) -> tuple[tuple[int, int, int], ...]:
+    """Pair the factors gathered in some dimensions with those split in others: one move per
+    (from, to) pair, each prime unit going to the first dimension that still needs it."""
+    gather = [(i, t // u) for i, (u, t) in enumerate(zip(node, target)) if t > u]
+    split = [(j, u // t) for j, (u, t) in enumerate(zip(node, target)) if t < u]
+    need = {j: Counter(prime_factors(n)) for j, n in split}
+    moves: dict[tuple[int, int], int] = {}
+    for i, n in gather:
+        for p in prime_factors(n):
+            j = next(j for j, _ in split if need[j][p])
+            need[j][p] -= 1
+            moves[(i, j)] = moves.get((i, j), 1) * p
+    return tuple((i, j, n) for (i, j), n in moves.items())
+
+
+def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int, dst: Shape):
+    """Edges of the weak graph pruned to normal forms (Theorem 4.8, Lemma 6.5): some cheapest
+    path is ``dynslice* alltoall* allgather*``, so its all-to-alls run at a size no larger than
+    ``dst``'s and each allgather lands on a shape dividing ``dst``. Every single-pair collective
+    of the paper's edge set (§7.1) that such a path can use is generated; all-to-alls moving
+    factors between several pairs of dimensions at once are generated only when they land where
+    allgathers alone finish the job."""
     counts = tuple(g // loc for g, loc in zip(global_shape, node))
     used = Counter(p for c in counts for p in prime_factors(c))
     free = primes - used
     size = math.prod(node)
     rank = len(node)
-    singles = []
+    exchange = size <= math.prod(dst)
     for i in range(rank):
-        # dynslice: split dim i further by free factors.
         for n in _products(tuple(sorted(free.elements()))):
             if node[i] % n == 0:
                 yield "dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :], ()
         for n in _divisors(counts[i]):
-            if size * n <= bound:
+            if size * n <= bound and dst[i] % (node[i] * n) == 0 and _divides(node, dst):
                 yield "allgather", i, None, n, node[:i] + (node[i] * n,) + node[i + 1 :], ()
+            if not exchange:
+                continue
             for j in range(rank):
                 if j != i and node[j] % n == 0:
-                    singles.append((i, j, n))
                     yield "alltoall", i, j, n, apply_moves(node, [(i, j, n)]), ((i, j, n),)
-    for moves in _multi_moves(singles, counts, node):
-        i, j, n = moves[0]
-        yield "alltoall", i, j, n, apply_moves(node, moves), moves
+    if exchange:
+        for target in _goal_targets(node, dst, global_shape):
+            moves = _moves_to(node, target)
+            if len(moves) > 1:
+                i, j, n = moves[0]
+                yield "alltoall", i, j, n, target, moves
 
 
 def _key_add(key: tuple[int, int], kind: str, w: int) -> tuple[int, int]:
     return (key[0] + w, key[1] + (kind != "dynslice"))
+
+
+def _remaining(node: Shape, dst: Shape, global_shape: Shape, primes: Counter, itemsize: int) -> int:
+    """A lower bound on the bytes still to move from ``node`` to ``dst`` (A*'s heuristic).
+
+    Dynslices alone suffice when ``dst`` divides ``node``. Otherwise the last communicating step
+    lands on a tile at least ``dst``'s and costs that much. When neither allgathers alone nor
+    dynslices then allgathers can finish, an all-to-all comes first, at a size no smaller than
+    what dynslices can reach from ``node``.
+    """
+    if _divides(dst, node):
+        return 0
+    last = math.prod(dst)
+    size = math.prod(node)
+    if size >= last:
+        return last * itemsize
+    common = tuple(math.gcd(u, d) for u, d in zip(node, dst))
+    if _fits(tuple(g // c for g, c in zip(global_shape, common)), primes):
+        return last * itemsize
+    counts = tuple(g // u for g, u in zip(global_shape, node))
+    free = primes - Counter(p for c in counts for p in prime_factors(c))
+    return (last + size // math.prod(free.elements())) * itemsize
 
 
 @functools.lru_cache(maxsize=4096)
@@ -169,26 +216,30 @@ def weak_paths(
     bound = max(math.prod(src), math.prod(dst))
     best: dict[Shape, tuple[int, int]] = {src: (0, 0)}
     edges: dict[Shape, list[tuple[WeakStep, tuple[int, int]]]] = {}
-    heap = [(0, 0, src)]
-    done: set[Shape] = set()
-    while heap:
-        cost, ncoll, node = heapq.heappop(heap)
-        if node in done:
+
+    @functools.cache
+    def h(node: Shape) -> int:
+        return _remaining(node, dst, global_shape, pool, itemsize)
+
+    heap = [(h(src), 0, 0, src)]  # (estimate, collectives, cost, node)
+    while heap:  # A* with an admissible heuristic; a node is expanded again if reached cheaper
+        _, ncoll, cost, node = heapq.heappop(heap)
+        if (cost, ncoll) != best[node]:
             continue
-        if dst in best and (cost, ncoll) > best[dst]:
+        if dst in best and (cost + h(node), ncoll) > best[dst]:
             break
-        done.add(node)
-        out = edges.setdefault(node, [])
-        for kind, i, j, n, new, moves in _edges(node, global_shape, pool, bound):
+        out = edges[node] = []
+        for kind, i, j, n, new, moves in _edges(node, global_shape, pool, bound, dst):
             dim = max(m[0] for m in moves) if moves else i
             w = search_weight(kind, node, new, dim, itemsize, cost_model)
             key = _key_add((cost, ncoll), kind, w)
             out.append((WeakStep(kind, i, j, n, node, new, w, moves), key))
             if key < best.get(new, (math.inf, 0)):
                 best[new] = key
-                heapq.heappush(heap, (*key, new))
+                heapq.heappush(heap, (key[0] + h(new), key[1], key[0], new))
     if dst not in best:  # pragma: no cover - a normal form always exists (Theorem 4.8)
         raise RuntimeError(f"no memory-bounded path from {src} to {dst}")
+    done = set(edges) | {dst}
     # Tight edges form a DAG (dynslice shrinks tiles; every other edge costs bytes).
     tight = {
         u: [s for s, key in out if s.after in done and key == best[s.after]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -92,3 +93,57 @@ def _set(t: DistType, i: int, d: DistDim) -> DistType:
     dims = list(t.dims)
     dims[i] = d
     return DistType(tuple(dims))
+
+
+def paper_edge_optimum(global_shape, src, dst, primes, itemsize: int) -> int:
+    """Cheapest weak cost over the paper's edge set (§7.1: dynslice, allgather and alltoall
+    between one pair of dimensions, by any product of free / held factors), by plain Dijkstra
+    over every memory-bounded local shape: no pruning, no heuristic."""
+    pool = collections.Counter(primes)
+    bound = max(math.prod(src), math.prod(dst))
+
+    def products(ps):
+        out = {1}
+        for p in ps:
+            out |= {q * p for q in out}
+        return sorted(out - {1})
+
+    def factors(n):
+        out, p = [], 2
+        while n > 1:
+            while n % p == 0:
+                out.append(p)
+                n //= p
+            p += 1
+        return out
+
+    best = {src: 0}
+    heap = [(0, src)]
+    while heap:
+        cost, node = heapq.heappop(heap)
+        if node == dst:
+            return cost
+        if cost > best[node]:
+            continue
+        counts = [g // u for g, u in zip(global_shape, node)]
+        free = pool - collections.Counter(p for c in counts for p in factors(c))
+        size = math.prod(node)
+        for i in range(len(node)):
+            nxt = []
+            for n in products(sorted(free.elements())):
+                if node[i] % n == 0:
+                    nxt.append((0, node[:i] + (node[i] // n,) + node[i + 1 :]))
+            for n in products(factors(counts[i])):
+                if size * n <= bound:
+                    nxt.append((size * n, node[:i] + (node[i] * n,) + node[i + 1 :]))
+                for j in range(len(node)):
+                    if j != i and node[j] % n == 0:
+                        new = list(node)
+                        new[i] *= n
+                        new[j] //= n
+                        nxt.append((size, tuple(new)))
+            for w, new in nxt:
+                if cost + w * itemsize < best.get(new, math.inf):
+                    best[new] = cost + w * itemsize
+                    heapq.heappush(heap, (best[new], new))
+    raise AssertionError("no path")

@@ -220,7 +220,10 @@ def test_while_and_cond_keep_operands_split(mesh):
 def test_embedding_lookup_and_its_scatter_add_gradient_split_by_tokens(mesh):
     table, ids = rand(50, 16), RNG.integers(0, 50, (8, 12)).astype(np.int32)
     fn = jax.grad(lambda e, i: jnp.sum(jnp.take(e, i, axis=0) ** 2))
-    scatter = lambda p: {o.name: {"r0": "a", "r1": "b"} for o in p.ops if o.primitive == "scatter-add"}  # noqa: E731
+
+    def scatter(p):
+        return {o.name: {"r0": "a", "r1": "b"} for o in p.ops if o.primitive == "scatter-add"}
+
     prog, sched, _ = run(fn, (table, ids), scatter, mesh)
     op = next(o for o in prog.ops if o.primitive == "scatter-add")
     assert sched.pending(op) == ("a", "b")

@@ -85,7 +85,12 @@ def test_the_harness_catches_a_wrong_combiner(monkeypatch):
         assert_same(planner.lower(prog, sched, mesh)(*args), jax.jit(fn)(*args))
 
 
-REDUCERS = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "any": lambda v, axis: jnp.any(v > 0, axis)}
+REDUCERS = {
+    "sum": jnp.sum,
+    "max": jnp.max,
+    "min": jnp.min,
+    "any": lambda v, axis: jnp.any(v > 0, axis),
+}
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
