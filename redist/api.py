@@ -15,8 +15,10 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from redist.execute import shard_mapped
+from redist.meshes import factor_spec, translate
 from redist.planning import SpecLike, dist_type, dtype_info, mesh_shape
 from redist.synthesize import FOLD_MIN_BYTES, synthesize
+from redist.transfer import transfer
 
 _MISSING = object()
 
@@ -46,11 +48,11 @@ def _device_ids(mesh) -> tuple[int, ...] | None:
 
 
 def _resolve_mesh(x, src, dst, mesh):
-    """The mesh to run on, from the specs, ``mesh=``, ``x``'s sharding, or the ambient mesh."""
+    """The source mesh, from ``src``, ``mesh=``, ``x``'s sharding, else ``dst``'s or the ambient
+    mesh."""
     candidates = []
-    for what, s in (("src", src), ("dst", dst)):
-        if isinstance(s, NamedSharding):
-            candidates.append((what, s.mesh))
+    if isinstance(src, NamedSharding):
+        candidates.append(("src", src.mesh))
     if mesh is not None:
         if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
             raise TypeError(
@@ -65,6 +67,8 @@ def _resolve_mesh(x, src, dst, mesh):
         xs = getattr(x, "sharding", None)
         if isinstance(xs, NamedSharding):
             candidates.append(("x.sharding", xs.mesh))
+    if not candidates and isinstance(dst, NamedSharding):
+        candidates.append(("dst", dst.mesh))
     if not candidates:
         ambient = jax.sharding.get_abstract_mesh()
         if ambient.empty:
@@ -78,18 +82,25 @@ def _resolve_mesh(x, src, dst, mesh):
         candidates.append(("ambient mesh", ambient))
     name, chosen = candidates[0]
     for other, m in candidates[1:]:
-        if dict(m.shape) != dict(chosen.shape):
-            raise ValueError(
-                f"the meshes of {name} {dict(chosen.shape)} and {other} {dict(m.shape)} differ; "
-                "use one mesh"
+        if not _same_mesh(chosen, m):
+            what = (
+                f"devices of {name}'s mesh {_device_ids(chosen)} and {other}'s {_device_ids(m)}"
+                if dict(chosen.shape) == dict(m.shape)
+                else f"meshes of {name} {dict(chosen.shape)} and {other} {dict(m.shape)}"
             )
-        a, b = _device_ids(chosen), _device_ids(m)
-        if a is not None and b is not None and a != b:
             raise ValueError(
-                f"the devices of {name}'s mesh {a} differ from those of {other}'s mesh {b}; "
-                "redistribute moves data within one mesh: device_put x onto it first"
+                f"the {what} differ; x lives on one mesh (give dst as a NamedSharding on "
+                "another mesh to move it there)"
             )
     return chosen
+
+
+def _same_mesh(a, b) -> bool:
+    """Same axes and sizes, and the same devices in the same order where both are known."""
+    if dict(a.shape) != dict(b.shape) or tuple(a.axis_names) != tuple(b.axis_names):
+        return False
+    ia, ib = _device_ids(a), _device_ids(b)
+    return ia is None or ib is None or ia == ib
 
 
 def _source_spec(x) -> PartitionSpec:
@@ -129,7 +140,6 @@ def _redistribute_array(x, src, dst, mesh, options):
     shape = tuple(x.shape)
     name, itemsize = dtype_info(x.dtype)
     s = dist_type(src_spec, shape, m, argname="src")
-    d = dist_type(dst_spec, shape, m, argname="dst")
     if src is not _MISSING and not isinstance(x, jax.core.Tracer):
         xs = getattr(x, "sharding", None)
         if isinstance(xs, NamedSharding):
@@ -140,19 +150,90 @@ def _redistribute_array(x, src, dst, mesh, options):
                     "pass the array's own sharding as src, or omit src"
                 )
             src_spec = xs.spec
+    if isinstance(dst, NamedSharding) and not _same_mesh(mesh, dst.mesh):
+        return _to_other_mesh(x, mesh, s, dst, (name, itemsize, *options))
+    d = dist_type(dst_spec, shape, m, argname="dst")
     plan = synthesize(m, s, d, name, itemsize, *options)
     if s.global_size == 0:  # a zero-size array: only its sharding changes
-        target = NamedSharding(mesh, dst_spec)
-        if not isinstance(x, jax.core.Tracer):
-            return jax.device_put(x, target)
-        if any(str(t).endswith("Explicit") for t in mesh.axis_types):
-            return jax.sharding.reshard(x, target)
-        return jax.lax.with_sharding_constraint(x, target)
+        return _place(x, NamedSharding(mesh, dst_spec))
     if not plan.steps:
         return x
     if isinstance(x, jax.core.Tracer):
         return shard_mapped(plan, mesh, src_spec, dst_spec)(x)
     return _jitted(plan, mesh, src_spec, dst_spec)(x)
+
+
+def _place(x, target: NamedSharding):
+    """``x`` with sharding ``target``: eagerly ``device_put``; traced, ``reshard`` on Explicit axes
+    and a sharding constraint on Auto ones (free when the placement is the same)."""
+    if not isinstance(x, jax.core.Tracer):
+        return jax.device_put(x, target)
+    if any(str(t).endswith("Explicit") for t in target.mesh.axis_types):
+        return jax.sharding.reshard(x, target)
+    return jax.lax.with_sharding_constraint(x, target)
+
+
+def _factored(mesh):
+    """``mesh`` with every axis split into its prime factors (same devices, same order)."""
+    ms = mesh_shape(mesh)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    names = ms.factor_names
+    sizes = tuple(f.size for f in ms.factors)
+    kinds = tuple(types[f.axis] for f in ms.factors)
+    if _device_ids(mesh) is None:
+        return jax.sharding.AbstractMesh(sizes, names, axis_types=kinds)
+    return jax.sharding.Mesh(mesh.devices.reshape(sizes), names, axis_types=kinds)
+
+
+def _to_other_mesh(x, mesh, s, dst: NamedSharding, options):
+    """Redistribute onto ``dst.mesh``: over the same devices in the same order, a planned move on
+    the prime factors of whichever mesh writes both layouts; otherwise a direct transfer."""
+    other = mesh_shape(dst.mesh, argname="dst.mesh")
+    shape = tuple(x.shape)
+    d = dist_type(dst.spec, shape, other, argname="dst")
+    a, b = _device_ids(mesh), _device_ids(dst.mesh)
+    if a is not None and b is not None and a != b:
+        if isinstance(x, jax.core.Tracer):
+            raise ValueError(
+                f"inside jax.jit, dst's mesh must list the devices of x's mesh in the same order "
+                f"(JAX runs one jit on one device order); x's mesh has devices {a}, dst's {b}. "
+                "Call redistribute outside jit for a transfer between such meshes"
+            )
+        return transfer(x, dst)
+    if mesh_shape(mesh).num_devices != other.num_devices:
+        raise ValueError(f"dst's mesh {other} and x's mesh {mesh_shape(mesh)} differ in size")
+    m = mesh_shape(mesh)
+    on_src = translate(d, other, m)
+    if on_src is not None:
+        run_mesh, s_run, d_run = mesh, s, on_src
+    else:
+        on_dst = translate(s, m, other)
+        if on_dst is None:
+            raise NotImplementedError(
+                f"moving between meshes {m} and {other}: their prime factors lie in different "
+                "orders in the device list, so neither mesh writes both layouts; reorder the "
+                "axes of one mesh so that the prime factors of equal size line up"
+            )
+        run_mesh, s_run, d_run = dst.mesh, on_dst, d
+    plan = synthesize(mesh_shape(run_mesh), s_run, d_run, *options)
+    run = _across(plan, run_mesh, dst)
+    return run(x) if isinstance(x, jax.core.Tracer) else jax.jit(run, out_shardings=dst)(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def _across(plan, run_mesh, dst: NamedSharding):
+    """The function running ``plan`` on ``run_mesh``'s prime factors and handing the result over
+    to ``dst`` (the same placement, so neither hand-over moves data)."""
+    factored = _factored(run_mesh)
+    s_spec, d_spec = PartitionSpec(*factor_spec(plan.src)), PartitionSpec(*factor_spec(plan.dst))
+
+    def run(v):
+        v = _place(v, NamedSharding(factored, s_spec))
+        if plan.steps:
+            v = shard_mapped(plan, factored, s_spec, d_spec)(v)
+        return _place(v, dst)
+
+    return run
 
 
 def redistribute(
