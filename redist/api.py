@@ -126,11 +126,11 @@ def _source_spec(x) -> PartitionSpec:
 
 
 @functools.lru_cache(maxsize=1024)
-def _jitted(plan, mesh, src: PartitionSpec, dst: PartitionSpec):
-    return jax.jit(shard_mapped(plan, mesh, src, dst))
+def _jitted(plan, mesh, src: PartitionSpec, dst: PartitionSpec, donate: bool):
+    return jax.jit(shard_mapped(plan, mesh, src, dst), donate_argnums=(0,) if donate else ())
 
 
-def _redistribute_array(x, src, dst, mesh, options):
+def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
     mesh = _resolve_mesh(x, src, dst, mesh)
@@ -151,7 +151,7 @@ def _redistribute_array(x, src, dst, mesh, options):
                 )
             src_spec = xs.spec
     if isinstance(dst, NamedSharding) and not _same_mesh(mesh, dst.mesh):
-        return _to_other_mesh(x, mesh, s, dst, (name, itemsize, *options))
+        return _to_other_mesh(x, mesh, s, dst, (name, itemsize, *options), donate)
     d = dist_type(dst_spec, shape, m, argname="dst")
     plan = synthesize(m, s, d, name, itemsize, *options)
     if s.global_size == 0:  # a zero-size array: only its sharding changes
@@ -160,7 +160,7 @@ def _redistribute_array(x, src, dst, mesh, options):
         return x
     if isinstance(x, jax.core.Tracer):
         return shard_mapped(plan, mesh, src_spec, dst_spec)(x)
-    return _jitted(plan, mesh, src_spec, dst_spec)(x)
+    return _jitted(plan, mesh, src_spec, dst_spec, donate)(x)
 
 
 def _place(x, target: NamedSharding):
@@ -185,7 +185,7 @@ def _factored(mesh):
     return jax.sharding.Mesh(mesh.devices.reshape(sizes), names, axis_types=kinds)
 
 
-def _to_other_mesh(x, mesh, s, dst: NamedSharding, options):
+def _to_other_mesh(x, mesh, s, dst: NamedSharding, options, donate: bool):
     """Redistribute onto ``dst.mesh``: over the same devices in the same order, a planned move on
     the prime factors of whichever mesh writes both layouts; otherwise a direct transfer."""
     other = mesh_shape(dst.mesh, argname="dst.mesh")
@@ -199,7 +199,7 @@ def _to_other_mesh(x, mesh, s, dst: NamedSharding, options):
                 f"(JAX runs one jit on one device order); x's mesh has devices {a}, dst's {b}. "
                 "Call redistribute outside jit for a transfer between such meshes"
             )
-        return transfer(x, dst)
+        return transfer(x, dst, donate=donate)
     if mesh_shape(mesh).num_devices != other.num_devices:
         raise ValueError(f"dst's mesh {other} and x's mesh {mesh_shape(mesh)} differ in size")
     m = mesh_shape(mesh)
@@ -216,8 +216,15 @@ def _to_other_mesh(x, mesh, s, dst: NamedSharding, options):
             )
         run_mesh, s_run, d_run = dst.mesh, on_dst, d
     plan = synthesize(mesh_shape(run_mesh), s_run, d_run, *options)
+    if isinstance(x, jax.core.Tracer):
+        return _across(plan, run_mesh, dst)(x)
+    return _across_jitted(plan, run_mesh, dst, donate)(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def _across_jitted(plan, run_mesh, dst: NamedSharding, donate: bool):
     run = _across(plan, run_mesh, dst)
-    return run(x) if isinstance(x, jax.core.Tracer) else jax.jit(run, out_shardings=dst)(x)
+    return jax.jit(run, out_shardings=dst, donate_argnums=(0,) if donate else ())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -244,12 +251,23 @@ def redistribute(
     mesh=None,
     cost_model: str = "bytes",
     fold_min_bytes: int = FOLD_MIN_BYTES,
+    donate: bool = False,
 ):
     """Move ``x`` from layout ``src`` to layout ``dst`` with a synthesized, memory-bounded plan.
 
     Call as ``redistribute(x, dst)`` (source read from ``x.sharding``) or ``redistribute(x, src,
-    dst)``. Works eagerly, inside ``jax.jit`` and under ``jax.grad``. No device ever holds more
-    than ``max(src tile, dst tile)`` of the array in the plan.
+    dst)``. Works eagerly, inside ``jax.jit`` and under ``jax.grad``. ``dst`` may be a
+    ``NamedSharding`` on another mesh: over the same devices in the same order the move is
+    planned on the prime factors of one of the meshes (inside ``jit`` too); over devices in
+    another order, or other devices, it is a direct device-to-device transfer of the pieces each
+    destination device lacks (eager only: JAX runs one jit on one device order).
+
+    Memory. Every intermediate tile of the plan is at most ``max(src tile, dst tile)``. What a
+    device holds during the call is more: without donation, the input tile and the output tile
+    both live through the call, plus the collectives' staging (an all-to-all stages up to about
+    1.5x its tile on CPU; a permutation needs a receive buffer). With ``donate=True`` XLA reuses
+    the input's buffer, so the call holds one tile less (measured on 8 CPU devices, 1 MiB tiles:
+    all-to-all then permutation 4.0 -> 2.75 MiB, one all-to-all 1.94 -> 1.5 MiB).
 
     Args:
         x: a JAX array, or a pytree of arrays.
@@ -261,6 +279,9 @@ def redistribute(
             ``"bytes+copies"`` (see :func:`redist.plan`).
         fold_min_bytes: fold a final permutation into the alltoall before it when each chunk
             sent has at least this many bytes (see :func:`redist.plan`).
+        donate: give ``x``'s buffers to the call (eager calls; ``x`` is deleted). Inside ``jit``
+            donate through the enclosing ``jax.jit(..., donate_argnums=...)`` instead; there this
+            flag has no effect.
 
     Layouts are ``PartitionSpec`` or ``NamedSharding``; for a pytree ``x`` a single layout applies
     to every leaf, or give a pytree of layouts with the structure of ``x``.
@@ -275,7 +296,7 @@ def redistribute(
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return _redistribute_array(x, src, dst, mesh, options)
+        return _redistribute_array(x, src, dst, mesh, options, donate)
     leaves, treedef = jax.tree.flatten(x)
 
     def per_leaf(spec, argname):
@@ -296,5 +317,7 @@ def redistribute(
         return specs
 
     srcs, dsts = per_leaf(src, "src"), per_leaf(dst, "dst")
-    out = [_redistribute_array(v, s, d, mesh, options) for v, s, d in zip(leaves, srcs, dsts)]
+    out = [
+        _redistribute_array(v, s, d, mesh, options, donate) for v, s, d in zip(leaves, srcs, dsts)
+    ]
     return jax.tree.unflatten(treedef, out)

@@ -31,8 +31,10 @@ def _overlap(a, b):
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
+def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.Array:
     """``x`` laid out as ``dst`` (any mesh), moved piece by piece between devices (eager only).
+
+    With ``donate``, ``x``'s shards are freed once sent (those kept in place become the result's).
 
     Raises:
         ValueError: if ``x`` is not fully addressable from this process.
@@ -43,9 +45,9 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
             "this process; across processes, use meshes that list the same devices in one order"
         )
     shape = tuple(x.shape)
-    sources = [(_bounds(sh.index, shape), sh.device, sh.data) for sh in x.addressable_shards]
+    shards = [(_bounds(sh.index, shape), sh.device, sh.data) for sh in x.addressable_shards]
     seen: set = set()
-    sources = [s for s in sources if not (s[0] in seen or seen.add(s[0]))]  # one holder per tile
+    sources = [s for s in shards if not (s[0] in seen or seen.add(s[0]))]  # one holder per tile
     pieces = []
     for device, index in dst.addressable_devices_indices_map(shape).items():
         want = _bounds(index, shape)
@@ -66,4 +68,10 @@ def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
             start = tuple(lo - w0 for (lo, _), (w0, _) in zip(part, want))
             tile = jax.lax.dynamic_update_slice(tile, jax.device_put(piece, device), start)
         pieces.append(tile)
-    return jax.make_array_from_single_device_arrays(shape, dst, pieces)
+    out = jax.make_array_from_single_device_arrays(shape, dst, pieces)
+    if donate:
+        kept = {id(p) for p in pieces}
+        for _, _, data in shards:
+            if id(data) not in kept:
+                data.delete()
+    return out
