@@ -6,6 +6,8 @@
 | allgather  | localsize after the step               |
 | alltoall   | localsize (unchanged by the step)      |
 | allpermute | localsize (unchanged by the step)      |
+| reducescatter | localsize before the step (a pending sum reduced onto a dimension) |
+| allreduce  | 2 x localsize (a pending sum reduced everywhere: reduce-scatter + all-gather) |
 
 Example:
     >>> step_cost("allgather", before=4, after=8, itemsize=4)
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-COMMUNICATING = ("alltoall", "allgather", "allpermute")
+COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
 COST_MODELS = ("bytes", "bytes+copies")
 KINDS = ("dynslice",) + COMMUNICATING
 
@@ -27,8 +29,10 @@ def step_cost(kind: str, *, before: int, after: int, itemsize: int) -> int:
         return 0
     if kind == "allgather":
         return after * itemsize
-    if kind in ("alltoall", "allpermute"):
+    if kind in ("alltoall", "allpermute", "reducescatter"):
         return before * itemsize
+    if kind == "allreduce":
+        return 2 * before * itemsize
     raise ValueError(f"unknown step kind {kind!r}; expected one of {KINDS}")
 
 

@@ -6,6 +6,8 @@
 | allgather  | ``all_gather(tiled=True)``                                  |
 | alltoall   | ``all_to_all(tiled=True)``, split ``to_dim``, concat ``dim`` |
 | allpermute | ``ppermute`` over all mesh axes                            |
+| reducescatter | ``psum_scatter(tiled=True)`` (a pending sum, onto ``dim``) |
+| allreduce  | ``psum`` (a pending sum)                                   |
 
 Collectives use named mesh axes when their device groups are exactly the groups of some mesh axes
 (in some order); otherwise all axes with ``axis_index_groups`` (groups relabelled by device maps).
@@ -213,6 +215,11 @@ def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
                 x = lax.dynamic_slice(x, [row[k] for k in range(x.ndim)], shape)
             elif kind == "allgather":
                 x = lax.all_gather(x, axis=arg.dim, tiled=True, **_collective_args(mesh_axes, arg))
+            elif kind == "reducescatter":
+                x = lax.psum_scatter(x, scatter_dimension=arg.dim, tiled=True,
+                                     **_collective_args(mesh_axes, arg))  # fmt: skip
+            elif kind == "allreduce":
+                x = lax.psum(x, **_collective_args(mesh_axes, arg))
             elif kind == "alltoall" and arg.perm:
                 if idx is None:
                     idx = _device_index(mesh_axes)

@@ -326,3 +326,22 @@ def make_plan(
         if "allpermute" not in plan.kinds:
             break
     return best[1]
+
+
+def reduce_pending(mesh: MeshShape, src: DistType, dim: int | None, itemsize: int) -> Step:
+    """The step reducing ``src``'s pending sum: a reduce-scatter onto ``dim`` (whose tile gains
+    the pending factors, minor-most) or, for ``dim=None``, an all-reduce."""
+    x = tuple(reversed(src.pending))  # minor-to-major
+    state = _State(mesh, src, np.arange(mesh.num_devices))
+    groups = _groups(state, x)
+    if dim is None:
+        after = DistType(src.dims)
+        kind = "allreduce"
+    else:
+        n = math.prod(mesh.factor_size[a] for a in x)
+        old = src.dims[dim]
+        after = _with_dim(DistType(src.dims), dim, old.local // n, x + old.axes)
+        kind = "reducescatter"
+    cost = step_cost(kind, before=src.local_size, after=after.local_size, itemsize=itemsize)
+    return Step(kind, dim, None, x, src, after, cost, groups=groups,
+                device_map=tuple(range(mesh.num_devices)))  # fmt: skip

@@ -34,7 +34,8 @@ class Step:
     """One collective of a plan.
 
     Attributes:
-        kind: ``"dynslice"``, ``"alltoall"``, ``"allgather"`` or ``"allpermute"``.
+        kind: ``"dynslice"``, ``"alltoall"``, ``"allgather"``, ``"allpermute"``, or, first in a
+            plan from a pending sum, ``"reducescatter"`` (onto ``dim``) or ``"allreduce"``.
         dim: the array dimension sliced, gathered, or (alltoall) gathered from.
         to_dim: for alltoall, the dimension that becomes partitioned; else ``None``.
         axes: mesh factors the step acts on, minor-to-major (empty for allpermute).
@@ -76,6 +77,10 @@ class Step:
             head = f"dynslice({self.dim}, {axes})"
         elif self.kind == "allgather":
             head = f"allgather({self.dim}, {axes})"
+        elif self.kind == "reducescatter":
+            head = f"reducescatter({self.dim}, {axes})"
+        elif self.kind == "allreduce":
+            head = f"allreduce({axes})"
         elif self.kind == "alltoall" and len(self.moves) > 1:
             parts = [
                 f"{i}->{j}, {{{','.join(x)}}}" for (i, j, _), x in zip(self.moves, self.move_axes)

@@ -47,7 +47,9 @@ def spec_entries(spec: SpecLike, *, argname: str) -> tuple[SpecEntry, ...]:
         spec = spec.spec
     if spec is None:
         return ()
-    if not isinstance(spec, (tuple, list, str)) and hasattr(spec, "__iter__"):
+    if hasattr(spec, "partitions"):  # a PartitionSpec (which refuses iteration when unreduced)
+        spec = tuple(spec.partitions)
+    elif not isinstance(spec, (tuple, list, str)) and hasattr(spec, "__iter__"):
         spec = tuple(spec)  # a PartitionSpec is not a tuple in recent JAX, but iterates as one
     if not isinstance(spec, (tuple, list)):
         raise TypeError(
@@ -67,10 +69,22 @@ def spec_entries(spec: SpecLike, *, argname: str) -> tuple[SpecEntry, ...]:
     return tuple(out)
 
 
+def unreduced_axes(spec: SpecLike, *, argname: str) -> tuple[str, ...]:
+    """The mesh axes of a pending sum in a ``PartitionSpec`` (``P('a', unreduced={'c'})``)."""
+    if hasattr(spec, "spec") and hasattr(spec, "mesh"):
+        spec = spec.spec
+    if getattr(spec, "reduced", None):
+        raise NotImplementedError(
+            f"{argname} has reduced axes {set(spec.reduced)}; only unreduced axes are supported"
+        )
+    return tuple(getattr(spec, "unreduced", None) or ())
+
+
 def dist_type(spec: SpecLike, shape: Sequence[int], mesh: MeshShape, *, argname: str) -> DistType:
     """A :class:`DistType` from a spec, with errors that name the argument."""
     try:
-        return DistType.from_spec(spec_entries(spec, argname=argname), shape, mesh)
+        entries = spec_entries(spec, argname=argname)
+        return DistType.from_spec(entries, shape, mesh, unreduced_axes(spec, argname=argname))
     except (ValueError, TypeError) as e:
         raise type(e)(f"{argname}: {e}") from None
 
@@ -124,4 +138,9 @@ def plan(
     name, itemsize = dtype_info(dtype)
     s = dist_type(src, shape, m, argname="src")
     d = dist_type(dst, shape, m, argname="dst")
+    if d.pending:
+        raise NotImplementedError(
+            f"dst {dst} has unreduced axes: a redistribution reduces pending sums, it does not "
+            "create them"
+        )
     return synthesize(m, s, d, name, itemsize, cost_model, int(fold_min_bytes))

@@ -24,6 +24,26 @@ def tiles_of(t: DistType, mesh: MeshShape, array: np.ndarray, device_map=None) -
     return [array[tuple(slice(o, o + n) for o, n in zip(off, local))] for off in phys]
 
 
+def partials(t: DistType, mesh: MeshShape, tiles: list[np.ndarray], seed: int = 0):
+    """Per-device partial tiles whose sums over ``t.pending`` are ``tiles``: small random
+    integers everywhere but on the first device of each summed group, which holds the rest."""
+    rng = np.random.default_rng(seed)
+    summed = [mesh.factor_index[a] for a in t.pending]
+    coords = mesh.factor_coords
+    out = [tile.copy() for tile in tiles]
+    first = {}
+    for d in range(mesh.num_devices):
+        key = tuple(np.delete(coords[d], summed))
+        if coords[d, summed].any():
+            out[d] = rng.integers(-3, 4, tiles[d].shape).astype(tiles[d].dtype)
+            first.setdefault(key, []).append(d)
+    for d in range(mesh.num_devices):
+        if not coords[d, summed].any():
+            for e in first.get(tuple(np.delete(coords[d], summed)), []):
+                out[d] = out[d] - out[e]
+    return out
+
+
 def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
     """The tiles after ``step``, computed from its groups / offsets / pairs alone."""
     out = list(tiles)
@@ -46,6 +66,12 @@ def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
     elif step.kind == "allpermute":
         for s, d in step.perm:
             out[d] = tiles[s]
+    elif step.kind in ("reducescatter", "allreduce"):
+        for group in step.groups:
+            total = sum(tiles[d] for d in group)
+            parts = np.split(total, len(group), axis=step.dim) if step.dim is not None else None
+            for rank, d in enumerate(group):
+                out[d] = total if parts is None else parts[rank]
     else:
         raise ValueError(f"unknown step kind {step.kind!r}")
     return out
@@ -100,6 +126,8 @@ def simulate(plan: Plan, array: np.ndarray) -> list[np.ndarray]:
     if array.shape != plan.global_shape:
         raise ValueError(f"array shape {array.shape} differs from the plan's {plan.global_shape}")
     tiles = tiles_of(plan.src, plan.mesh, array)
+    if plan.src.pending:
+        tiles = partials(plan.src, plan.mesh, tiles)
     for k, step in enumerate(plan.steps):
         tiles = apply_step(step, tiles)
         expected = tiles_of(step.after, plan.mesh, array, step.device_map)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import math
 
 from redist.cost import COST_MODELS
-from redist.lower import make_plan
+from redist.lower import make_plan, reduce_pending
 from redist.plan import Plan
 from redist.search import weak_paths
 from redist.types import DistType, MeshShape
@@ -41,9 +42,30 @@ def synthesize(
         )
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    if src.pending:
+        return _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes)
     if src.global_size == 0:  # nothing to move: the destination layout is had for free
         return Plan(mesh, src, dst, dtype, itemsize, ())
     paths = weak_paths(
         src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, cost_model
     )
     return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes)
+
+
+def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes) -> Plan:
+    """Reduce the pending sum first, then move: a reduce-scatter onto any dimension its factors
+    divide, or an all-reduce; the cheapest total (then fewest collectives) wins. Memory stays
+    within ``max(src tile, dst tile)``: the reduction's result is no larger than its input."""
+    if src.global_size == 0:
+        return Plan(mesh, src, dst, dtype, itemsize, ())
+    n = math.prod(mesh.factor_size[a] for a in src.pending)
+    options = [d for d, dim in enumerate(src.dims) if dim.local % n == 0] + [None]
+    best = None
+    for dim in options:
+        first = reduce_pending(mesh, src, dim, itemsize)
+        rest = synthesize(mesh, first.after, dst, dtype, itemsize, cost_model, fold_min_bytes)
+        plan = Plan(mesh, src, dst, dtype, itemsize, (first, *rest.steps))
+        key = (plan.cost_bytes, plan.num_collectives, dst.dim_of(first.axes[0]) != dim)
+        if best is None or key < best[0]:
+            best = (key, plan)
+    return best[1]

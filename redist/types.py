@@ -171,9 +171,13 @@ class DistType:
     """A distributed array type ``[d_0, ..., d_{r-1}]`` over the prime factors of a mesh.
 
     Construct through :meth:`from_spec` or :meth:`from_axes`, which check well-formedness (Fig. 7b).
+    ``pending`` lists mesh factors over which the array is a sum still to be taken (JAX's
+    ``unreduced`` axes): every device holds a partial tile and the value is the sum of the
+    partials over those factors. It prints as ``[...] + sum{c}``.
     """
 
     dims: tuple[DistDim, ...]
+    pending: tuple[str, ...] = ()
 
     @classmethod
     def from_axes(
@@ -206,9 +210,14 @@ class DistType:
 
     @classmethod
     def from_spec(
-        cls, spec: Sequence[SpecEntry], shape: Sequence[int], mesh: MeshShape
+        cls,
+        spec: Sequence[SpecEntry],
+        shape: Sequence[int],
+        mesh: MeshShape,
+        unreduced: Iterable[AxisName] = (),
     ) -> DistType:
-        """Convert a ``PartitionSpec`` (major-to-minor axis names) for an array of ``shape``.
+        """Convert a ``PartitionSpec`` (major-to-minor axis names) for an array of ``shape``;
+        ``unreduced`` names the mesh axes of a pending sum.
 
         Raises:
             ValueError: naming the dimension and axis for unknown or repeated axes, a spec longer
@@ -248,7 +257,22 @@ class DistType:
                 )
             major_to_minor = [f for name in names for f in mesh.axis_factors(name)]
             all_axes.append(tuple(reversed(major_to_minor)))
-        return cls.from_axes(shape, all_axes, mesh)
+        pending = []
+        for name in sorted(
+            unreduced, key=lambda n: mesh.axis_names.index(n) if n in mesh.sizes else -1
+        ):
+            if name not in mesh.sizes:
+                raise ValueError(
+                    f"unreduced names mesh axis {name!r}, which is not in the mesh {mesh}; "
+                    f"valid axes: {mesh.axis_names}"
+                )
+            if name in used:
+                raise ValueError(
+                    f"mesh axis {name!r} is both unreduced and splits dimension {used[name]}"
+                )
+            pending.extend(mesh.axis_factors(name))
+        t = cls.from_axes(shape, all_axes, mesh)
+        return dataclasses.replace(t, pending=tuple(pending)) if pending else t
 
     def to_spec(self, mesh: MeshShape) -> tuple[SpecEntry, ...]:
         """Back to ``PartitionSpec`` entries; factors of one axis in order merge into the axis name.
@@ -315,11 +339,13 @@ class DistType:
         return out
 
     def __str__(self) -> str:
-        return "[" + ", ".join(str(d) for d in self.dims) + "]"
+        out = "[" + ", ".join(str(d) for d in self.dims) + "]"
+        return out + (f" + sum{{{','.join(self.pending)}}}" if self.pending else "")
 
     def __repr__(self) -> str:
         axes = tuple(d.axes for d in self.dims)
-        return f"DistType.from_axes({self.global_shape!r}, {axes!r}, mesh)"
+        tail = f", pending={self.pending!r}" if self.pending else ""
+        return f"DistType.from_axes({self.global_shape!r}, {axes!r}, mesh){tail}"
 
 
 def _entry_names(entry: SpecEntry, dim: int) -> tuple[str, ...]:
