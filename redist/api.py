@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -125,11 +126,6 @@ def _source_spec(x) -> PartitionSpec:
     return sharding.spec
 
 
-@functools.lru_cache(maxsize=1024)
-def _jitted(plan, mesh, src: PartitionSpec, dst: PartitionSpec, donate: bool):
-    return jax.jit(shard_mapped(plan, mesh, src, dst), donate_argnums=(0,) if donate else ())
-
-
 def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
@@ -153,14 +149,20 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     if isinstance(dst, NamedSharding) and not _same_mesh(mesh, dst.mesh):
         return _to_other_mesh(x, mesh, s, dst, (name, itemsize, *options), donate)
     d = dist_type(dst_spec, shape, m, argname="dst")
+    if d.pending:
+        raise NotImplementedError(
+            f"dst {dst_spec} has unreduced axes: a redistribution reduces pending sums, it does "
+            "not create them"
+        )
     plan = synthesize(m, s, d, name, itemsize, *options)
+    target = dst if isinstance(dst, NamedSharding) else NamedSharding(mesh, dst_spec)
     if s.global_size == 0:  # a zero-size array: only its sharding changes
-        return _place(x, NamedSharding(mesh, dst_spec))
-    if not plan.steps:
+        return _place(x, target)
+    if not plan.steps and not isinstance(dst, NamedSharding):
         return x
     if isinstance(x, jax.core.Tracer):
-        return shard_mapped(plan, mesh, src_spec, dst_spec)(x)
-    return _jitted(plan, mesh, src_spec, dst_spec, donate)(x)
+        return _across(plan, mesh, target)(x)
+    return _across_jitted(plan, mesh, target, donate)(x)
 
 
 def _place(x, target: NamedSharding):
@@ -227,17 +229,30 @@ def _across_jitted(plan, run_mesh, dst: NamedSharding, donate: bool):
     return jax.jit(run, out_shardings=dst, donate_argnums=(0,) if donate else ())
 
 
+def _factor_pspec(t) -> PartitionSpec:
+    """``t`` as a ``PartitionSpec`` over the factored mesh (pending factors unreduced)."""
+    return PartitionSpec(*factor_spec(t), unreduced=frozenset(t.pending))
+
+
 @functools.lru_cache(maxsize=1024)
 def _across(plan, run_mesh, dst: NamedSharding):
     """The function running ``plan`` on ``run_mesh``'s prime factors and handing the result over
-    to ``dst`` (the same placement, so neither hand-over moves data)."""
+    to ``dst`` (the same placement, so neither hand-over moves data). On the factored mesh a
+    plan's device groups are named axes far more often than on the user's (measured: all of 300
+    random plans on {a:4, b:2}, against 264), which ``vmap`` needs."""
     factored = _factored(run_mesh)
-    s_spec, d_spec = PartitionSpec(*factor_spec(plan.src)), PartitionSpec(*factor_spec(plan.dst))
+    s_spec, d_spec = _factor_pspec(plan.src), _factor_pspec(plan.dst)
+
+    abstract = getattr(factored, "abstract_mesh", factored)
 
     def run(v):
-        v = _place(v, NamedSharding(factored, s_spec))
-        if plan.steps:
-            v = shard_mapped(plan, factored, s_spec, d_spec)(v)
+        context = contextlib.nullcontext()
+        if not jax.sharding.get_abstract_mesh().empty:  # jax.set_mesh: shard_map wants its mesh
+            context = jax.sharding.use_abstract_mesh(abstract)
+        with context:
+            v = _place(v, NamedSharding(factored, s_spec))
+            if plan.steps:
+                v = shard_mapped(plan, factored, s_spec, d_spec)(v)
         return _place(v, dst)
 
     return run

@@ -168,3 +168,29 @@ def test_inside_jit_on_explicit_axes_the_mesh_comes_from_the_value(arr):
     y = jax.jit(lambda v: redist.redistribute(v, DST) + 1)(x)
     np.testing.assert_array_equal(np.asarray(y), arr + 1)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, DST), 3)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_vmap_over_redistribute(kind):
+    """Plans run on the mesh's prime factors, where their groups are named axes (vmap refuses
+    axis_index_groups): this plan needs groups on the {a:4, b:2} mesh itself."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(kind,) * 2)
+    src, dst = P("a", "b"), P("b", "a")
+    from redist.execute import _named_axes
+
+    plan = redist.plan((16, 8), src, dst, {"a": 4, "b": 2})
+    assert any(_named_axes((("a", 4), ("b", 2)), s.groups) is None for s in plan.steps if s.groups)
+    arr = np.arange(3 * 16 * 8, dtype=np.float32).reshape(3, 16, 8)
+    x = jax.device_put(arr, NamedSharding(mesh, P(None, *src)))
+    y = jax.jit(jax.vmap(lambda v: redist.redistribute(v, src, dst, mesh=mesh)))(x)
+    np.testing.assert_array_equal(np.asarray(y), arr)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, *dst)), 3)
+
+
+def test_memory_kind_is_kept(arr):
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"))
+    x = jax.device_put(arr, NamedSharding(mesh, SRC))
+    dst = NamedSharding(mesh, DST, memory_kind="pinned_host")
+    y = redist.redistribute(x, dst)
+    assert y.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(y), arr)
