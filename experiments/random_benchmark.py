@@ -49,7 +49,7 @@ def problems_of(config):
 
 
 def _itemsize(dtype: str) -> int:
-    from redist.planning import dtype_info
+    from redist.specs import dtype_info
 
     return dtype_info(dtype)[1]
 
@@ -76,7 +76,7 @@ def measure_problem(p, config) -> dict:
     import redist
     from experiments.measure import compile_stats, interleaved_times
     from redist.search import weak_paths
-    from redist.synthesize import synthesize
+    from redist.synthesis import synthesize
 
     ndev = math.prod(p.mesh.values())
     mesh = jax.make_mesh(tuple(p.mesh.values()), tuple(p.mesh), devices=jax.devices()[:ndev],

@@ -33,7 +33,7 @@ def run(config, workdir: str) -> list[dict]:
     from experiments.measure import parse_mesh
     from redist.problems import random_problem
     from redist.search import weak_paths
-    from redist.synthesize import synthesize
+    from redist.synthesis import synthesize
 
     os.makedirs(workdir, exist_ok=True)
     rng = random.Random(config.seed)

@@ -3,9 +3,9 @@
 ``plan`` and the types are pure (no JAX import); ``redistribute`` imports JAX on first use.
 """
 
-from redist.plan import Plan, Step
-from redist.planning import plan
 from redist.simulate import simulate
+from redist.specs import plan
+from redist.steps import Plan, Step
 from redist.types import DistDim, DistType, MeshShape
 
 __all__ = ["DistDim", "DistType", "MeshShape", "Plan", "Step", "plan", "redistribute", "simulate"]

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from redist.execute import shard_mapped
 from redist.meshes import factor_spec, translate
-from redist.planning import SpecLike, dist_type, dtype_info, mesh_shape
-from redist.synthesize import FOLD_MIN_BYTES, synthesize
+from redist.specs import SpecLike, dist_type, dtype_info, mesh_shape
+from redist.synthesis import FOLD_MIN_BYTES, synthesize
 from redist.transfer import transfer
 
 _MISSING = object()

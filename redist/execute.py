@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from redist.plan import Group, Plan, Step, rank_digits
+from redist.steps import Group, Plan, Step, rank_digits
 
 
 def _axis_groups(mesh_axes: Sequence[tuple[str, int]], names: Sequence[str]) -> frozenset:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from redist.cost import step_cost
-from redist.plan import Group, Plan, Step
 from redist.search import WeakStep
+from redist.steps import Group, Plan, Step
 from redist.types import DistDim, DistType, MeshShape, prime_factors
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from redist.plan import Plan, Step, rank_digits
+from redist.steps import Plan, Step, rank_digits
 from redist.types import DistType, MeshShape
 
 

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redist
-from redist.synthesize import synthesize
+from redist.synthesis import synthesize
 
 SRC, DST = P(("a", "b"), "c", None), P(None, "a", ("c", "b"))
 SHAPE = (16, 16, 8)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import redist
-from redist.synthesize import synthesize
+from redist.synthesis import synthesize
 from redist.types import DistType, MeshShape
 
 

@@ -9,7 +9,7 @@ from helpers import MESHES, concrete_optimum, paper_edge_optimum, random_problem
 import redist
 from redist.problems import PAPER_PROBLEMS
 from redist.search import weak_path, weak_paths
-from redist.synthesize import synthesize
+from redist.synthesis import synthesize
 from redist.types import DistType, MeshShape
 
 MESHES_ALL = MESHES + ({"a": 2, "b": 2, "c": 3},)

@@ -7,8 +7,8 @@ import math
 
 from redist.cost import COST_MODELS
 from redist.lower import make_plan, reduce_pending
-from redist.plan import Plan
 from redist.search import weak_paths
+from redist.steps import Plan
 from redist.types import DistType, MeshShape
 
 # Chunks below this many bytes keep the final permutation separate: rounds of small messages

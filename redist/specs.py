@@ -1,4 +1,4 @@
-"""``plan()``: synthesis from user-facing specs, without devices and without importing JAX.
+"""User-facing specs, meshes and dtypes to types, and ``plan()`` from them (no devices, no JAX).
 
 Accepts JAX objects by duck typing (a ``PartitionSpec`` is a tuple; a ``NamedSharding`` has
 ``.spec`` and ``.mesh``; a ``Mesh`` / ``AbstractMesh`` has ``.shape``), so that a 4096-device mesh
@@ -18,8 +18,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import numpy as np
 
-from redist.plan import Plan
-from redist.synthesize import FOLD_MIN_BYTES, synthesize
+from redist.steps import Plan
+from redist.synthesis import FOLD_MIN_BYTES, synthesize
 from redist.types import DistType, MeshShape, SpecEntry
 
 MeshLike = Any  # jax.sharding.Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | MeshShape
