@@ -27,7 +27,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from redist.steps import Group, Plan, Step, rank_digits
+from redist.radix import move_blocks
+from redist.steps import Group, Plan, Step
 
 
 def _axis_groups(mesh_axes: Sequence[tuple[str, int]], names: Sequence[str]) -> frozenset:
@@ -148,7 +149,6 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     """
     moves = _moves(step)
     n = step.group_size
-    radices = [mv[2] for mv in moves]
     dest = np.arange(num_devices)
     for s, d in step.perm:
         dest[s] = d
@@ -157,13 +157,10 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
         out_shape[i] *= f
         out_shape[j] //= f
 
-    def starts(digits, which: int, sizes) -> list[int]:
-        start, stride = [0] * x.ndim, {}
-        for (i, j, f), g in zip(moves, digits):
-            dim = i if which == 0 else j
-            s = stride.get(dim, 1)
-            start[dim] += s * g * sizes[dim]
-            stride[dim] = s * f
+    def starts(rank: int, side: int, sizes) -> list[int]:
+        start = [0] * x.ndim
+        for dim, b in move_blocks(moves, rank, side).items():
+            start[dim] = b * sizes[dim]
         return start
 
     piece_shape = list(out_shape)
@@ -178,8 +175,8 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
             for r, d in enumerate(group):
                 t = (r + k) % n
                 e = int(dest[group[t]])
-                take[d] = starts(rank_digits(t, radices), 1, out_shape)
-                put[e] = starts(rank_digits(r, radices), 0, x.shape)
+                take[d] = starts(t, 1, out_shape)
+                put[e] = starts(r, 0, x.shape)
                 pairs.append((d, e))
         row = jnp.asarray(take)[idx]
         piece = lax.dynamic_slice(x, [row[a] for a in range(x.ndim)], piece_shape)

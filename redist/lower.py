@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from redist import radix
 from redist.cost import step_cost
 from redist.search import WeakStep
 from redist.steps import Group, Plan, Step
@@ -51,12 +52,9 @@ def _nested(a: np.ndarray) -> tuple[tuple[int, ...], ...]:
 def _radix_index(mesh: MeshShape, axes: Sequence[str]) -> np.ndarray:
     """Per logical point, the mixed-radix number of its coordinates on ``axes`` (first = fastest)."""
     coords = mesh.factor_coords
-    out = np.zeros(mesh.num_devices, dtype=np.int64)
-    stride = 1
-    for a in axes:
-        out += stride * coords[:, mesh.factor_index[a]]
-        stride *= mesh.factor_size[a]
-    return out
+    value = radix.number([coords[:, mesh.factor_index[a]] for a in axes],
+                         [mesh.factor_size[a] for a in axes])  # fmt: skip
+    return np.zeros(mesh.num_devices, dtype=np.int64) + value
 
 
 def _relabel(state: _State, i: int, new_order: tuple[str, ...]) -> None:
@@ -69,11 +67,8 @@ def _relabel(state: _State, i: int, new_order: tuple[str, ...]) -> None:
         return
     block = _radix_index(mesh, new_order)
     coords = mesh.factor_coords.copy()
-    stride = 1
-    for a in old:
-        size = mesh.factor_size[a]
-        coords[:, mesh.factor_index[a]] = (block // stride) % size
-        stride *= size
+    for a, digit in zip(old, radix.digits(block, [mesh.factor_size[a] for a in old])):
+        coords[:, mesh.factor_index[a]] = digit
     sizes = [f.size for f in mesh.factors]
     sigma = np.ravel_multi_index(tuple(coords.T), sizes)
     state.phi = state.phi[sigma]

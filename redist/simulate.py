@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from redist.steps import Plan, Step, rank_digits
+from redist.radix import move_blocks
+from redist.steps import Plan, Step
 from redist.types import DistType, MeshShape
 
 
@@ -84,36 +85,22 @@ def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
     each split dimension, the piece its own digits name; it places the piece, in each gathered
     dimension, at the block its sender's digits name.
     """
-    radices = [n for _, _, n in moves]
     shape = list(tiles[0].shape)
     out_shape = list(shape)
     for i, j, n in moves:
         out_shape[i] *= n
         out_shape[j] //= n
     out = np.empty(out_shape, dtype=tiles[0].dtype)
-    mine = rank_digits(rank, radices)
 
-    def block(dims_digits, size_of):
+    def block(blocks: dict[int, int], size_of) -> tuple[slice, ...]:
         index = [slice(None)] * len(shape)
-        for dim, (digit_index, _stride) in dims_digits.items():
-            size = size_of[dim]
-            index[dim] = slice(digit_index * size, (digit_index + 1) * size)
+        for dim, b in blocks.items():
+            index[dim] = slice(b * size_of[dim], (b + 1) * size_of[dim])
         return tuple(index)
 
-    def combined(which: int, digits) -> dict[int, tuple[int, int]]:
-        acc: dict[int, tuple[int, int]] = {}
-        for (i, j, n), g in zip(moves, digits):
-            dim = i if which == 0 else j
-            value, stride = acc.get(dim, (0, 1))
-            acc[dim] = (value + stride * g, stride * n)
-        return acc
-
-    split_size = {j: out_shape[j] for _, j, _ in moves}
-    gather_size = {i: shape[i] for i, _, _ in moves}
-    take = block(combined(1, mine), split_size)
+    take = block(move_blocks(moves, rank, 1), out_shape)
     for sender, tile in enumerate(tiles):
-        put = block(combined(0, rank_digits(sender, radices)), gather_size)
-        out[put] = tile[take]
+        out[block(move_blocks(moves, sender, 0), shape)] = tile[take]
     return out
 
 

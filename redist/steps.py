@@ -20,15 +20,6 @@ from redist.types import DistType, MeshShape
 Group = tuple[int, ...]
 
 
-def rank_digits(rank: int, radices) -> list[int]:
-    """Mixed-radix digits of a group rank, first radix fastest: ``rank_digits(5, (2, 3)) == [1, 2]``."""
-    out = []
-    for n in radices:
-        out.append(rank % n)
-        rank //= n
-    return out
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Step:
     """One collective of a plan.

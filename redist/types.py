@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from redist.radix import number
+
 AxisName = str
 Shape = tuple[int, ...]
 # One entry of a PartitionSpec: None, an axis name, or a tuple of axis names (major-to-minor).
@@ -331,11 +333,10 @@ class DistType:
         """The base offset map of Fig. 7a: ``(num_devices, rank)`` offsets, devices row-major."""
         coords = mesh.factor_coords
         out = np.zeros((mesh.num_devices, self.rank), dtype=np.int64)
-        for i, d in enumerate(self.dims):
-            stride = d.local
-            for a in d.axes:  # minor-to-major
-                out[:, i] += stride * coords[:, mesh.factor_index[a]]
-                stride *= mesh.factor_size[a]
+        for i, d in enumerate(self.dims):  # axes minor-to-major: the first digit is fastest
+            block = number([coords[:, mesh.factor_index[a]] for a in d.axes],
+                           [mesh.factor_size[a] for a in d.axes])  # fmt: skip
+            out[:, i] += d.local * block
         return out
 
     def __str__(self) -> str:
