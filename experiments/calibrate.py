@@ -1,13 +1,13 @@
 """Calibrate the planner's cost model on the current backend and write a JSON file.
 
 Usage:
-    python -m experiments.calibrate --out=planner/calibrations/cpu.json [--devices=8]
+    python -m experiments.calibrate --out=redist/calibrations/cpu.json [--devices=8]
 
 Measures per-device dense matmul throughput, local copy bandwidth (read + write a fresh buffer)
 and streaming read bandwidth (a column sum of a resident buffer) with all devices working at
 once (simulated CPU devices share the host's cores), and for every collective kind over all
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
-``planner.costmodel``).
+``redist.calibration``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "planner/calibrations/cpu.json", "Where to write the file.")
+_OUT = flags.DEFINE_string("out", "redist/calibrations/cpu.json", "Where to write the file.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (CPU).")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Repetitions per measurement (median).")
 
@@ -30,7 +30,7 @@ def measure(repeats: int):
     from jax.sharding import PartitionSpec as P
 
     from experiments.measure import interleaved_times
-    from planner.costmodel import KINDS, Calibration, wire_bytes
+    from redist.calibration import KINDS, Calibration, wire_bytes
 
     def seconds(f, *args):
         return interleaved_times([lambda: f(*args)], repeats, 2)[0]["median"]

@@ -18,12 +18,12 @@ import jax
 from jax.sharding import PartitionSpec
 
 from planner.analysis import analyze
-from planner.costmodel import Calibration
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program
 from planner.lowering import Lowered, lower
 from planner.schedule import Schedule, Spec
 from planner.schedule_search import search
+from redist.calibration import Calibration
 from redist.types import DistType, MeshShape
 
 

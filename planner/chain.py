@@ -39,10 +39,10 @@ import collections
 import math
 from collections.abc import Sequence
 
-from planner.costmodel import Calibration
 from planner.ir import Op, Program, Value
 from planner.schedule import make_schedule
 from planner.simulator import simulate
+from redist.calibration import Calibration
 
 
 def flow_edges(prog: Program) -> list[tuple[str, str]]:

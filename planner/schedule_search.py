@@ -27,10 +27,10 @@ from collections.abc import Mapping
 import networkx as nx
 
 from planner.chain import ChainDP, with_siblings
-from planner.costmodel import Calibration
 from planner.ir import Op, Program
 from planner.schedule import Schedule, make_schedule
 from planner.simulator import Prediction, simulate
+from redist.calibration import Calibration
 from redist.types import MeshShape
 
 Assignment = dict[str, dict[str, tuple[str, ...]]]

@@ -24,10 +24,10 @@ import dataclasses
 import math
 
 import redist
-from planner.costmodel import Calibration, wire_bytes
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program, itemsize
 from planner.schedule import Schedule, Spec, local_shape
+from redist.calibration import Calibration, wire_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,8 +290,8 @@ def redistribute(
         dst: the destination layout (three-argument form).
         mesh: the mesh; optional when a spec is a ``NamedSharding``, ``x`` has a
             ``NamedSharding``, or a mesh is set with ``jax.set_mesh``.
-        cost_model: what the plan search minimizes, ``"bytes"`` (the paper's model) or
-            ``"bytes+copies"`` (see :func:`redist.plan`).
+        cost_model: what the plan search minimizes, ``"bytes"`` (the paper's model),
+            ``"bytes+copies"`` or ``"calibrated"`` (see :func:`redist.plan`).
         fold_min_bytes: fold a final permutation into the alltoall before it when each chunk
             sent has at least this many bytes (see :func:`redist.plan`).
         donate: give ``x``'s buffers to the call (eager calls; ``x`` is deleted). Inside ``jit``

@@ -16,10 +16,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
-COST_MODELS = ("bytes", "bytes+copies")
+COST_MODELS = ("bytes", "bytes+copies", "calibrated")
+# The calibrated model's collective names (redist.calibration) for our step kinds.
+CALIBRATED_KIND = {"alltoall": "all-to-all", "allgather": "all-gather",
+                   "allpermute": "collective-permute", "reducescatter": "reduce-scatter",
+                   "allreduce": "all-reduce"}  # fmt: skip
 KINDS = ("dynslice",) + COMMUNICATING
 
 
@@ -56,12 +61,55 @@ def local_copy_elems(kind: str, before: tuple[int, ...], after: tuple[int, ...],
 
 
 def search_weight(
-    kind: str, before: tuple[int, ...], after: tuple[int, ...], dim: int, itemsize: int, model: str
+    kind: str,
+    before: tuple[int, ...],
+    after: tuple[int, ...],
+    dim: int,
+    itemsize: int,
+    model: str,
+    group: int = 2,
 ) -> int:
-    """The edge weight of a weak step under ``model`` (bytes per device)."""
+    """The edge weight of a weak step under ``model``: bytes per device for ``"bytes"`` and
+    ``"bytes+copies"``; for ``"calibrated"``, nanoseconds on the default calibration (latency
+    plus wire bytes over bandwidth for the collective over ``group`` devices, plus local copies
+    at the copy bandwidth), so that small, latency-bound moves prefer fewer collectives."""
     w = step_cost(kind, before=math.prod(before), after=math.prod(after), itemsize=itemsize)
     if model == "bytes":
         return w
+    copies = local_copy_elems(kind, before, after, dim) * itemsize
     if model == "bytes+copies":
-        return w + local_copy_elems(kind, before, after, dim) * itemsize
+        return w + copies
+    if model == "calibrated":
+        return _calibrated_ns(kind, w, copies, group)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {model!r}")
+
+
+def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int) -> int:
+    cal = default_calibration()
+    seconds = copies / cal.copy_bytes_per_s
+    if kind != "dynslice":
+        collective = CALIBRATED_KIND[kind]
+        named = nbytes / 2 if kind == "allreduce" else nbytes  # step_cost counts 2x for it
+        seconds += cal.collective_time(collective, named, group)
+    return round(seconds * 1e9)
+
+
+def calibrated_floor_ns(nbytes: int) -> int:
+    """A lower bound, in the calibrated model's nanoseconds, on moving ``nbytes`` per device in
+    one or more collectives (A*'s heuristic): the smallest latency plus the bytes at the best
+    bandwidth, less a little for rounding."""
+    if nbytes <= 0:
+        return 0
+    cal = default_calibration()
+    kinds = ("all-to-all", "all-gather")
+    seconds = min(cal.latency_s[k] for k in kinds) + nbytes / 2 / max(
+        cal.bytes_per_s[k] for k in kinds
+    )
+    return max(0, int(seconds * 1e9) - 16)
+
+
+@functools.cache
+def default_calibration():
+    from redist.calibration import Calibration
+
+    return Calibration.default()

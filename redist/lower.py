@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from redist import radix
-from redist.cost import step_cost
+from redist.cost import search_weight, step_cost
 from redist.search import WeakStep
 from redist.steps import Group, Plan, Step
 from redist.types import DistDim, DistType, MeshShape, prime_factors
@@ -308,13 +308,18 @@ def make_plan(
     dtype: str,
     itemsize: int,
     fold_min_bytes: int = 0,
+    cost_model: str = "bytes",
 ) -> Plan:
     """Lower each candidate path (all of equal weak cost) and keep the best concrete plan."""
     best = None
     for path in paths:
         steps = lower(mesh, src, dst, path, itemsize, fold_min_bytes)
         plan = Plan(mesh, src, dst, dtype, itemsize, steps)
-        permute = sum(s.cost_bytes for s in plan.steps if s.kind == "allpermute")
+        permute = sum(
+            search_weight("allpermute", s.before.local_shape, s.after.local_shape, 0, itemsize,
+                          cost_model, mesh.num_devices)
+            for s in plan.steps if s.kind == "allpermute"
+        )  # fmt: skip
         key = (sum(w.cost for w in path) + permute, plan.num_collectives, len(plan.steps))
         if best is None or key < best[0]:
             best = (key, plan)

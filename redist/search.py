@@ -28,7 +28,7 @@ import math
 from collections import Counter
 from typing import NamedTuple
 
-from redist.cost import search_weight
+from redist.cost import calibrated_floor_ns, search_weight
 from redist.types import Shape, prime_factors
 
 
@@ -202,8 +202,9 @@ def weak_paths(
         src, dst: local (per-device) shapes of the source and destination types.
         primes: the mesh's prime factor sizes (a multiset, any order).
         itemsize: bytes per element, for the cost in bytes.
-        cost_model: ``"bytes"`` (the paper's Fig. 11) or ``"bytes+copies"`` (also local copies,
-            see :func:`redist.cost.local_copy_elems`).
+        cost_model: ``"bytes"`` (the paper's Fig. 11), ``"bytes+copies"`` (also local copies,
+            see :func:`redist.cost.local_copy_elems`) or ``"calibrated"`` (nanoseconds on the
+            default calibration, see :func:`redist.cost.search_weight`).
         limit: at most this many paths are returned.
     """
     pool = Counter(primes)
@@ -219,7 +220,8 @@ def weak_paths(
 
     @functools.cache
     def h(node: Shape) -> int:
-        return _remaining(node, dst, global_shape, pool, itemsize)
+        floor = _remaining(node, dst, global_shape, pool, itemsize)
+        return calibrated_floor_ns(floor) if cost_model == "calibrated" else floor
 
     heap = [(h(src), 0, 0, src)]  # (estimate, collectives, cost, node)
     while heap:  # A* with an admissible heuristic; a node is expanded again if reached cheaper
@@ -231,7 +233,8 @@ def weak_paths(
         out = edges[node] = []
         for kind, i, j, n, new, moves in _edges(node, global_shape, pool, bound, dst):
             dim = max(m[0] for m in moves) if moves else i
-            w = search_weight(kind, node, new, dim, itemsize, cost_model)
+            group = math.prod(m[2] for m in moves) if moves else n
+            w = search_weight(kind, node, new, dim, itemsize, cost_model, group)
             key = _key_add((cost, ncoll), kind, w)
             out.append((WeakStep(kind, i, j, n, node, new, w, moves), key))
             if key < best.get(new, (math.inf, 0)):

@@ -117,7 +117,9 @@ def plan(
         src, dst: ``PartitionSpec`` (or ``NamedSharding``, or a tuple of entries).
         mesh: a ``Mesh``, an ``AbstractMesh``, or a ``{axis name: size}`` mapping.
         dtype: element type, for byte counts.
-        cost_model: what the search minimizes: ``"bytes"`` (the paper's model, Fig. 11) or
+        cost_model: what the search minimizes: ``"bytes"`` (the paper's model, Fig. 11),
+            ``"calibrated"`` (time on the shipped calibration: a latency per collective plus
+            bytes over bandwidth, plus local copies) or
             ``"bytes+copies"`` (also the local copies that interleaving costs, which matter on
             CPU where a copy is as dear as a transfer).
         fold_min_bytes: a final permutation right after an alltoall is folded into it (chunks

@@ -29,8 +29,9 @@ def synthesize(
 ) -> Plan:
     """The memory-bounded, near-optimal plan from ``src`` to ``dst`` (cached on its inputs).
 
-    ``cost_model`` is what the search minimizes: ``"bytes"`` (the paper's Fig. 11) or
-    ``"bytes+copies"`` (bytes plus local copies; see :mod:`redist.cost`). Either way the plan
+    ``cost_model`` is what the search minimizes: ``"bytes"`` (the paper's Fig. 11),
+    ``"bytes+copies"`` (bytes plus local copies) or ``"calibrated"`` (time: latency + bandwidth
+    per collective, from the calibration file; see :mod:`redist.cost`). Either way the plan
     reports the paper's ``cost_bytes`` and stays within the memory bound.
 
     Raises:
@@ -49,7 +50,7 @@ def synthesize(
     paths = weak_paths(
         src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, cost_model
     )
-    return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes)
+    return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, cost_model)
 
 
 def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes) -> Plan:

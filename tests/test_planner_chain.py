@@ -10,10 +10,10 @@ from test_planner_search import brute_force, chain, rand
 import planner
 from experiments.workloads import workload
 from planner.chain import ChainDP
-from planner.costmodel import Calibration
 from planner.dataflow import dataflow
 from planner.schedule import make_schedule
 from planner.schedule_search import _options, anchors, groups, search
+from redist.calibration import Calibration
 
 MESH = {"a": 2, "b": 2, "c": 2}
 

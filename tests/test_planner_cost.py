@@ -9,8 +9,8 @@ from jax.sharding import AxisType
 from test_planner_lower import ALL, attention, dots, matmul, rand
 
 import planner
-from planner.costmodel import KINDS, Calibration, wire_bytes
 from planner.simulator import simulate
+from redist.calibration import KINDS, Calibration, wire_bytes
 
 
 @pytest.fixture(scope="module")

@@ -266,3 +266,32 @@ def test_permutation_folds_only_for_large_chunks():
     assert folded.cost_bytes == small.cost_bytes - small.steps[1].cost_bytes
     _simulate(small)
     _simulate(folded)
+
+
+def _predicted_ns(p) -> int:
+    from redist.cost import search_weight
+
+    return sum(
+        search_weight(s.kind, s.before.local_shape, s.after.local_shape,
+                      max((m[0] for m in s.moves), default=s.dim or 0), p.itemsize, "calibrated",
+                      s.group_size if s.kind != "allpermute" else p.mesh.num_devices)
+        for s in p.steps
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", MESHES_ALL, ids=str)
+def test_calibrated_model_plans_are_exact_and_no_slower_by_its_own_measure(mesh):
+    """Near-optimal as the paper's Theorem 6.7 says: the weak search is optimal in its model, and
+    the lowering adds at most one permutation of a destination tile."""
+    from redist.cost import search_weight
+
+    rng = random.Random(f"calibrated{mesh}")
+    for _ in range(60):
+        shape, src, dst = random_problem(rng, mesh, max_rank=4)
+        p = redist.plan(shape, src, dst, mesh, dtype="int32", cost_model="calibrated")
+        q = redist.plan(shape, src, dst, mesh, dtype="int32", cost_model="bytes")
+        assert p.peak_bytes <= p.bound_bytes
+        tile = p.dst.local_shape
+        permute = search_weight("allpermute", tile, tile, 0, 4, "calibrated", p.mesh.num_devices)
+        assert _predicted_ns(p) <= _predicted_ns(q) + permute, (shape, src, dst, p, q)
+        _simulate(p)
