@@ -33,4 +33,4 @@ def test_redistribute_across_two_processes():
         outs.append((p.returncode, out, err))
     for pid, (code, out, err) in enumerate(outs):
         assert code == 0, f"process {pid} failed:\n{err[-3000:]}"
-        assert f"process {pid} OK 3" in out
+        assert f"process {pid} OK 4" in out

@@ -35,5 +35,19 @@ for shape, src, dst in cases:
     jitted = jax.jit(lambda v, s=src, d=dst: redist.redistribute(v, s, d, mesh=mesh))(x)
     for shard in jitted.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), arr[shard.index])
-print(f"process {pid} OK {len(cases)}")
+# Another mesh over the same devices (training FSDP over 8 to serving dp x tp): planned, eager
+# and inside jit.
+train = jax.make_mesh((8,), ("fsdp",))
+serve = jax.make_mesh((2, 4), ("dp", "tp"))
+arr = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+x = jax.make_array_from_callback(arr.shape, NamedSharding(train, P("fsdp")), lambda idx: arr[idx])
+dst = NamedSharding(serve, P(None, "tp"))
+for y in (
+    redist.redistribute(x, dst),
+    jax.jit(lambda v: redist.redistribute(v, NamedSharding(train, P("fsdp")), dst))(x),
+):
+    assert y.sharding.is_equivalent_to(dst, 2)
+    for shard in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), arr[shard.index])
+print(f"process {pid} OK {len(cases) + 1}")
 jax.distributed.shutdown()
