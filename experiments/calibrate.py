@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _OUT = flags.DEFINE_string("out", "redist/calibrations/cpu.json", "Where to write the file.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (CPU).")
@@ -80,6 +80,7 @@ def measure(repeats: int):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     from experiments.measure import force_host_devices
 
     force_host_devices(_DEVICES.value)

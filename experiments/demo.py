@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _DEVICES = flags.DEFINE_integer("devices", 8, "Number of simulated host CPU devices.")
 _SCALE = flags.DEFINE_float("scale", 0.25, "Shrink every dimension of the paper's shapes by this.")
@@ -23,6 +23,7 @@ def _shrink(shape, src_axes_sizes, scale):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     from experiments.measure import force_host_devices
 
     force_host_devices(_DEVICES.value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Interleaved repetitions.")
 
@@ -31,6 +31,7 @@ FAMILIES = (
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     from experiments.measure import force_host_devices
 
     force_host_devices(8)

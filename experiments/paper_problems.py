@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from absl import app, flags
+from absl import app, flags, logging
 
 _PROBLEMS = flags.DEFINE_list("problems", ["P1", "P2", "P3", "P4", "ex3_1"], "Named problems.")
 
@@ -46,6 +46,7 @@ def describe(name: str) -> str:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     from experiments.measure import force_host_devices
     from redist.problems import by_name
 

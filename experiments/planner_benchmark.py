@@ -17,7 +17,7 @@ import json
 import os
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.workloads import parse_workload, workload
@@ -224,6 +224,7 @@ def figures(results: list[dict], workdir: str) -> None:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     print(json.dumps(run(flags.FLAGS.config, flags.FLAGS.workdir), indent=2))
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 import zlib
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 
@@ -194,6 +194,7 @@ def run(config, workdir: str) -> dict:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     summary = run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(json.dumps(summary, indent=2))
 

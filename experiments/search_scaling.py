@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from experiments.workloads import workload
 
@@ -65,6 +65,7 @@ def run(workloads: list[str], depths: list[int], mesh: dict, greedy_max_ops: int
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     f = flags.FLAGS
     mesh = {k: int(v) for k, v in (p.split(":") for p in f.mesh.split(","))}
     run(f.workloads, [int(d) for d in f.depths], mesh, f.greedy_max_ops, f.workdir)

@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 
@@ -121,6 +121,7 @@ def figure(rows: list[dict], path: str) -> None:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(f"outputs in {flags.FLAGS.workdir}")
 

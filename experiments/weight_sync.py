@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.measure import force_host_devices, parse_mesh
@@ -209,6 +209,7 @@ def figure(result: dict, path: str) -> None:
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     result = run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(markdown(result))
     print(f"outputs in {flags.FLAGS.workdir}")
