@@ -49,6 +49,16 @@ def _nested(a: np.ndarray) -> tuple[tuple[int, ...], ...]:
     return tuple(map(tuple, a.tolist()))
 
 
+def _finished(step: Step) -> Step:
+    """``step`` with its numpy tables (kept while candidate plans are compared) as tuples."""
+    return dataclasses.replace(
+        step,
+        groups=_nested(step.groups) if len(step.groups) else (),
+        offsets=_nested(step.offsets) if len(step.offsets) else (),
+        device_map=tuple(np.asarray(step.device_map).tolist()),
+    )
+
+
 def _radix_index(mesh: MeshShape, axes: Sequence[str]) -> np.ndarray:
     """Per logical point, the mixed-radix number of its coordinates on ``axes`` (first = fastest)."""
     coords = mesh.factor_coords
@@ -84,7 +94,7 @@ def _groups(state: _State, axes: tuple[str, ...]) -> tuple[Group, ...]:
     n = math.prod(mesh.factor_size[a] for a in axes)
     table = np.empty((mesh.num_devices // n, n), dtype=np.int64)
     table[key, rank] = state.phi
-    return _nested(table)
+    return table
 
 
 def _pick(candidates: Sequence[str], n: int, score, mesh: MeshShape) -> tuple[str, ...]:
@@ -126,8 +136,8 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
         start[state.phi, i] = local * _radix_index(mesh, x)
         return Step(
             "dynslice", i, None, x, before, state.t, 0,
-            offsets=_nested(start),
-            device_map=tuple(state.phi.tolist()),
+            offsets=start,
+            device_map=state.phi.copy(),
         )  # fmt: skip
     if w.kind == "allgather":
         axes_i = t.dims[i].axes
@@ -172,7 +182,7 @@ def _lower_step(state: _State, w: WeakStep, dst: DistType, itemsize: int) -> Ste
     cost = step_cost(w.kind, before=before.local_size, after=new_t.local_size, itemsize=itemsize)
     return Step(
         w.kind, i, w.to_dim, x, before, new_t, cost, groups=groups,
-        device_map=tuple(state.phi.tolist()), moves=moves,
+        device_map=state.phi.copy(), moves=moves,
         move_axes=tuple(xs) if moves else (),
     )  # fmt: skip
 
@@ -226,7 +236,7 @@ def _permute(state: _State, target: DistType, itemsize: int) -> Step | None:
     identity = np.arange(state.mesh.num_devices)
     step = Step(
         "allpermute", None, None, (), state.t, target, target.local_size * itemsize,
-        perm=tuple(sorted(pairs)), device_map=tuple(identity.tolist()),
+        perm=tuple(sorted(pairs)), device_map=identity,
     )  # fmt: skip
     state.t, state.phi = target, identity
     return step
@@ -325,7 +335,8 @@ def make_plan(
             best = (key, plan)
         if "allpermute" not in plan.kinds:
             break
-    return best[1]
+    plan = best[1]
+    return dataclasses.replace(plan, steps=tuple(_finished(s) for s in plan.steps))
 
 
 def reduce_pending(mesh: MeshShape, src: DistType, dim: int | None, itemsize: int) -> Step:
@@ -343,5 +354,5 @@ def reduce_pending(mesh: MeshShape, src: DistType, dim: int | None, itemsize: in
         after = _with_dim(DistType(src.dims), dim, old.local // n, x + old.axes)
         kind = "reducescatter"
     cost = step_cost(kind, before=src.local_size, after=after.local_size, itemsize=itemsize)
-    return Step(kind, dim, None, x, src, after, cost, groups=groups,
-                device_map=tuple(range(mesh.num_devices)))  # fmt: skip
+    return _finished(Step(kind, dim, None, x, src, after, cost, groups=groups,
+                          device_map=np.arange(mesh.num_devices)))  # fmt: skip

@@ -60,7 +60,7 @@ class Step:
 
     @property
     def group_size(self) -> int:
-        return len(self.groups[0]) if self.groups else 1
+        return len(self.groups[0]) if len(self.groups) else 1
 
     def __str__(self) -> str:
         axes = "{" + ",".join(self.axes) + "}"
@@ -85,7 +85,7 @@ class Step:
                 head += f" permuting {len(self.perm)} results"
         else:
             head = f"allpermute({len(self.perm)} tiles move)"
-        detail = f"  {self.group_size} devices/group" if self.groups else ""
+        detail = f"  {self.group_size} devices/group" if len(self.groups) else ""
         return f"{head}{detail}  {self.cost_bytes} B"
 
 
