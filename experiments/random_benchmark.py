@@ -197,6 +197,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     summary = run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(json.dumps(summary, indent=2))
+    workdir = flags.FLAGS.workdir
+    print(f"outputs in {workdir}: summary.json, results.jsonl, report.md and figures (*.png)")
 
 
 if __name__ == "__main__":

@@ -44,11 +44,16 @@ def summarize(results: list[dict], wall_s: float) -> dict:
         if r["ours"]["collective_bytes"] > r["xla"]["collective_bytes"] and not _over(r, "xla", 1.0)
     ]
     same = [r["speedup"] for r in results if r.get("same_collectives")]
+    differ = [r["speedup"] for r in results if not r.get("same_collectives")]
+    floor = min(same) if same else 0.0
     return {
         "problems": len(results),
         "same_collectives_problems": len(same),
         "same_collectives_speedup_geomean": _geomean(same),
         "same_collectives_speedup_range": [min(same), max(same)] if same else None,
+        "different_collectives_problems": len(differ),
+        "different_collectives_speedup_geomean": _geomean(differ),
+        "below_noise_floor": sum(s < floor for s in differ),
         "wall_s": wall_s,
         "speedup_geomean": _geomean(sp),
         "speedup_min": min(sp),
