@@ -142,3 +142,26 @@ def _block(x):
     import jax
 
     return jax.block_until_ready(x)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` (saying so) when matplotlib
+    is not installed (``pip install -e ".[figures]"``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('matplotlib is not installed: no figures (pip install -e ".[figures]")')
+        return None
+    return plt
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, write as PNG and close ``fig``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

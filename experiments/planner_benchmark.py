@@ -190,22 +190,17 @@ def report(results: list[dict], summary: dict) -> str:
 
 
 def figures(results: list[dict], workdir: str) -> None:
-    try:
-        import matplotlib
+    from experiments.measure import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figures")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.loglog(
         [r["predicted_s"] * 1e3 for r in results], [r["measured_s"] * 1e3 for r in results], "o"
     )
     ax.set(xlabel="predicted ms", ylabel="measured ms", title="Simulator vs measurement")
-    fig.tight_layout()
-    fig.savefig(os.path.join(workdir, "predicted_vs_measured.png"), dpi=120)
-    plt.close(fig)
+    save_figure(fig, os.path.join(workdir, "predicted_vs_measured.png"))
     work = list(dict.fromkeys(r["workload"] for r in results))
     strat = list(dict.fromkeys(r["strategy"] for r in results))
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -217,9 +212,7 @@ def figures(results: list[dict], workdir: str) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(work))], work, rotation=20)
     ax.set(ylabel="measured ms", yscale="log")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(workdir, "workloads.png"), dpi=120)
-    plt.close(fig)
+    save_figure(fig, os.path.join(workdir, "workloads.png"))
 
 
 def main(argv):

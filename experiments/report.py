@@ -135,13 +135,10 @@ def markdown(results: list[dict], summary: dict, config) -> str:
 
 def figures(results: list[dict], workdir: str) -> list[str]:
     """Fig. 14a-like scatter, Fig. 14b-like histogram, and a memory-ratio histogram (PNG)."""
-    try:
-        import matplotlib
+    from experiments.measure import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figures (pip install -e '.[figures]')")
+    plt = pyplot()
+    if plt is None:
         return []
     paths = []
     ours = np.array([r["ours"]["median_s"] for r in results]) * 1e3
@@ -176,10 +173,8 @@ def figures(results: list[dict], workdir: str) -> list[str]:
 
 
 def _save(fig, workdir: str, name: str) -> str:
-    path = os.path.join(workdir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
+    from experiments.measure import save_figure
 
-    plt.close(fig)
+    path = os.path.join(workdir, name)
+    save_figure(fig, path)
     return path

@@ -95,13 +95,10 @@ def markdown(rows: list[dict], config) -> str:
 
 
 def figure(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
+    from experiments.measure import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for rank in sorted({r["rank"] for r in rows}):
@@ -114,9 +111,7 @@ def figure(rows: list[dict], path: str) -> None:
     ax.set_ylabel("slowest synthesis per cell (s)")
     ax.set_title("redist.plan: synthesis time")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv):

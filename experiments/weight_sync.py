@@ -182,13 +182,10 @@ def markdown(result: dict) -> str:
 
 
 def figure(result: dict, path: str) -> None:
-    try:
-        import matplotlib
+    from experiments.measure import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no figure")
+    plt = pyplot()
+    if plt is None:
         return
     names = list(result["methods"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3.2))
@@ -202,9 +199,7 @@ def figure(result: dict, path: str) -> None:
     b.set_ylabel("compiled temporary memory (MiB)")
     b.set_title("memory")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv):

@@ -77,3 +77,28 @@ def test_search_scaling_smoke(tmp_path):
     assert all(r["search_s"] > 0 and r["predicted_s"] > 0 for r in rows)
     assert rows[2]["anchors"] == 2
     assert "| mlp 16x16 | 2 |" in (tmp_path / "report.md").read_text()
+
+
+def test_weight_sync_smoke(tmp_path):
+    from configs import weight_sync as ws_config
+    from experiments import weight_sync
+
+    config = ws_config.get_config()
+    config.update(layers=1, d_model=64, ffn=128, vocab=256, repeats=1, warmup=0, min_time_s=0.0,
+                  figures=False)  # fmt: skip
+    result = weight_sync.run(config, str(tmp_path))
+    for name in ("redist", "xla", "device_put"):
+        assert result["methods"][name]["exact"] and result["methods"][name]["placed"], name
+    assert "redist" in (tmp_path / "report.md").read_text()
+
+
+def test_synthesis_scaling_smoke(tmp_path):
+    from configs import synthesis_scaling as ss_config
+    from experiments import synthesis_scaling
+
+    config = ss_config.get_config()
+    config.update(meshes="a:2,b:2,c:2;x:4,y:8,z:8", ranks="2,5", problems_per_cell=2,
+                  figures=False)  # fmt: skip
+    rows = synthesis_scaling.run(config, str(tmp_path))
+    assert [(r["devices"], r["rank"]) for r in rows] == [(8, 2), (8, 5), (256, 2), (256, 5)]
+    assert all(0 < r["p50_s"] <= r["max_s"] for r in rows)
