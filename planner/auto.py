@@ -15,28 +15,58 @@ import time
 from collections.abc import Callable
 
 import jax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.analysis import analyze
 from planner.dataflow import dataflow, input_spec
+from planner.explanation import explain_rows, render
 from planner.ir import Program
 from planner.lowering import Lowered, lower
-from planner.schedule import Schedule, Spec
+from planner.schedule import Schedule, Spec, make_schedule
 from planner.schedule_search import search
+from planner.simulator import simulate
 from redist.calibration import Calibration
+from redist.meshes import translate
+from redist.specs import mesh_shape
 from redist.types import DistType, MeshShape
 
 
-def _user_spec(spec: Spec, shape, mesh: MeshShape) -> PartitionSpec:
-    """Factor-level spec -> PartitionSpec over the user's axes (factors merged where whole)."""
-    axes = [tuple(reversed(a)) for a in spec]
-    t = DistType.from_axes(shape, axes, mesh)
-    return PartitionSpec(*t.to_spec(mesh))
+def _factor_type(spec: Spec, shape, mesh: MeshShape) -> DistType:
+    """A factor-level spec (major first per dimension) as a type over ``mesh``'s factors."""
+    return DistType.from_axes(shape, [tuple(reversed(a)) for a in spec], mesh)
+
+
+def _spec_mesh(types: list[DistType], mesh: MeshShape) -> MeshShape:
+    """The user's mesh, with every axis that some type uses only in part split into its prime
+    factors (named ``axis_0``, ``axis_1``, ... major first): the coarsest mesh over the same
+    devices on which every type is a ``PartitionSpec``."""
+    broken = set()
+    for t in types:
+        for entry in t.to_spec(mesh):
+            for name in (entry,) if isinstance(entry, str) else entry or ():
+                if name not in mesh.sizes:
+                    broken.add(mesh.factor_axis[name])
+    axes = []
+    for name, size in mesh.axes:
+        if name in broken:
+            axes += [(f"{name}_{k}", f.size) for k, f in enumerate(
+                f for f in mesh.factors if f.axis == name)]  # fmt: skip
+        else:
+            axes.append((name, size))
+    return MeshShape(tuple(axes))
 
 
 @dataclasses.dataclass
 class AutoPlan:
-    """A searched schedule with its prediction; callable (lowers on first use)."""
+    """A searched schedule with its prediction; callable (lowers on first use).
+
+    ``in_specs`` / ``out_specs`` are ``PartitionSpec``s over ``spec_mesh``: the user's mesh, or,
+    when the plan splits a dimension by part of a mesh axis, the same devices with that axis split
+    into its prime factors (``c:8 -> c_0:2, c_1:2, c_2:2``; ``explain()`` says so).
+    ``in_shardings`` / ``out_shardings`` are the same as ``NamedSharding``s (a concrete mesh is
+    needed for those and to run the plan; everything else works on an ``AbstractMesh`` or a
+    ``{name: size}`` mesh).
+    """
 
     program: Program
     schedule: Schedule
@@ -45,39 +75,109 @@ class AutoPlan:
     search_s: float
     in_tree: object
     out_tree: object
+    replicated: object = None
 
     @functools.cached_property
-    def lowered(self) -> Lowered:
-        return lower(self.program, self.schedule, self.mesh)
+    def mesh_shape(self) -> MeshShape:
+        return mesh_shape(self.mesh)
+
+    @functools.cached_property
+    def _boundary_types(self) -> tuple[list[DistType], list[DistType]]:
+        m = self.mesh_shape
+        ins = [_factor_type(input_spec(self.program, self.schedule, v), v.shape, m)
+               for v in self.program.inputs]  # fmt: skip
+        final = {}
+        for step in dataflow(self.program, self.schedule):
+            for r, sp in zip(step.op.results, step.out_specs):
+                final[r.value.name] = sp
+        outs = [_factor_type(final.get(v.name, ((),) * len(v.shape)), v.shape, m)
+                for v in self.program.outputs]  # fmt: skip
+        return ins, outs
+
+    @functools.cached_property
+    def spec_mesh(self) -> MeshShape:
+        """The mesh ``in_specs`` and ``out_specs`` are written on (see the class docstring)."""
+        ins, outs = self._boundary_types
+        return _spec_mesh(ins + outs, self.mesh_shape)
+
+    def _specs(self, types: list[DistType], tree) -> object:
+        specs = [PartitionSpec(*translate(t, self.mesh_shape, self.spec_mesh).to_spec(self.spec_mesh))
+                 for t in types]  # fmt: skip
+        return jax.tree.unflatten(tree, specs)
 
     @property
     def in_specs(self):
-        m = MeshShape.of(dict(self.mesh.shape))
-        specs = [_user_spec(input_spec(self.program, self.schedule, v), v.shape, m)
-                 for v in self.program.inputs]  # fmt: skip
-        return jax.tree.unflatten(self.in_tree, specs)
+        return self._specs(self._boundary_types[0], self.in_tree)
 
     @property
     def out_specs(self):
-        m = MeshShape.of(dict(self.mesh.shape))
-        final = {}
-        for step in dataflow(self.program, self.schedule):
-            for r, s in zip(step.op.results, step.out_specs):
-                final[r.value.name] = s
-        specs = [
-            _user_spec(final.get(v.name, ((),) * len(v.shape)), v.shape, m)
-            for v in self.program.outputs
-        ]
-        return jax.tree.unflatten(self.out_tree, specs)
+        return self._specs(self._boundary_types[1], self.out_tree)
+
+    def _concrete_spec_mesh(self):
+        devices = _devices(self.mesh)
+        if devices is None:
+            raise ValueError(
+                f"this plan was made for a mesh without devices ({self.mesh_shape}); its layouts "
+                "are in_specs / out_specs over spec_mesh. Plan on a jax.sharding.Mesh (or build "
+                "NamedShardings on your own mesh from those specs) to get shardings or run it"
+            )
+        names = [n for n, _ in self.spec_mesh.axes]
+        sizes = tuple(s for _, s in self.spec_mesh.axes)
+        if names == list(self.mesh.axis_names):
+            return self.mesh
+        kinds = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+        types = tuple(kinds[n.rpartition("_")[0] if n not in kinds else n] for n in names)
+        return jax.sharding.Mesh(devices.reshape(sizes), tuple(names), axis_types=types)
+
+    @property
+    def in_shardings(self):
+        """``NamedSharding``s of the inputs, for ``jax.jit(..., in_shardings=...)``."""
+        mesh = self._concrete_spec_mesh()
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.in_specs,
+                            is_leaf=lambda s: isinstance(s, PartitionSpec))  # fmt: skip
+
+    @property
+    def out_shardings(self):
+        """``NamedSharding``s of the outputs, for ``jax.jit(..., out_shardings=...)``."""
+        mesh = self._concrete_spec_mesh()
+        return jax.tree.map(lambda s: NamedSharding(mesh, s), self.out_specs,
+                            is_leaf=lambda s: isinstance(s, PartitionSpec))  # fmt: skip
+
+    @functools.cached_property
+    def lowered(self) -> Lowered:
+        self._concrete_spec_mesh()  # a clear error on meshes without devices
+        return lower(self.program, self.schedule, self.mesh)
 
     def __call__(self, *args):
         outs = self.lowered(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         return jax.tree.unflatten(self.out_tree, list(outs))
 
+    def summary(self) -> str:
+        """The prediction, against full replication, and the mesh the specs are written on."""
+        lines = [f"{self.prediction}; search {self.search_s:.2f} s"]
+        if self.replicated is not None:
+            ratio = self.replicated.time_s / max(self.prediction.time_s, 1e-12)
+            lines.append(
+                f"replicated: {self.replicated}; this plan is predicted {ratio:.2f}x as fast"
+                + (" (replication is best: nothing pays for its communication)"
+                   if not any(self.schedule.assign.values()) else "")
+            )  # fmt: skip
+        if self.spec_mesh != self.mesh_shape:
+            lines.append(
+                f"the plan splits by parts of mesh axes: its specs are over {self.spec_mesh}, the "
+                f"same devices as {self.mesh_shape} (plan.spec_mesh)"
+            )
+        return "\n".join(lines)
+
     def explain(self) -> str:
-        head = f"{self.prediction}; search {self.search_s:.2f} s"
-        return head + "\n" + self.lowered.explain()
+        return self.summary() + "\n" + render(self.explain_json())
+
+    def explain_json(self) -> list[dict]:
+        return explain_rows(self.program, self.schedule, self.mesh_shape)
+
+    def __repr__(self) -> str:
+        return f"AutoPlan({len(self.program.ops)} ops on {self.mesh_shape}: {self.prediction})"
 
     def to_json(self) -> str:
         return json.dumps({
@@ -86,11 +186,20 @@ class AutoPlan:
                 "comm_bytes": self.prediction.comm_bytes,
                 "peak_bytes": self.prediction.peak_bytes,
             },
+            "replicated_time_s": getattr(self.replicated, "time_s", None),
             "search_s": self.search_s,
+            "spec_mesh": dict(self.spec_mesh.axes),
             "schedule": {op: {lp: list(ax) for lp, ax in loops.items()}
                          for op, loops in self.schedule.assign.items() if loops},
-            "ops": self.lowered.explain_json(),
+            "ops": self.explain_json(),
         }, indent=2)  # fmt: skip
+
+
+def _devices(mesh):
+    try:
+        return getattr(mesh, "devices", None)
+    except (NotImplementedError, ValueError):  # an AbstractMesh
+        return None
 
 
 def plan(
@@ -102,12 +211,14 @@ def plan(
 ) -> AutoPlan:
     """Analyse ``fn`` on ``args``, search the best schedule on ``mesh``, return the plan."""
     prog = analyze(fn, *args)
+    sizes = mesh_shape(mesh).sizes
     start = time.perf_counter()
-    sched, pred = search(prog, mesh, calibration, memory_limit_bytes)
+    sched, pred = search(prog, sizes, calibration, memory_limit_bytes)
     elapsed = time.perf_counter() - start
+    replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     in_tree = jax.tree.structure(args)
     out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
-    return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree)
+    return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree, replicated)
 
 
 def auto_shard(fn: Callable, *, mesh, memory_limit_bytes: int | None = None) -> Callable:

@@ -18,10 +18,8 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
 from planner.dataflow import OpStep, dataflow, input_spec
-from planner.ir import Op, Program, Region, itemsize
+from planner.explanation import COLLECTIVE, events, explain_rows, render
+from planner.ir import Op, Program, Region
 from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
 
@@ -42,15 +41,6 @@ SHARDING_PARAMS = ("sharding", "out_sharding")
 
 def _pspec(spec: Spec) -> PartitionSpec:
     return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
-
-
-@dataclasses.dataclass
-class Event:
-    op: str
-    kind: str  # "redistribute", "psum", "psum_scatter", "pmax", "pmin"
-    value: str
-    detail: str
-    bytes: int
 
 
 class Lowered:
@@ -64,7 +54,7 @@ class Lowered:
         self.sizes = dict(mesh.shape)
         self.steps = dataflow(prog, sched)
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
-        self.events = _events(self.steps, redist.MeshShape.of(self.sizes))
+        self.events = events(self.steps, redist.MeshShape.of(self.sizes))
         in_shardings = tuple(NamedSharding(mesh, _pspec(s)) for s in self.in_specs)
         body = self._explicit if backend == "explicit" else self._xla
         self._jitted = jax.jit(body, in_shardings=in_shardings)
@@ -242,57 +232,13 @@ class Lowered:
 
     # ----- introspection -----
     def explain_json(self) -> list[dict]:
-        rows = []
-        m = redist.MeshShape.of(self.sizes)
-        for op in self.prog.ops:
-            types = lambda accs, op=op: [  # noqa: E731
-                str(redist.DistType.from_spec(_pspec(self.sched.spec(op, a)), a.value.shape, m))
-                for a in accs
-            ]
-            rows.append({
-                "op": op.name,
-                "grid": self.sched.grid(op),
-                "operands": types(op.operands),
-                "results": types(op.results),
-                "pending_sum_over": list(self.sched.pending(op)),
-                "collectives": [dataclasses.asdict(e) for e in self.events if e.op == op.name],
-            })  # fmt: skip
-        return rows
+        return explain_rows(self.prog, self.sched, redist.MeshShape.of(self.sizes), self.events)
 
     def explain(self) -> str:
-        lines = []
-        for row in self.explain_json():
-            lines.append(f"{row['op']}: grid {row['grid']}")
-            lines.append(f"    in  {', '.join(row['operands']) or '-'}")
-            lines.append(f"    out {', '.join(row['results'])}")
-            for e in row["collectives"]:
-                lines.append(
-                    f"    + {e['kind']} {e['value']}: {e['detail']} ({e['bytes']} B/device)"
-                )
-        return "\n".join(lines)
+        return render(self.explain_json())
 
     def to_json(self) -> str:
         return json.dumps(self.explain_json(), indent=2)
-
-
-def _events(steps, m: redist.MeshShape) -> list[Event]:
-    """The collectives each op's step inserts, with the paper's bytes per device."""
-    out = []
-    for step in steps:
-        op = step.op
-        for mv in step.moves:
-            plan = redist.plan(
-                mv.value.shape, _pspec(mv.src), _pspec(mv.dst), m, dtype=mv.value.dtype
-            )
-            detail = f"{plan.src} -> {plan.dst}: {' '.join(plan.kinds)}"
-            out.append(Event(op.name, "redistribute", mv.value.name, detail, plan.cost_bytes))
-        if step.pending:
-            for k, r in enumerate(op.results):
-                size = math.prod(local_shape(r.value.shape, step.out_specs[k], m.factor_size))
-                kind = "psum_scatter" if step.scatter[k] is not None else COLLECTIVE[step.combine]
-                out.append(Event(op.name, kind, r.value.name, f"over {step.pending}",
-                                 size * itemsize(r.value.dtype)))  # fmt: skip
-    return out
 
 
 def factored_mesh(mesh):
@@ -305,9 +251,6 @@ def factored_mesh(mesh):
     sizes = [f.size for f in shape.factors]
     return Mesh(mesh.devices.reshape(sizes), shape.factor_names,
                 axis_types=(AxisType.Auto,) * len(sizes))  # fmt: skip
-
-
-COLLECTIVE = {"sum": "psum", "max": "pmax", "min": "pmin", "and": "pmin", "or": "pmax"}
 
 
 def _combine(x, kind: str, axes):
