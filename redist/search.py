@@ -123,7 +123,8 @@ def _moves_to(node: Shape, target: Shape) -> tuple[tuple[int, int, int], ...]:
     return tuple((i, j, n) for (i, j), n in moves.items())
 
 
-def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int, dst: Shape):
+@functools.lru_cache(maxsize=1 << 16)
+def _edges(node: Shape, global_shape: Shape, primes: tuple[int, ...], bound: int, dst: Shape):
     """Edges of the weak graph pruned to normal forms (Theorem 4.8, Lemma 6.5): some cheapest
     path is ``dynslice* alltoall* allgather*``, so its all-to-alls run at a size no larger than
     ``dst``'s and each allgather lands on a shape dividing ``dst``. Every single-pair collective
@@ -132,28 +133,43 @@ def _edges(node: Shape, global_shape: Shape, primes: Counter, bound: int, dst: S
     allgathers alone finish the job."""
     counts = tuple(g // loc for g, loc in zip(global_shape, node))
     used = Counter(p for c in counts for p in prime_factors(c))
-    free = primes - used
+    free = Counter(primes) - used
     size = math.prod(node)
     rank = len(node)
     exchange = size <= math.prod(dst)
+    out = []
     for i in range(rank):
         for n in _products(tuple(sorted(free.elements()))):
             if node[i] % n == 0:
-                yield "dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :], ()
+                out.append(("dynslice", i, None, n, node[:i] + (node[i] // n,) + node[i + 1 :], ()))
         for n in _divisors(counts[i]):
             if size * n <= bound and dst[i] % (node[i] * n) == 0 and _divides(node, dst):
-                yield "allgather", i, None, n, node[:i] + (node[i] * n,) + node[i + 1 :], ()
+                out.append(("allgather", i, None, n, node[:i] + (node[i] * n,) + node[i + 1 :], ()))
             if not exchange:
                 continue
             for j in range(rank):
                 if j != i and node[j] % n == 0:
-                    yield "alltoall", i, j, n, apply_moves(node, [(i, j, n)]), ((i, j, n),)
+                    out.append(("alltoall", i, j, n, apply_moves(node, [(i, j, n)]), ((i, j, n),)))
     if exchange:
         for target in _goal_targets(node, dst, global_shape):
-            moves = _moves_to(node, target)
-            if len(moves) > 1:
+            if sum(u != v for u, v in zip(node, target)) > 2:  # two: a single pair, listed above
+                moves = _moves_to(node, target)
                 i, j, n = moves[0]
-                yield "alltoall", i, j, n, target, moves
+                out.append(("alltoall", i, j, n, target, moves))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _weighted_edges(node, global_shape, primes, bound, dst, itemsize, cost_model):
+    """:func:`_edges` as weak steps weighted under ``cost_model`` (cached: the planner asks for
+    many redistributions of one array, whose searches share nodes)."""
+    out = []
+    for kind, i, j, n, new, moves in _edges(node, global_shape, primes, bound, dst):
+        dim = max(m[0] for m in moves) if moves else i
+        group = math.prod(m[2] for m in moves) if moves else n
+        w = search_weight(kind, node, new, dim, itemsize, cost_model, group)
+        out.append(WeakStep(kind, i, j, n, node, new, w, moves))
+    return tuple(out)
 
 
 def _key_add(key: tuple[int, int], kind: str, w: int) -> tuple[int, int]:
@@ -208,6 +224,7 @@ def weak_paths(
         limit: at most this many paths are returned.
     """
     pool = Counter(primes)
+    primes_key = tuple(sorted(primes))
     for shape in (src, dst):
         counts = tuple(g // loc for g, loc in zip(global_shape, shape))
         if not _fits(counts, pool):
@@ -231,12 +248,12 @@ def weak_paths(
         if dst in best and (cost + h(node), ncoll) > best[dst]:
             break
         out = edges[node] = []
-        for kind, i, j, n, new, moves in _edges(node, global_shape, pool, bound, dst):
-            dim = max(m[0] for m in moves) if moves else i
-            group = math.prod(m[2] for m in moves) if moves else n
-            w = search_weight(kind, node, new, dim, itemsize, cost_model, group)
-            key = _key_add((cost, ncoll), kind, w)
-            out.append((WeakStep(kind, i, j, n, node, new, w, moves), key))
+        for step in _weighted_edges(
+            node, global_shape, primes_key, bound, dst, itemsize, cost_model
+        ):
+            new = step.after
+            key = _key_add((cost, ncoll), step.kind, step.cost)
+            out.append((step, key))
             if key < best.get(new, (math.inf, 0)):
                 best[new] = key
                 heapq.heappush(heap, (key[0] + h(new), key[1], key[0], new))
