@@ -90,6 +90,49 @@ class _Live(dict):
         self.total -= super().pop(name, 0)
 
 
+def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
+    """Per-op prices already computed for this program, calibration and mesh: a search prices
+    thousands of schedules that differ in a few ops, so each op's price under the same layouts
+    is computed once."""
+    caches = prog.__dict__.setdefault("_price_memo", {})
+    key = (id(cal), tuple(sorted(sizes.items())))
+    if key not in caches:  # the calibration is held so that its id stays its own
+        caches[key] = (cal, {})
+    return caches[key][1]
+
+
+def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
+    """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
+    operand in its new layout, bytes of each result), per trip."""
+    comm_t = wire = 0.0
+    transient = 0
+    moved = []
+    for mv in st.moves:
+        plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
+        t, w = _plan_cost(plan, cal)
+        comm_t, wire = comm_t + t, wire + w
+        transient = max(transient, plan.peak_bytes)
+        moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
+    parts = math.prod(math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops)
+    outs = [
+        _bytes(r.value.shape, sp, sizes, r.value.dtype) for r, sp in zip(op.results, st.out_specs)
+    ]
+    ins = sum(
+        _bytes(a.value.shape, sp, sizes, a.value.dtype) for a, sp in zip(op.operands, st.in_specs)
+    )
+    compute = 0.0 if op.how == "region" else cal.compute_time(op.flops / parts, ins, sum(outs))
+    if st.pending:
+        n = math.prod(sizes[a] for a in st.pending)
+        for k_res, size in enumerate(outs):
+            if st.scatter[k_res] is None:
+                comm_t += cal.collective_time("all-reduce", size, n)
+                wire += wire_bytes("all-reduce", size, n)
+            else:
+                comm_t += cal.collective_time("reduce-scatter", size * n, n)
+                wire += wire_bytes("reduce-scatter", size * n, n)
+    return compute, comm_t, wire, transient, tuple(moved), tuple(outs)
+
+
 def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
     """Predicted time, wire bytes and peak memory per device of ``prog`` under ``sched``."""
     cal = calibration or Calibration.default()
@@ -108,35 +151,18 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
         live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     costs = []
     peak = live.total
+    memo = _memo(prog, cal, sizes)
     for k, st in enumerate(steps):
         op = st.op
-        comm_t = wire = 0.0
-        transient = 0
-        for mv in st.moves:
-            plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
-            t, w = _plan_cost(plan, cal)
-            comm_t, wire = comm_t + t, wire + w
-            transient = max(transient, plan.peak_bytes)
-            live[mv.value.name] = _bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype)
-        parts = math.prod(
-            math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops
-        )
-        outs = [
-            _bytes(r.value.shape, s, sizes, r.value.dtype) for r, s in zip(op.results, st.out_specs)
-        ]
-        ins = sum(
-            _bytes(a.value.shape, s, sizes, a.value.dtype) for a, s in zip(op.operands, st.in_specs)
-        )
-        compute = 0.0 if op.how == "region" else cal.compute_time(op.flops / parts, ins, sum(outs))
-        if st.pending:
-            n = math.prod(sizes[a] for a in st.pending)
-            for k_res, size in enumerate(outs):
-                if st.scatter[k_res] is None:
-                    comm_t += cal.collective_time("all-reduce", size, n)
-                    wire += wire_bytes("all-reduce", size, n)
-                else:
-                    comm_t += cal.collective_time("reduce-scatter", size * n, n)
-                    wire += wire_bytes("reduce-scatter", size * n, n)
+        key = (op.name, tuple((mv.value.name, mv.src, mv.dst) for mv in st.moves),
+               tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
+               st.pending, st.scatter)  # fmt: skip
+        priced = memo.get(key)
+        if priced is None:
+            priced = memo[key] = _price(op, st, sched, sizes, m, cal)
+        compute, comm_t, wire, transient, moved, outs = priced
+        for mv, size in zip(st.moves, moved):
+            live[mv.value.name] = size
         for r, size in zip(op.results, outs):
             live[r.value.name] = size
         now = live.total + transient

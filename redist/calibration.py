@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -86,4 +87,10 @@ class Calibration:
 
     @classmethod
     def default(cls) -> Calibration:
-        return cls.load(DEFAULT_FILE)
+        """The shipped CPU calibration (loaded once)."""
+        return _default()
+
+
+@functools.cache
+def _default() -> Calibration:
+    return Calibration.load(DEFAULT_FILE)

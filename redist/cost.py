@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 
 COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
@@ -108,7 +107,6 @@ def calibrated_floor_ns(nbytes: int) -> int:
     return max(0, int(seconds * 1e9) - 16)
 
 
-@functools.cache
 def default_calibration():
     from redist.calibration import Calibration
 
