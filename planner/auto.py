@@ -148,6 +148,35 @@ class AutoPlan:
         self._concrete_spec_mesh()  # a clear error on meshes without devices
         return lower(self.program, self.schedule, self.mesh)
 
+    def jit(self, **jit_kwargs):
+        """The user's function as a ``jax.jit`` with this plan's shardings, run by XLA's SPMD
+        partitioner: ``in_shardings`` / ``out_shardings`` at the boundary and a sharding constraint
+        on every value whose layout the plan fixes (programs with scans, loops, conds or custom
+        rules get the boundary shardings only, and XLA propagates inside; so do meshes with
+        Explicit axes, whose values carry their sharding in their type). ``jit_kwargs`` go to
+        ``jax.jit`` (``donate_argnums``, ``static_argnums`` are not supported: plan on arrays).
+
+        Example:
+            >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP
+            >>> step.lower(*args).compile()
+        """
+        for k in ("in_shardings", "out_shardings"):
+            if k in jit_kwargs:
+                raise TypeError(f"plan.jit sets {k} itself; got {k}=")
+        in_shardings, out_shardings = self.in_shardings, self.out_shardings
+        explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
+        backend = "xla-inputs" if self.program.regions or explicit else "xla"
+        body = Lowered(self.program, self.schedule, self.mesh, backend).body
+        out_tree, n = self.out_tree, len(self.program.inputs)
+
+        def run(*args):
+            flat = jax.tree.leaves(args)
+            if len(flat) != n:
+                raise ValueError(f"the plan takes {n} arrays, got {len(flat)}")
+            return jax.tree.unflatten(out_tree, list(body(*flat)))
+
+        return jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kwargs)
+
     def __call__(self, *args):
         outs = self.lowered(*args)
         outs = outs if isinstance(outs, tuple) else (outs,)

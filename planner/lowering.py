@@ -56,8 +56,8 @@ class Lowered:
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
         in_shardings = tuple(NamedSharding(mesh, _pspec(s)) for s in self.in_specs)
-        body = self._explicit if backend == "explicit" else self._xla
-        self._jitted = jax.jit(body, in_shardings=in_shardings)
+        self.body = self._explicit if backend == "explicit" else self._xla
+        self._jitted = jax.jit(self.body, in_shardings=in_shardings)
 
     def __call__(self, *args):
         flat = jax.tree.leaves(args)

@@ -69,3 +69,40 @@ def test_specs_split_by_part_of_an_axis_use_a_reshaped_mesh_and_say_so():
     assert spec_mesh.axes == (("c_0", 2), ("c_1", 2), ("c_2", 2), ("d", 2))
     whole = DistType.from_spec(("c", "d"), (16, 16), m)
     assert _spec_mesh([whole], m) == m
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_plan_jit_is_the_users_function_under_xla_spmd(kind):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind,) * 2)
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+    p = planner.plan(STEP, *args, mesh=mesh)
+    f = p.jit()
+    assert f.lower(*args).compile().as_text()
+    constraints = f.lower(*args).as_text().count("sharding_constraint")
+    if kind == AxisType.Auto:  # the plan fixes the layout of (nearly) every value
+        assert constraints >= len(p.program.ops) // 2
+    else:  # Explicit axes: shardings at the boundary, XLA propagates
+        assert constraints == 0
+    for g, w in zip(f(*args), STEP(*args)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+    donated = p.jit(donate_argnums=(1,))
+    w1 = jax.device_put(args[1], jax.tree.leaves(p.in_shardings)[1])
+    donated(args[0], w1, args[2])
+    assert w1.is_deleted()
+
+
+def test_plan_jit_with_a_scan_leaves_the_inside_to_xla():
+    def layers(x, ws):
+        def body(h, w):
+            return jnp.tanh(h @ w), None
+
+        return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(2)
+    x, ws = rng.standard_normal((16, 32)).astype(np.float32), rng.standard_normal((3, 32, 32))
+    ws = (ws / 6).astype(np.float32)
+    p = planner.plan(jax.grad(layers, argnums=1), x, ws, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(p.jit()(x, ws)), np.asarray(jax.grad(layers, 1)(x, ws)),
+                               rtol=1e-4, atol=1e-6)  # fmt: skip
