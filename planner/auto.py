@@ -238,9 +238,16 @@ def plan(
     memory_limit_bytes: int | None = None,
     calibration: Calibration | None = None,
 ) -> AutoPlan:
-    """Analyse ``fn`` on ``args``, search the best schedule on ``mesh``, return the plan."""
+    """Analyse ``fn`` on ``args`` (arrays or ``jax.ShapeDtypeStruct``s), search the best schedule
+    on ``mesh`` (a ``Mesh``, an ``AbstractMesh`` or ``{name: size}``), return the plan.
+
+    ``calibration`` prices time: by default the shipped one for ``jax.default_backend()``; plan
+    for another machine with e.g. ``Calibration.named("tpu_v5p")`` (see
+    :mod:`redist.calibration`).
+    """
     prog = analyze(fn, *args)
     sizes = mesh_shape(mesh).sizes
+    calibration = calibration or Calibration.for_backend()
     start = time.perf_counter()
     sched, pred = search(prog, sizes, calibration, memory_limit_bytes)
     elapsed = time.perf_counter() - start

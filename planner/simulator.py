@@ -72,7 +72,12 @@ def _plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
             "allpermute": ("collective-permute", before * len(s.perm) / n_dev),
         }[s.kind]
         n = s.group_size if s.kind != "allpermute" else n_dev
-        t += cal.collective_time(kind, nbytes, n)
+        if s.kind == "allpermute":
+            d = cal.domain_devices or n_dev
+            crosses = any(a // d != b // d for a, b in s.perm)
+        else:
+            crosses = cal.crosses(plan.mesh, s.axes)
+        t += cal.collective_time(kind, nbytes, n, crosses)
         wire += wire_bytes(kind, nbytes, n)
     return t, wire
 
@@ -123,12 +128,13 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     compute = 0.0 if op.how == "region" else cal.compute_time(op.flops / parts, ins, sum(outs))
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
+        crosses = cal.crosses(m, st.pending)
         for k_res, size in enumerate(outs):
             if st.scatter[k_res] is None:
-                comm_t += cal.collective_time("all-reduce", size, n)
+                comm_t += cal.collective_time("all-reduce", size, n, crosses)
                 wire += wire_bytes("all-reduce", size, n)
             else:
-                comm_t += cal.collective_time("reduce-scatter", size * n, n)
+                comm_t += cal.collective_time("reduce-scatter", size * n, n, crosses)
                 wire += wire_bytes("reduce-scatter", size * n, n)
     return compute, comm_t, wire, transient, tuple(moved), tuple(outs)
 

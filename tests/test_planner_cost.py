@@ -87,3 +87,38 @@ def test_simulator_sees_the_collectives_lowering_inserts(mesh):
     assert with_comm == with_events == {dots(prog)[-1]}
     assert "predicted" in str(pred) and pred.time_s > 0
     assert np.isclose(sum(c.compute_s + c.comm_s for c in pred.ops), pred.time_s)
+
+
+def test_accelerator_calibrations_load_cite_sources_and_price_links_per_axis():
+    from redist.types import MeshShape
+
+    h100, v5p = Calibration.named("h100_sxm"), Calibration.named("tpu_v5p")
+    assert Calibration.for_backend("gpu") == h100 and Calibration.for_backend("tpu") == v5p
+    assert Calibration.for_backend("cpu") == Calibration.default()
+    for cal in (h100, v5p):
+        assert cal.sources and all("Planned on paper" not in s for s in cal.sources[:1])
+        assert set(cal.cross_bytes_per_s) == set(KINDS)
+    with pytest.raises(ValueError, match="shipped"):
+        Calibration.named("a100")
+    # 4 hosts of 8 GPUs: the minor axis stays on NVLink, the major one crosses InfiniBand.
+    mesh = MeshShape(tuple((f.name, f.size) for f in MeshShape.of({"node": 4, "gpu": 8}).factors))
+    assert not h100.crosses(mesh, ["gpu#0", "gpu#1", "gpu#2"])
+    assert h100.crosses(mesh, ["node#1"])
+    inside = h100.collective_time("all-reduce", 2**28, 8, h100.crosses(mesh, ["gpu#0"]))
+    across = h100.collective_time("all-reduce", 2**28, 4, h100.crosses(mesh, ["node#0", "node#1"]))
+    assert across > 5 * inside
+
+
+def test_simulator_prices_a_split_reduction_across_hosts_on_the_slow_network():
+    import jax.numpy as jnp
+
+    x, w = np.ones((512, 256), np.float32), np.ones((256, 256), np.float32)
+    prog = planner.analyze(lambda x, w: jnp.sum(x @ w, axis=0), x, w)
+    h100 = Calibration.named("h100_sxm")
+    dot = next(o for o in prog.ops if o.primitive == "dot_general")
+    reduce_loop = next(lp for lp, _ in dot.reductions)
+    times = {}
+    for axis in ("node", "gpu#0"):  # the contraction split 2 ways, across hosts or inside one
+        sched = prog.schedule({dot.name: {reduce_loop: axis}}, {"node": 2, "gpu": 8})
+        times[axis] = simulate(prog, sched, h100).time_s
+    assert times["node"] > times["gpu#0"]
