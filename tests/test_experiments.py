@@ -70,12 +70,14 @@ def test_planner_benchmark_smoke(tmp_path):
 def test_search_scaling_smoke(tmp_path):
     from experiments import search_scaling
 
-    rows = search_scaling.run(["mlp:16x16"], [1, 2], {"a": 2, "b": 2}, 1000, str(tmp_path))
-    assert [(r["layers"], r["method"]) for r in rows] == [
-        (1, "dp"), (1, "greedy"), (2, "dp"), (2, "greedy")
+    meshes = [{"a": 2, "b": 2}, {"a": 4, "b": 4}]
+    rows = search_scaling.run(["mlp:16x16"], [1, 2], meshes, 1000, str(tmp_path))
+    assert [(r["layers"], r["devices"], r["method"]) for r in rows] == [
+        (1, 4, "dp"), (1, 4, "greedy"), (1, 16, "dp"), (1, 16, "greedy"),
+        (2, 4, "dp"), (2, 4, "greedy"), (2, 16, "dp"), (2, 16, "greedy"),
     ]  # fmt: skip
     assert all(r["search_s"] > 0 and r["predicted_s"] > 0 for r in rows)
-    assert rows[2]["anchors"] == 2
+    assert rows[4]["anchors"] == 2
     assert "| mlp 16x16 | 2 |" in (tmp_path / "report.md").read_text()
 
 
