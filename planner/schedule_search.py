@@ -82,13 +82,14 @@ class _Evaluator:
         self.best_peak = math.inf
 
     def __call__(
-        self, assign: Assignment, default: str = "propagate"
+        self, assign: Assignment, default: str = "propagate", stored: dict | None = None
     ) -> tuple[float, int, Schedule | None, Prediction | None]:
-        key = (default, tuple(sorted((op, tuple(sorted(lp.items()))) for op, lp in assign.items())))
+        key = (default, tuple(sorted((op, tuple(sorted(lp.items()))) for op, lp in assign.items())),
+               tuple(sorted(stored.items())) if stored else ())  # fmt: skip
         if key not in self.cache:
             try:
                 named = {k: v for k, v in with_siblings(assign, self.groups).items() if v}
-                sched = make_schedule(self.prog, named, self.mesh, default=default)
+                sched = make_schedule(self.prog, named, self.mesh, default=default, stored=stored)
             except ValueError:
                 self.cache[key] = (math.inf, math.inf, None, None)
                 return self.cache[key]
@@ -153,14 +154,20 @@ def search(
         per_factor = [
             list(itertools.product(*(_options(o, {}, sizes[f], sizes) for o in ops))) for f in names
         ]
+        scores = []
         for combo in itertools.product(*per_factor):
             assign = empty
             for f, choices in zip(names, combo):
                 assign = _with(assign, choices, ops, (f,))
             score = evaluate(assign)
+            scores.append(score)
             if best is None or score[:2] < best[0][:2]:
                 best = (score, assign)
-        return _result(best[0], evaluate, memory_limit_bytes)
+        results = [best[0]]
+        if memory_limit_bytes is not None:  # the fastest few, whatever their memory, with ZeRO
+            fastest = sorted((r for r in scores if r[3] is not None), key=lambda r: r[3].time_s)
+            results += _zero(prog, shape, fastest[:8], evaluate)
+        return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
     passes = [[tuple(names)], [(f,) for f in names]]
     results = [evaluate(empty), *_seeds(prog, shape, evaluate)]  # never worse than replication
     if dp:
@@ -169,7 +176,53 @@ def search(
     # The DP prices time only: when its plans break the memory limit, the greedy passes run too.
     if len(prog.ops) <= greedy_ops or all(math.isinf(r[0]) for r in results):
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
+    if memory_limit_bytes is not None:
+        results += _zero(prog, shape, results, evaluate)
     return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
+
+
+ZERO_MIN_BYTES = 1 << 16  # inputs smaller than this stay as their consumers want them
+
+
+def zero_layouts(prog: Program, shape: MeshShape, sched: Schedule) -> dict:
+    """ZeRO-3 layouts at rest: every input of at least ``ZERO_MIN_BYTES`` that ``sched`` leaves
+    whole on some mesh factors is stored split over those factors too, along its first dimension
+    they divide (the data flow gathers it before use)."""
+    from planner.dataflow import input_spec
+    from planner.ir import itemsize
+
+    out = {}
+    for v in prog.inputs:
+        if math.prod(v.shape) * itemsize(v.dtype) < ZERO_MIN_BYTES:
+            continue
+        spec = input_spec(prog, sched, v)
+        used = {a for axes in spec for a in axes}
+        free = [f for f in shape.factor_names if f not in used]
+        for k in range(len(free), 0, -1):  # the most factors that divide some dimension
+            extra = tuple(free[:k])
+            parts = math.prod(shape.factor_size[f] for f in extra)
+            dims = [d for d, n in enumerate(v.shape)
+                    if n % (parts * math.prod(shape.factor_size[a] for a in spec[d])) == 0]  # fmt: skip
+            if dims:
+                d = dims[0]
+                out[v.name] = spec[:d] + (spec[d] + extra,) + spec[d + 1 :]
+                break
+    return out
+
+
+def _zero(prog: Program, shape: MeshShape, results: list, evaluate: _Evaluator) -> list:
+    """Every candidate again with its large inputs stored ZeRO-style (:func:`zero_layouts`): under
+    a memory limit, a plan that keeps parameters and optimizer state split at rest and gathers
+    them before use may fit where none of the others does."""
+    out = []
+    for _, _, sched, _ in results:
+        if sched is None:
+            continue
+        stored = zero_layouts(prog, shape, sched)
+        if stored:
+            full = {name: loops for name, loops in sched.assign.items() if loops}
+            out.append(evaluate(full, default="replicate", stored=stored))
+    return out
 
 
 def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
