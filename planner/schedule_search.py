@@ -124,7 +124,7 @@ def search(
     memory_limit_bytes: int | None = None,
     exhaustive_limit: int = 4096,
     step_limit: int = 64,
-    greedy_ops: int = 400,
+    greedy_ops: int = 150,
     dp: bool = True,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.

@@ -82,8 +82,9 @@ def apply_moves(node: Shape, moves) -> Shape:
 
 
 def _goal_targets(node: Shape, dst: Shape, global_shape: Shape) -> list[Shape]:
-    """Local shapes one all-to-all can reach from ``node`` that divide ``dst`` (so that only
-    allgathers remain): each dimension grows or shrinks by a whole factor, the size is kept."""
+    """Local shapes one all-to-all can reach from ``node`` that divide ``dst`` and differ from it
+    in at most one dimension (so that at most one allgather remains): each dimension grows or
+    shrinks by a whole factor, the size is kept."""
     size = math.prod(node)
     options = []
     for u, d, g in zip(node, dst, global_shape):
@@ -94,17 +95,18 @@ def _goal_targets(node: Shape, dst: Shape, global_shape: Shape) -> list[Shape]:
         suffix[k] = suffix[k + 1] * max(options[k])
     out: list[Shape] = []
 
-    def grow(k: int, prefix: tuple[int, ...], prod: int) -> None:
+    def grow(k: int, prefix: tuple[int, ...], prod: int, short: int) -> None:
         if k == len(node):
             if prod == size and prefix != node:
                 out.append(prefix)
             return
         for v in options[k]:
             p = prod * v
-            if size % p == 0 and p * suffix[k + 1] >= size:
-                grow(k + 1, prefix + (v,), p)
+            left = short + (v != dst[k])
+            if size % p == 0 and p * suffix[k + 1] >= size and left <= 1:
+                grow(k + 1, prefix + (v,), p, left)
 
-    grow(0, (), 1)
+    grow(0, (), 1, 0)
     return out
 
 
