@@ -5,8 +5,9 @@ Usage:
 
 Runs each experiment with its default config (``configs/default.py``, ``configs/weight_sync.py``,
 ``configs/synthesis_scaling.py``) into ``<workdir>/random_benchmark``, ``<workdir>/weight_sync``
-and ``<workdir>/synthesis_scaling``, then writes ``<workdir>/README.md`` with the headline
-figures. About five minutes on 2 CPU cores.
+and ``<workdir>/synthesis_scaling``, the planner's search time into
+``<workdir>/planner_search_scaling``, then writes ``<workdir>/README.md`` with the headline
+figures. About ten minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def run(workdir: str) -> str:
     bench = random_benchmark.run(default.get_config(), os.path.join(workdir, "random_benchmark"))
     ws = sync.run(weight_sync.get_config(), os.path.join(workdir, "weight_sync"))
     rows = scaling.run(synthesis_scaling.get_config(), os.path.join(workdir, "synthesis_scaling"))
+    planner_rows = planner_search(os.path.join(workdir, "planner_search_scaling"))
     worst = max(rows, key=lambda r: r["max_s"])
     m = ws["methods"]
     lines = [
@@ -73,11 +75,40 @@ def run(workdir: str) -> str:
         "",
         f"Meshes of 8 to 4096 devices, ranks 1-8: slowest problem {worst['max_s']:.2f} s "
         f"({worst['mesh']}, rank {worst['rank']}).",
+        "",
+        "## Planner search time (`planner_search_scaling/`)",
+        "",
+        "`planner.search` on the CPU calibration; programs analysed from shapes, meshes abstract.",
+        "",
+        "| program | layers | ops | mesh | devices | search s |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| transformer {r['sizes']} | {r['layers']} | {r['ops']} | {r['mesh']} | "
+            f"{r['devices']} | {r['search_s']:.1f} |"
+            for r in planner_rows
+        ),
     ]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(workdir, "README.md"), "w") as f:
         f.write(text)
     return text
+
+
+PLANNER_MESHES = "a:2,b:2,c:2;a:4,b:4,c:4;data:16,fsdp:4,tensor:4;data:32,fsdp:16,tensor:8"
+
+
+def planner_search(workdir: str) -> list[dict]:
+    """Planner search time: a 2-layer transformer step on 8 to 4096 devices, a 24-layer one on
+    8 (:mod:`experiments.search_scaling`)."""
+    from experiments import search_scaling
+    from experiments.measure import parse_mesh
+
+    meshes = [parse_mesh(m) for m in PLANNER_MESHES.split(";")]
+    rows = search_scaling.run(["transformer:64x128x16x64"], [2], meshes, 0,
+                              os.path.join(workdir, "mesh_size"), ("dp",))  # fmt: skip
+    rows += search_scaling.run(["transformer:4x64x8x16"], [24], meshes[:1], 0,
+                               os.path.join(workdir, "depth_24"), ("dp",))  # fmt: skip
+    return rows
 
 
 def main(argv):
