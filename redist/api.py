@@ -161,8 +161,8 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     if not plan.steps and not isinstance(dst, NamedSharding):
         return x
     if isinstance(x, jax.core.Tracer):
-        return _across(plan, mesh, target)(x)
-    return _across_jitted(plan, mesh, target, donate)(x)
+        return _across(plan, mesh, target, _explicit(mesh))(x)
+    return _across_jitted(plan, mesh, target, donate, _explicit(mesh))(x)
 
 
 def _place(x, target: NamedSharding):
@@ -175,13 +175,18 @@ def _place(x, target: NamedSharding):
     return jax.lax.with_sharding_constraint(x, target)
 
 
-def _factored(mesh):
-    """``mesh`` with every axis split into its prime factors (same devices, same order)."""
+def _explicit(mesh) -> bool:
+    return any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
+
+
+def _factored(mesh, explicit: bool):
+    """``mesh`` with every axis split into its prime factors (same devices, same order), all of
+    them Explicit or all Auto (as the axes of the value moved)."""
     ms = mesh_shape(mesh)
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
     names = ms.factor_names
     sizes = tuple(f.size for f in ms.factors)
-    kinds = tuple(types[f.axis] for f in ms.factors)
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    kinds = (kind,) * len(sizes)
     if _device_ids(mesh) is None:
         return jax.sharding.AbstractMesh(sizes, names, axis_types=kinds)
     return jax.sharding.Mesh(mesh.devices.reshape(sizes), names, axis_types=kinds)
@@ -219,13 +224,13 @@ def _to_other_mesh(x, mesh, s, dst: NamedSharding, options, donate: bool):
         run_mesh, s_run, d_run = dst.mesh, on_dst, d
     plan = synthesize(mesh_shape(run_mesh), s_run, d_run, *options)
     if isinstance(x, jax.core.Tracer):
-        return _across(plan, run_mesh, dst)(x)
-    return _across_jitted(plan, run_mesh, dst, donate)(x)
+        return _across(plan, run_mesh, dst, _explicit(mesh))(x)
+    return _across_jitted(plan, run_mesh, dst, donate, _explicit(mesh))(x)
 
 
 @functools.lru_cache(maxsize=1024)
-def _across_jitted(plan, run_mesh, dst: NamedSharding, donate: bool):
-    run = _across(plan, run_mesh, dst)
+def _across_jitted(plan, run_mesh, dst: NamedSharding, donate: bool, explicit: bool):
+    run = _across(plan, run_mesh, dst, explicit, hand_over=False)  # out_shardings hands over
     return jax.jit(run, out_shardings=dst, donate_argnums=(0,) if donate else ())
 
 
@@ -235,13 +240,19 @@ def _factor_pspec(t) -> PartitionSpec:
 
 
 @functools.lru_cache(maxsize=1024)
-def _across(plan, run_mesh, dst: NamedSharding):
+def _across(plan, run_mesh, dst: NamedSharding, explicit: bool, hand_over: bool = True):
     """The function running ``plan`` on ``run_mesh``'s prime factors and handing the result over
     to ``dst`` (the same placement, so neither hand-over moves data). On the factored mesh a
     plan's device groups are named axes far more often than on the user's (measured: all of 300
     random plans on {a:4, b:2}, against 264), which ``vmap`` needs."""
-    factored = _factored(run_mesh)
+    factored = _factored(run_mesh, explicit)
     s_spec, d_spec = _factor_pspec(plan.src), _factor_pspec(plan.dst)
+    if hand_over and explicit != _explicit(dst.mesh):
+        raise ValueError(
+            "inside jax.jit, x's mesh and dst's mesh must both have Explicit axes or both Auto "
+            f"ones (x's are {'Explicit' if explicit else 'Auto'}); call redistribute outside jit "
+            "to move between them"
+        )
 
     abstract = getattr(factored, "abstract_mesh", factored)
 
@@ -253,7 +264,7 @@ def _across(plan, run_mesh, dst: NamedSharding):
             v = _place(v, NamedSharding(factored, s_spec))
             if plan.steps:
                 v = shard_mapped(plan, factored, s_spec, d_spec)(v)
-        return _place(v, dst)
+        return _place(v, dst) if hand_over else v
 
     return run
 

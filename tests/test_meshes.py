@@ -115,3 +115,14 @@ def test_donation_lowers_compiled_memory():
         held.append(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                     - m.alias_size_in_bytes)  # fmt: skip
     assert held[1] <= held[0] - p.src.local_size * 4
+
+
+def test_explicit_axes_to_a_mesh_of_auto_axes():
+    """The README's example: a jax.make_mesh (Explicit) array onto a plain Mesh (Auto axes)."""
+    arr = np.arange(16 * 16 * 8, dtype=np.float32).reshape(16, 16, 8)
+    m1 = _mesh((2, 2, 2), range(8), AxisType.Explicit)
+    serving = NamedSharding(_mesh((2, 4), range(8), AxisType.Auto), P(None, "tp"))
+    x = jax.device_put(arr, NamedSharding(m1, P(("a", "b"), "c")))
+    _check(redist.redistribute(x, serving), arr, serving)
+    with pytest.raises(ValueError, match="both have Explicit axes or both Auto"):
+        jax.jit(lambda v: redist.redistribute(v, serving))(x)
