@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
 from planner.dataflow import OpStep, dataflow, input_spec
-from planner.explanation import COLLECTIVE, events, explain_rows, render
+from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
 from planner.ir import Op, Program, Region
 from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
@@ -40,7 +40,7 @@ SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
 def _pspec(spec: Spec) -> PartitionSpec:
-    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in spec))
+    return PartitionSpec(*entries(spec))
 
 
 class Lowered:

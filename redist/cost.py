@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from redist.calibration import Calibration
+
 COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
 COST_MODELS = ("bytes", "bytes+copies", "calibrated")
 # The calibrated model's collective names (redist.calibration) for our step kinds.
@@ -84,7 +86,7 @@ def search_weight(
 
 
 def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int) -> int:
-    cal = default_calibration()
+    cal = Calibration.default()
     seconds = copies / cal.copy_bytes_per_s
     if kind != "dynslice":
         collective = CALIBRATED_KIND[kind]
@@ -99,15 +101,9 @@ def calibrated_floor_ns(nbytes: int) -> int:
     bandwidth, less a little for rounding."""
     if nbytes <= 0:
         return 0
-    cal = default_calibration()
+    cal = Calibration.default()
     kinds = ("all-to-all", "all-gather")
     seconds = min(cal.latency_s[k] for k in kinds) + nbytes / 2 / max(
         cal.bytes_per_s[k] for k in kinds
     )
     return max(0, int(seconds * 1e9) - 16)
-
-
-def default_calibration():
-    from redist.calibration import Calibration
-
-    return Calibration.default()
