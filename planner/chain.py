@@ -40,9 +40,10 @@ import math
 from collections.abc import Sequence
 
 from planner.ir import Op, Program, Value
-from planner.schedule import make_schedule
-from planner.simulator import simulate
+from planner.schedule import Schedule, make_schedule
+from planner.simulator import op_seconds, simulate
 from redist.calibration import Calibration
+from redist.types import MeshShape
 
 
 def flow_edges(prog: Program) -> list[tuple[str, str]]:
@@ -120,7 +121,11 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
                 inputs.setdefault(a.value.name, a.value)
     outputs = [r.value for o in ops for r in o.results if r.value.name in read_outside]
     ties = tuple(t for t in prog.ties if t[0] in inside and t[1] in inside)
-    return Program(tuple(ops), tuple(inputs.values()), tuple(outputs), ties=ties)
+    sub = Program(tuple(ops), tuple(inputs.values()), tuple(outputs), ties=ties)
+    # An op's price depends on its own layouts and moves only, all in the memo's key: windows
+    # share the whole program's memo.
+    sub.__dict__["_price_memo"] = prog.__dict__.setdefault("_price_memo", {})
+    return sub
 
 
 def structure(prog: Program) -> tuple:
@@ -157,6 +162,9 @@ class ChainDP:
         self._grids: dict = {}
         self._ids: dict = {}
         self._costs: dict = {}
+        self._op_times: dict = {}
+        self._borders: dict = {}
+        self._border_ops: dict = {}
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
@@ -226,8 +234,64 @@ class ChainDP:
                 self._costs[full] = math.inf
             else:
                 sched = make_schedule(sub, named, self.mesh, default="replicate")
-                self._costs[full] = simulate(sub, sched, self.cal).time_s
+                pred = simulate(sub, sched, self.cal)
+                self._costs[full] = pred.time_s
+                self._op_times[full] = tuple(c.compute_s + c.comm_s for c in pred.ops)
         return self._costs[full]
+
+    def _alone(self, g: int, assign: dict) -> dict[str, float]:
+        """Per op of segment ``g``, its predicted seconds when the segment is simulated alone."""
+        if not math.isfinite(self.cost((g,), (assign,))):
+            return {}
+        sub, key = self._window((g,))
+        times = self._op_times[(key, (tuple(sorted(assign.items())),))]
+        return {o.name: t for o, t in zip(sub.ops, times)}
+
+    def crossing(self, i: int, j: int) -> frozenset[str] | None:
+        """The ops of segments ``i`` and ``j`` whose price can change when the two are simulated
+        together: producers of values the other segment reads (their reduce-scatter follows the
+        next consumer) with all consumers of those values, and all readers of an input both
+        segments read (it is stored as its first reader needs). ``None`` when a scan's carry ties
+        the two segments (then the pair is simulated whole)."""
+        if (i, j) not in self._border_ops:
+            sub, _ = self._window((i, j))
+            seg = {o.name: k for k in (i, j) for o in self.segments[k]}
+            names: set[str] = set()
+            for o in sub.ops:
+                for r in o.results:
+                    readers = sub.uses.get(r.value.name, ())
+                    if any(seg[c.name] != seg[o.name] for c, _ in readers):
+                        names.add(o.name)
+                        names.update(c.name for c, _ in readers)
+            for v in sub.inputs:
+                readers = sub.uses.get(v.name, ())
+                if len({seg[c.name] for c, _ in readers}) > 1:
+                    names.update(c.name for c, _ in readers)
+            tied = any(seg[a] != seg[b] for a, b in sub.ties)
+            self._border_ops[(i, j)] = None if tied else frozenset(names)
+        return self._border_ops[(i, j)]
+
+    def border(self, i: int, j: int, a: dict, b: dict) -> float:
+        """What simulating segments ``i`` and ``j`` together (anchors assigned ``a`` and ``b``)
+        adds to simulating each alone: only the ops at their border are priced again
+        (:meth:`crossing`), from the per-op prices of the two simulations alone."""
+        alone = self.cost((i,), (a,)) + self.cost((j,), (b,))
+        if not math.isfinite(alone):
+            return math.inf
+        sub, key = self._window((i, j))
+        full = (key, tuple(sorted(a.items())), tuple(sorted(b.items())))
+        if full not in self._borders:
+            names = self.crossing(i, j)
+            if names is None:
+                both = self.cost((i, j), (a, b))
+                self._borders[full] = both - alone if math.isfinite(both) else math.inf
+            else:
+                named = {**self.grids(i, a), **self.grids(j, b)}
+                sched = Schedule(sub, MeshShape.of(self.mesh).factor_size, named)
+                together = op_seconds(sub, sched, names, self.cal)
+                before = {**self._alone(i, a), **self._alone(j, b)}
+                self._borders[full] = sum(together.values()) - sum(before[n] for n in together)
+        return self._borders[full]
 
     def solve(self, candidates: Sequence[Sequence[dict]]) -> list[int]:
         """Per segment, the index of its chosen candidate assignment (``candidates[g]`` lists the
@@ -236,10 +300,12 @@ class ChainDP:
         n = len(self.segments)
         unary = [[self.cost((g,), (a,)) for a in candidates[g]] for g in range(n)]
 
+        borders: dict[tuple[int, int, int, int], float] = {}
+
         def border(i: int, j: int, a: int, b: int) -> float:
-            both = self.cost((i, j), (candidates[i][a], candidates[j][b]))
-            alone = unary[i][a] + unary[j][b]
-            return both - alone if math.isfinite(both) and math.isfinite(alone) else math.inf
+            if (i, j, a, b) not in borders:
+                borders[i, j, a, b] = self.border(i, j, candidates[i][a], candidates[j][b])
+            return borders[i, j, a, b]
 
         back_edges: dict[int, list[int]] = collections.defaultdict(list)
         for i, j in self.edges:
@@ -300,6 +366,5 @@ class ChainDP:
         """The decomposed cost of ``picks`` (for checking it against a full simulation)."""
         out = sum(self.cost((g,), (candidates[g][a],)) for g, a in enumerate(picks))
         for i, j in self.edges:
-            ci, cj = candidates[i][picks[i]], candidates[j][picks[j]]
-            out += self.cost((i, j), (ci, cj)) - self.cost((i,), (ci,)) - self.cost((j,), (cj,))
+            out += self.border(i, j, candidates[i][picks[i]], candidates[j][picks[j]])
         return out

@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from planner.ir import Op, Program, Value
 from planner.schedule import Axes, Schedule, Spec
@@ -59,33 +60,68 @@ def _next_requirement(prog: Program, sched: Schedule, value: Value) -> Spec | No
     return sched.spec(*uses[0]) if uses else None
 
 
-def dataflow(prog: Program, sched: Schedule) -> tuple[OpStep, ...]:
-    """The steps of ``prog`` under ``sched``, in program order."""
-    layout: dict[str, Spec] = {v.name: input_spec(prog, sched, v) for v in prog.inputs}
+def _outputs(prog: Program, sched: Schedule, op: Op):
+    """The layouts ``op`` leaves its results in, its pending axes, their combination, and which
+    result dimension a reduce-scatter splits (see :class:`OpStep`)."""
+    out_specs = [sched.spec(op, r) for r in op.results]
+    pending = sched.pending(op)
+    combine = sched.combine(op)
+    scatter: list[int | None] = [None] * len(op.results)
+    if pending and combine == "sum":
+        for k, r in enumerate(op.results):
+            want = _next_requirement(prog, sched, r.value)
+            for d, axes in enumerate(want or ()):
+                if axes == pending and not out_specs[k][d]:
+                    scatter[k] = d
+                    out_specs[k] = out_specs[k][:d] + (pending,) + out_specs[k][d + 1 :]
+                    break
+    return tuple(out_specs), pending, combine, tuple(scatter)
+
+
+def _step(sched: Schedule, op: Op, layout, outputs) -> OpStep:
+    moves, in_specs = [], []
+    for acc in op.operands:
+        cur, want = layout(acc.value.name), sched.spec(op, acc)
+        if cur != want:
+            moves.append(Move(acc.value, cur, want))
+        in_specs.append(want)
+    out_specs, pending, combine, scatter = outputs
+    return OpStep(op, tuple(moves), tuple(in_specs), out_specs, pending, scatter, combine)
+
+
+def dataflow(
+    prog: Program, sched: Schedule, only: Collection[str] | None = None
+) -> tuple[OpStep, ...]:
+    """The steps of ``prog`` under ``sched``, in program order; with ``only``, the steps of the
+    ops so named alone (the layouts they read are derived from their producers, not by a walk
+    of the whole program)."""
+    if only is not None:
+        producer = prog.producer
+        inputs = {v.name: v for v in prog.inputs}
+        consts = {v.name: ((),) * len(v.shape) for v, _ in prog.consts}
+        made: dict[str, tuple] = {}
+
+        def outputs(o: Op) -> tuple:
+            if o.name not in made:
+                made[o.name] = _outputs(prog, sched, o)
+            return made[o.name]
+
+        def layout(name: str) -> Spec:
+            o = producer.get(name)
+            if o is not None:
+                return outputs(o)[0][[r.value.name for r in o.results].index(name)]
+            if name in inputs:
+                return input_spec(prog, sched, inputs[name])
+            return consts[name]
+
+        return tuple(_step(sched, o, layout, outputs(o)) for o in prog.ops if o.name in only)
+    current: dict[str, Spec] = {v.name: input_spec(prog, sched, v) for v in prog.inputs}
     for v, _ in prog.consts:
-        layout[v.name] = ((),) * len(v.shape)
+        current[v.name] = ((),) * len(v.shape)
     steps = []
     for op in prog.ops:
-        moves, in_specs = [], []
-        for acc in op.operands:
-            cur, want = layout[acc.value.name], sched.spec(op, acc)
-            if cur != want:
-                moves.append(Move(acc.value, cur, want))
-            in_specs.append(want)
-        out_specs = [sched.spec(op, r) for r in op.results]
-        pending = sched.pending(op)
-        combine = sched.combine(op)
-        scatter: list[int | None] = [None] * len(op.results)
-        if pending and combine == "sum":
-            for k, r in enumerate(op.results):
-                want = _next_requirement(prog, sched, r.value)
-                for d, axes in enumerate(want or ()):
-                    if axes == pending and not out_specs[k][d]:
-                        scatter[k] = d
-                        out_specs[k] = out_specs[k][:d] + (pending,) + out_specs[k][d + 1 :]
-                        break
-        for r, s in zip(op.results, out_specs):
-            layout[r.value.name] = s
-        steps.append(OpStep(op, tuple(moves), tuple(in_specs), tuple(out_specs), pending,
-                            tuple(scatter), combine))  # fmt: skip
+        step = _step(sched, op, current.__getitem__, _outputs(prog, sched, op))
+        for r, s in zip(op.results, step.out_specs):
+            current[r.value.name] = s
+        steps.append(step)
     return tuple(steps)

@@ -116,6 +116,17 @@ class Op:
     def dense(self) -> bool:
         return self.primitive in DENSE
 
+    @functools.cached_property
+    def signature(self) -> tuple:
+        """The op without its names: ops with equal signatures cost the same under equal layouts
+        (the layers of a deep network)."""
+
+        def access(a: Access) -> tuple:
+            return a.value.shape, a.value.dtype, a.dims, a.halo
+
+        return (self.primitive, self.how, self.loops, self.reductions,
+                tuple(map(access, self.operands)), tuple(map(access, self.results)))  # fmt: skip
+
     @property
     def flops(self) -> int:
         """Arithmetic of one run of the whole op: 2 per loop point for products, else 1."""

@@ -54,11 +54,10 @@ class Schedule:
 
     def spec(self, op: Op, access: Access) -> Spec:
         """The layout ``access`` has under this schedule (operand required / result produced)."""
-        out = []
-        for d in access.dims:
-            axes = tuple(a for lp in d for a in self.axes_of(op, lp))
-            out.append(axes)
-        return tuple(out)
+        loops = self.assign.get(op.name)
+        if not loops:
+            return ((),) * len(access.dims)
+        return tuple(tuple(a for lp in d for a in loops.get(lp, ())) for d in access.dims)
 
     def pending(self, op: Op) -> Axes:
         """Mesh axes over which the op's results are partial (partitioned reductions)."""

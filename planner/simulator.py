@@ -98,7 +98,7 @@ class _Live(dict):
 def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
     """Per-op prices already computed for this program, calibration and mesh: a search prices
     thousands of schedules that differ in a few ops, so each op's price under the same layouts
-    is computed once."""
+    is computed once (once for all the layers that repeat it, keyed by :attr:`Op.signature`)."""
     caches = prog.__dict__.setdefault("_price_memo", {})
     key = (id(cal), tuple(sorted(sizes.items())))
     if key not in caches:  # the calibration is held so that its id stays its own
@@ -139,6 +139,34 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     return compute, comm_t, wire, transient, tuple(moved), tuple(outs)
 
 
+def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
+    """:func:`_price` of one step, memoized by everything it depends on."""
+    op = st.op
+    key = (op.signature, tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves),
+           tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
+           st.pending, st.scatter)  # fmt: skip
+    priced = memo.get(key)
+    if priced is None:
+        priced = memo[key] = _price(op, st, sched, sizes, m, cal)
+    return priced
+
+
+def op_seconds(
+    prog: Program, sched: Schedule, names, calibration: Calibration | None = None
+) -> dict[str, float]:
+    """Predicted seconds of the ops ``names`` alone (kernel and communication, times their trips),
+    without walking the rest of the program: the chain DP prices the ops at a border this way."""
+    cal = calibration or Calibration.default()
+    sizes = sched.mesh
+    m = redist.MeshShape.of(sizes)
+    memo = _memo(prog, cal, sizes)
+    out = {}
+    for st in dataflow(prog, sched, only=names):
+        compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo)
+        out[st.op.name] = (compute + comm_t) * st.op.trips
+    return out
+
+
 def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
     """Predicted time, wire bytes and peak memory per device of ``prog`` under ``sched``."""
     cal = calibration or Calibration.default()
@@ -160,13 +188,7 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
     memo = _memo(prog, cal, sizes)
     for k, st in enumerate(steps):
         op = st.op
-        key = (op.name, tuple((mv.value.name, mv.src, mv.dst) for mv in st.moves),
-               tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
-               st.pending, st.scatter)  # fmt: skip
-        priced = memo.get(key)
-        if priced is None:
-            priced = memo[key] = _price(op, st, sched, sizes, m, cal)
-        compute, comm_t, wire, transient, moved, outs = priced
+        compute, comm_t, wire, transient, moved, outs = _priced(st, sched, sizes, m, cal, memo)
         for mv, size in zip(st.moves, moved):
             live[mv.value.name] = size
         for r, size in zip(op.results, outs):

@@ -83,6 +83,26 @@ def test_repeated_layers_are_priced_once():
     assert counts[1] == counts[0]  # 3x the layers, no more sub-program simulations
 
 
+@pytest.mark.parametrize(
+    "kind,sizes", [("transformer", [4, 16, 2, 4, 2]), ("lm_scan", [4, 8, 16, 2, 2, 32])]
+)
+def test_border_priced_from_its_ops_equals_simulating_the_pair(kind, sizes):
+    """Every border cost the DP uses, priced from the ops at the border alone, equals simulating
+    the two segments together minus each alone, for every pair of candidates."""
+    prog = _program(kind, sizes)
+    dp = ChainDP(prog, groups(prog), MESH, Calibration.default())
+    cands = _whole_mesh_candidates(prog, MESH)
+    checked = 0
+    for i, j in dp.edges:
+        for a, b in itertools.product(cands[i], cands[j]):
+            together = dp.cost((i, j), (a, b))
+            alone = dp.cost((i,), (a,)) + dp.cost((j,), (b,))
+            if np.isfinite(together):
+                assert dp.border(i, j, a, b) == pytest.approx(together - alone, abs=1e-15)
+                checked += 1
+    assert checked > 20
+
+
 def _psums(prog, sched):
     return [st.op.name for st in dataflow(prog, sched) if st.pending]
 
