@@ -1,8 +1,11 @@
 """Lowering a scheduled program to one jitted SPMD program.
 
-Backend ``"explicit"``: every op runs its local kernel in a ``shard_map`` on the layouts the
-schedule derives; between a producer's layout and a consumer's required layout a memory-bounded
-``redist`` plan moves the data; a partitioned reduction loop leaves partial results, combined
+Backend ``"explicit"``: the whole program is one ``shard_map`` over the mesh; every op runs its
+local kernel on the tiles of the layouts the schedule derives (an unpartitioned op on whole
+arrays, on every device); between a producer's layout and a consumer's required layout a
+memory-bounded ``redist`` plan moves the tile with collectives. Backend ``"per-op"`` is the
+reference it grew from: one ``shard_map`` per partitioned op, unpartitioned ops left to XLA, and
+every move a ``redist.redistribute`` call. In both, a partitioned reduction loop leaves partial results, combined
 right away by their own operation (``psum``, or ``psum_scatter`` when the first consumer wants
 the sum split along the summed axes; ``pmax`` / ``pmin`` for max / min, and / or). Regions keep
 their construct: a scan runs as ``lax.scan`` whose body runs on the split layouts (collectives
@@ -33,9 +36,10 @@ from planner.explanation import COLLECTIVE, entries, events, explain_rows, rende
 from planner.ir import Op, Program, Region
 from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
+from redist.execute import tile_kernel
 
 SHAPE_PARAMS = ("shape", "new_sizes")
-BACKENDS = ("explicit", "xla", "xla-inputs")
+BACKENDS = ("explicit", "per-op", "xla", "xla-inputs")
 SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
@@ -56,7 +60,8 @@ class Lowered:
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
         in_shardings = tuple(NamedSharding(mesh, _pspec(s)) for s in self.in_specs)
-        self.body = self._explicit if backend == "explicit" else self._xla
+        self.local = backend == "explicit"  # values are tiles inside one shard_map
+        self.body = {"explicit": self._one_region, "per-op": self._explicit}.get(backend, self._xla)
         self._jitted = jax.jit(self.body, in_shardings=in_shardings)
 
     def __call__(self, *args):
@@ -69,7 +74,17 @@ class Lowered:
     def lower(self, *args):
         return self._jitted.lower(*jax.tree.leaves(args))
 
-    # ----- the explicit backend -----
+    # ----- the explicit backends -----
+    def _one_region(self, *flat):
+        """The program as one ``shard_map``: inputs enter as the schedule stores them, outputs
+        leave in the layout their producer left them in."""
+        layout = {v.name: s for v, s in zip(self.prog.inputs, self.in_specs)}
+        layout.update((r.value.name, s) for st in self.steps
+                      for r, s in zip(st.op.results, st.out_specs))  # fmt: skip
+        outs = tuple(_pspec(layout.get(v.name, ((),) * len(v.shape))) for v in self.prog.outputs)
+        return jax.shard_map(self._explicit, mesh=self.mesh, in_specs=tuple(map(_pspec, self.in_specs)),
+                             out_specs=outs, check_vma=False)(*flat)  # fmt: skip
+
     def _explicit(self, *flat):
         env: dict[str, object] = {v.name: x for v, x in zip(self.prog.inputs, flat)}
         env.update({v.name: c for v, c in self.prog.consts})
@@ -183,13 +198,21 @@ class Lowered:
         env.update((v.name, x) for v, x in zip(r.outputs, outs))
 
     def _move(self, x, mv):
-        return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
+        if not self.local:
+            return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
+        v = mv.value
+        plan = redist.plan(v.shape, _pspec(mv.src), _pspec(mv.dst), self.sizes, dtype=v.dtype)
+        return tile_kernel(plan, tuple(self.sizes.items()))(x)
 
     def _run(self, step: OpStep, env) -> None:
         op, mesh = step.op, self.mesh
-        for mv in step.moves:
-            env[mv.value.name] = self._move(env[mv.value.name], mv)
-        args = [env[acc.value.name] for acc in op.operands]
+        # Every consumer moves a value from the layout its producer left (the data flow's
+        # view): a moved tile serves this op only.
+        moves = list(step.moves)
+        args = []
+        for acc, want in zip(op.operands, step.in_specs):
+            mv = next((m for m in moves if m.value == acc.value and m.dst == want), None)
+            args.append(env[acc.value.name] if mv is None else self._move(env[acc.value.name], mv))
         if op.how == "region":  # a boundary op: the value passes into or out of a region
             outs = args
         elif not step.partitioned:
@@ -199,13 +222,16 @@ class Lowered:
                 local_shape(r.value.shape, s, self.sizes)
                 for r, s in zip(op.results, step.out_specs)
             ]
-            outs = jax.shard_map(
-                functools.partial(_bind, op, local_out=local_out, step=step),
-                mesh=mesh,
-                in_specs=tuple(_pspec(s) for s in step.in_specs),
-                out_specs=tuple(_pspec(s) for s in step.out_specs),
-                check_vma=False,
-            )(*args)
+            if self.local:
+                outs = _bind(op, *args, local_out=local_out, step=step)
+            else:
+                outs = jax.shard_map(
+                    functools.partial(_bind, op, local_out=local_out, step=step),
+                    mesh=mesh,
+                    in_specs=tuple(_pspec(s) for s in step.in_specs),
+                    out_specs=tuple(_pspec(s) for s in step.out_specs),
+                    check_vma=False,
+                )(*args)
         for r, x in zip(op.results, outs):
             env[r.value.name] = x
 

@@ -187,7 +187,13 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     return out
 
 
-def _kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
+def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
+    """The function of one device's tile that runs ``plan`` (call it inside a ``shard_map`` over
+    a mesh of axes ``mesh_axes``, ``(name, size)`` major first, whose devices the plan numbers).
+
+    Example:
+        >>> jax.shard_map(tile_kernel(plan, (("a", 2), ("b", 4))), ...)  # doctest: +SKIP
+    """
     all_names = tuple(n for n, _ in mesh_axes)
     num_devices = math.prod(s for _, s in mesh_axes)
     # Fold consecutive dynslices into one slice: offsets add, the last shape wins.
@@ -242,5 +248,5 @@ def shard_mapped(plan: Plan, mesh, src: PartitionSpec, dst: PartitionSpec):
     """
     mesh_axes = tuple((n, int(s)) for n, s in mesh.shape.items())
     return jax.shard_map(
-        _kernel(plan, mesh_axes), mesh=mesh, in_specs=src, out_specs=dst, check_vma=False
+        tile_kernel(plan, mesh_axes), mesh=mesh, in_specs=src, out_specs=dst, check_vma=False
     )
