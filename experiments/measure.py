@@ -8,25 +8,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import re
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
+from redist.hlo import Collective, captured_stderr, hlo_collectives  # noqa: F401  (re-exported)
 
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
-_COLLECTIVES = ("all-to-all", "all-gather", "collective-permute", "all-reduce", "reduce-scatter")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)(?:-start)?\(")
-_SHAPE = re.compile(r"(pred|[suf]\d+|bf16|c64|c128)\[([\d,]*)\]")
 REMAT_WARNING = "Involuntary full rematerialization"
 
 
@@ -49,12 +39,6 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
-    kind: str
-    bytes: int  # bytes of the instruction's result per device (tuple results summed)
-
-
-@dataclasses.dataclass(frozen=True)
 class CompileStats:
     collectives: tuple[Collective, ...]
     temp_bytes: int
@@ -66,41 +50,6 @@ class CompileStats:
 
     def sequence(self) -> str:
         return " ".join(f"{c.kind}({c.bytes / 2**20:.2f}MB)" for c in self.collectives)
-
-
-def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
-    """Collectives of an optimized HLO module in program order, with their result bytes."""
-    out = []
-    for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        result, op = m.groups()
-        kind = op.removesuffix("-start")
-        if kind not in _COLLECTIVES or "-done" in op:
-            continue
-        nbytes = sum(
-            _DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-            for dt, dims in _SHAPE.findall(result)
-        )
-        out.append(Collective(kind, nbytes))
-    return tuple(out)
-
-
-@contextlib.contextmanager
-def captured_stderr():
-    """Capture what C++ code writes to file descriptor 2 (XLA's logs) into ``buf[0]``."""
-    buf = [""]
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        saved = os.dup(2)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield buf
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            buf[0] = tmp.read().decode(errors="replace")
 
 
 def compile_stats(jitted, *args) -> tuple[object, CompileStats]:

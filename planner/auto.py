@@ -76,6 +76,7 @@ class AutoPlan:
     in_tree: object
     out_tree: object
     replicated: object = None
+    calibration: Calibration | None = None  # what the plan was priced on
 
     @functools.cached_property
     def mesh_shape(self) -> MeshShape:
@@ -148,13 +149,16 @@ class AutoPlan:
         self._concrete_spec_mesh()  # a clear error on meshes without devices
         return lower(self.program, self.schedule, self.mesh)
 
-    def jit(self, **jit_kwargs):
+    def jit(self, moves: str = "auto", **jit_kwargs):
         """The user's function as a ``jax.jit`` with this plan's shardings, run by XLA's SPMD
         partitioner: ``in_shardings`` / ``out_shardings`` at the boundary and a sharding constraint
-        on every value whose layout the plan fixes (programs with scans, loops, conds or custom
-        rules get the boundary shardings only, and XLA propagates inside; so do meshes with
-        Explicit axes, whose values carry their sharding in their type). ``jit_kwargs`` go to
-        ``jax.jit`` (``donate_argnums``, ``static_argnums`` are not supported: plan on arrays).
+        on every value whose layout the plan fixes, inside scans, loops, conds and custom rules
+        too (on meshes with Explicit axes, whose values carry their sharding in their type, the
+        boundary shardings only). ``moves`` says who makes the plan's changes of layout:
+        ``"auto"``: ``redist`` where XLA would rematerialise (replicate, then slice) or ``redist``
+        is predicted faster, XLA elsewhere (:meth:`move_choices` lists them); ``"xla"``: XLA;
+        ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``;
+        ``static_argnums`` are not supported: plan on arrays).
 
         Example:
             >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP
@@ -164,9 +168,7 @@ class AutoPlan:
             if k in jit_kwargs:
                 raise TypeError(f"plan.jit sets {k} itself; got {k}=")
         in_shardings, out_shardings = self.in_shardings, self.out_shardings
-        explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
-        backend = "xla-inputs" if self.program.regions or explicit else "xla"
-        body = Lowered(self.program, self.schedule, self.mesh, backend).body
+        body = self._xla_lowered(moves).body
         out_tree, n = self.out_tree, len(self.program.inputs)
 
         def run(*args):
@@ -176,6 +178,16 @@ class AutoPlan:
             return jax.tree.unflatten(out_tree, list(body(*flat)))
 
         return jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kwargs)
+
+    def _xla_lowered(self, moves: str) -> Lowered:
+        explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
+        backend = "xla-inputs" if explicit else "xla"
+        return Lowered(self.program, self.schedule, self.mesh, backend, moves, self.calibration)
+
+    def move_choices(self, moves: str = "auto") -> list:
+        """For every change of layout the plan makes, how XLA and ``redist`` would make it and
+        which :meth:`jit` uses (:class:`planner.xla_moves.MoveChoice`; ``print`` them)."""
+        return list(self._xla_lowered(moves).choices.values())
 
     def __call__(self, *args):
         outs = self.lowered(*args)
@@ -254,7 +266,7 @@ def plan(
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     in_tree = jax.tree.structure(args)
     out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
-    return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree, replicated)
+    return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree, replicated, calibration)
 
 
 def auto_shard(fn: Callable, *, mesh, memory_limit_bytes: int | None = None) -> Callable:

@@ -10,8 +10,10 @@ right away by their own operation (``psum``, or ``psum_scatter`` when the first 
 the sum split along the summed axes; ``pmax`` / ``pmin`` for max / min, and / or). Regions keep
 their construct: a scan runs as ``lax.scan`` whose body runs on the split layouts (collectives
 inside the body); ``checkpoint`` and ``custom_jvp`` / ``custom_vjp`` calls are re-bound around
-their planned bodies, so rematerialisation and the user's differentiation rules survive. Backend ``"xla"``: the original ops with ``with_sharding_constraint`` on every value
-(XLA inserts the collectives) - the baseline. Backend ``"xla-inputs"``: only the inputs are placed
+their planned bodies, so rematerialisation and the user's differentiation rules survive. Backend ``"xla"``: the original ops with ``with_sharding_constraint`` on every value, regions
+included, run by XLA's SPMD partitioner, which makes the layout changes, except those where it
+would rematerialise or ``redist`` is predicted faster: ``redist`` makes those (``moves``, see
+:mod:`planner.xla_moves`). This is what ``AutoPlan.jit`` runs. Backend ``"xla-inputs"``: only the inputs are placed
 as the schedule says and XLA's sharding propagation decides the rest.
 
 Example:
@@ -36,10 +38,13 @@ from planner.explanation import COLLECTIVE, entries, events, explain_rows, rende
 from planner.ir import Op, Program, Region
 from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
+from planner.xla_moves import MoveChoice, choose
+from redist.calibration import Calibration
 from redist.execute import tile_kernel
 
 SHAPE_PARAMS = ("shape", "new_sizes")
 BACKENDS = ("explicit", "per-op", "xla", "xla-inputs")
+MOVES = ("auto", "xla", "redist")
 SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
@@ -50,9 +55,12 @@ def _pspec(spec: Spec) -> PartitionSpec:
 class Lowered:
     """A scheduled program as a jitted function, with ``explain()`` and ``in_specs``."""
 
-    def __init__(self, prog: Program, sched: Schedule, mesh, backend: str = "explicit"):
+    def __init__(self, prog: Program, sched: Schedule, mesh, backend: str = "explicit",
+                 moves: str = "auto", calibration: Calibration | None = None):  # fmt: skip
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if moves not in MOVES:
+            raise ValueError(f"moves must be one of {MOVES}, got {moves!r}")
         self.prog, self.sched, self.backend = prog, sched, backend
         self.mesh = mesh = factored_mesh(mesh)
         self.sizes = dict(mesh.shape)
@@ -61,7 +69,18 @@ class Lowered:
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
         in_shardings = tuple(NamedSharding(mesh, _pspec(s)) for s in self.in_specs)
         self.local = backend == "explicit"  # values are tiles inside one shard_map
-        self.body = {"explicit": self._one_region, "per-op": self._explicit}.get(backend, self._xla)
+        self.xla = backend == "xla"  # values are whole arrays with sharding constraints
+        self.choices: dict[tuple, MoveChoice] = {}
+        if self.xla and moves != "xla":
+            cal = calibration or Calibration.default()
+            for st in self.steps:
+                for mv in st.moves:
+                    key = (mv.value.name, mv.src, mv.dst)
+                    if key not in self.choices:
+                        self.choices[key] = choose(mesh, mv, cal, probe=moves == "auto")
+        self.body = self._xla if backend == "xla-inputs" else self._walk
+        if self.local:
+            self.body = self._one_region
         self._jitted = jax.jit(self.body, in_shardings=in_shardings)
 
     def __call__(self, *args):
@@ -82,10 +101,10 @@ class Lowered:
         layout.update((r.value.name, s) for st in self.steps
                       for r, s in zip(st.op.results, st.out_specs))  # fmt: skip
         outs = tuple(_pspec(layout.get(v.name, ((),) * len(v.shape))) for v in self.prog.outputs)
-        return jax.shard_map(self._explicit, mesh=self.mesh, in_specs=tuple(map(_pspec, self.in_specs)),
+        return jax.shard_map(self._walk, mesh=self.mesh, in_specs=tuple(map(_pspec, self.in_specs)),
                              out_specs=outs, check_vma=False)(*flat)  # fmt: skip
 
-    def _explicit(self, *flat):
+    def _walk(self, *flat):
         env: dict[str, object] = {v.name: x for v, x in zip(self.prog.inputs, flat)}
         env.update({v.name: c for v, c in self.prog.consts})
         self._run_range(0, len(self.steps), env, ())
@@ -198,6 +217,10 @@ class Lowered:
         env.update((v.name, x) for v, x in zip(r.outputs, outs))
 
     def _move(self, x, mv):
+        if self.xla:  # XLA makes the change, unless redist is chosen for it
+            choice = self.choices.get((mv.value.name, mv.src, mv.dst))
+            if choice is None or not choice.use_redist:
+                return x
         if not self.local:
             return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
         v = mv.value
@@ -215,7 +238,7 @@ class Lowered:
             args.append(env[acc.value.name] if mv is None else self._move(env[acc.value.name], mv))
         if op.how == "region":  # a boundary op: the value passes into or out of a region
             outs = args
-        elif not step.partitioned:
+        elif self.xla or not step.partitioned:
             outs = _bind(op, *args)
         else:
             local_out = [
@@ -232,29 +255,16 @@ class Lowered:
                     out_specs=tuple(_pspec(s) for s in step.out_specs),
                     check_vma=False,
                 )(*args)
+        if self.xla and op.how != "region":  # a boundary op keeps its operand's constraint
+            outs = [lax.with_sharding_constraint(x, NamedSharding(mesh, _pspec(sp)))
+                    for x, sp in zip(outs, step.out_specs)]  # fmt: skip
         for r, x in zip(op.results, outs):
             env[r.value.name] = x
 
-    # ----- the baseline: sharding constraints, XLA inserts the collectives -----
+    # ----- the baseline: XLA propagates from the inputs -----
     def _xla(self, *flat):
-        if self.backend == "xla-inputs":  # the original program; XLA propagates from the inputs
-            return tuple(jcore.jaxpr_as_fun(self.prog.jaxpr)(*flat))
-        if self.prog.regions:
-            raise NotImplementedError(
-                "backend 'xla' (a sharding constraint on every value) does not reach into regions "
-                "(scan, while, cond, checkpoint, custom rules) yet; use backend='explicit' or "
-                "'xla-inputs'"
-            )
-        env = {v.name: x for v, x in zip(self.prog.inputs, flat)}
-        env.update({v.name: c for v, c in self.prog.consts})
-        for op in self.prog.ops:
-            outs = _bind(op, *[env[a.value.name] for a in op.operands])
-            for r, x in zip(op.results, outs):
-                spec = self.sched.spec(op, r)
-                env[r.value.name] = lax.with_sharding_constraint(
-                    x, NamedSharding(self.mesh, _pspec(spec))
-                )
-        return tuple(env[v.name] for v in self.prog.outputs)
+        """The original program; the inputs are placed as the schedule says."""
+        return tuple(jcore.jaxpr_as_fun(self.prog.jaxpr)(*flat))
 
     # ----- introspection -----
     def explain_json(self) -> list[dict]:
@@ -328,6 +338,11 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
     return tuple(outs)
 
 
-def lower(prog: Program, sched: Schedule, mesh, backend: str = "explicit") -> Lowered:
-    """One jitted SPMD program for ``prog`` under ``sched`` on ``mesh`` (see module docs)."""
-    return Lowered(prog, sched, mesh, backend)
+def lower(prog: Program, sched: Schedule, mesh, backend: str = "explicit", moves: str = "auto",
+          calibration: Calibration | None = None) -> Lowered:  # fmt: skip
+    """One jitted SPMD program for ``prog`` under ``sched`` on ``mesh`` (see module docs).
+
+    ``moves`` (backend ``"xla"``): who makes each change of layout: ``"auto"`` (``redist`` where
+    XLA would rematerialise or ``redist`` is predicted faster, see :mod:`planner.xla_moves`),
+    ``"xla"`` or ``"redist"`` (all of them)."""
+    return Lowered(prog, sched, mesh, backend, moves, calibration)

@@ -57,7 +57,8 @@ def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
     return math.prod(local_shape(shape, spec, sizes)) * itemsize(dtype)
 
 
-def _plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
+def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
+    """Predicted seconds and wire bytes per device of a redist plan."""
     t = wire = 0.0
     n_dev = plan.mesh.num_devices
     for s in plan.steps:
@@ -114,7 +115,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     moved = []
     for mv in st.moves:
         plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
-        t, w = _plan_cost(plan, cal)
+        t, w = plan_cost(plan, cal)
         comm_t, wire = comm_t + t, wire + w
         transient = max(transient, plan.peak_bytes)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))

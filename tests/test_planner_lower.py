@@ -323,3 +323,40 @@ def test_megatron_transformer_block_training_step(mesh):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
     psums = [e.op for e in f.events if e.kind == "psum"]
     assert psums[:2] == [layers[3], layers[5]]  # forward: after each row-parallel layer only
+
+
+def _two_ops(mesh, first, second):
+    """sin(tanh(x)) with tanh and sin split as given: one change of layout between them."""
+    fn = lambda x: jnp.sin(jnp.tanh(x))  # noqa: E731
+    x = rand(16, 64)
+    prog = planner.analyze(fn, x)
+    sched = prog.schedule({"tanh_0": first, "sin_1": second}, mesh, default="replicate")
+    return fn, x, prog, sched
+
+
+def test_xla_backend_gives_redist_the_changes_xla_rematerialises(mesh):
+    """P('b','a') -> P(('b','c','a'), None): XLA gathers the whole array, then slices (logged as
+    a full rematerialization); with moves='auto' redist makes it with one all-to-all."""
+    fn, x, prog, sched = _two_ops(mesh, {"i0": "b", "i1": "a"}, {"i0": ("b", "c", "a")})
+    tile = 16 * 64 * 4 // 4  # the larger tile: a quarter of the array
+    by_xla = planner.lower(prog, sched, mesh, backend="xla", moves="xla")
+    assert max(c.bytes for c in hlo_collectives(by_xla.lower(x).compile().as_text())) > tile
+    auto = planner.lower(prog, sched, mesh, backend="xla")
+    [choice] = auto.choices.values()
+    assert choice.rematerialises and choice.use_redist and "redist" in str(choice)
+    colls = hlo_collectives(auto.lower(x).compile().as_text())
+    assert colls and max(c.bytes for c in colls) <= tile
+    for f in (by_xla, auto, planner.lower(prog, sched, mesh, backend="xla", moves="redist")):
+        np.testing.assert_allclose(f(x), fn(x), rtol=1e-6)
+
+
+def test_xla_backend_leaves_xla_the_changes_it_makes_well(mesh):
+    fn, x, prog, sched = _two_ops(mesh, {"i0": "a"}, {"i1": "a"})
+    f = planner.lower(prog, sched, mesh, backend="xla")
+    [choice] = f.choices.values()
+    assert [c.kind for c in choice.xla] == ["all-to-all"] and not choice.rematerialises
+    assert not choice.use_redist  # the same all-to-all either way: ties go to XLA
+    assert collectives(f, x) == ["all-to-all"]
+    np.testing.assert_allclose(f(x), fn(x), rtol=1e-6)
+    with pytest.raises(ValueError, match="moves must be one of"):
+        planner.lower(prog, sched, mesh, backend="xla", moves="sometimes")

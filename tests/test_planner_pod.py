@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -92,7 +93,15 @@ def test_plan_jit_is_the_users_function_under_xla_spmd(kind):
     assert w1.is_deleted()
 
 
-def test_plan_jit_with_a_scan_leaves_the_inside_to_xla():
+def _scan_bodies(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from _scan_bodies(sub)
+
+
+def test_plan_jit_constrains_the_values_inside_a_scan():
     def layers(x, ws):
         def body(h, w):
             return jnp.tanh(h @ w), None
@@ -104,8 +113,14 @@ def test_plan_jit_with_a_scan_leaves_the_inside_to_xla():
     x, ws = rng.standard_normal((16, 32)).astype(np.float32), rng.standard_normal((3, 32, 32))
     ws = (ws / 6).astype(np.float32)
     p = planner.plan(jax.grad(layers, argnums=1), x, ws, mesh=mesh)
-    np.testing.assert_allclose(np.asarray(p.jit()(x, ws)), np.asarray(jax.grad(layers, 1)(x, ws)),
+    f = p.jit()
+    np.testing.assert_allclose(np.asarray(f(x, ws)), np.asarray(jax.grad(layers, 1)(x, ws)),
                                rtol=1e-4, atol=1e-6)  # fmt: skip
+    bodies = list(_scan_bodies(f.trace(x, ws).jaxpr.jaxpr))
+    assert len(bodies) == 2  # forward and backward
+    for body in bodies:
+        inside = [e for e in body.eqns if e.primitive.name == "sharding_constraint"]
+        assert len(inside) >= len(body.eqns) // 3
 
 
 def test_zero_layouts_at_rest_are_gathered_before_use_and_exact():
