@@ -6,8 +6,9 @@ Usage:
 Runs each experiment with its default config (``configs/default.py``, ``configs/weight_sync.py``,
 ``configs/synthesis_scaling.py``) into ``<workdir>/random_benchmark``, ``<workdir>/weight_sync``
 and ``<workdir>/synthesis_scaling``, the planner's search time into
-``<workdir>/planner_search_scaling``, then writes ``<workdir>/README.md`` with the headline
-figures. About ten minutes on 2 CPU cores.
+``<workdir>/planner_search_scaling``, the lowering benchmark (``configs/lowering.py``) into
+``<workdir>/lowering``, then writes ``<workdir>/README.md`` with the headline
+figures. About twenty minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ force_host_devices(8)
 
 def run(workdir: str) -> str:
     """Run the three experiments; return the summary markdown (also written to README.md)."""
-    from configs import default, synthesis_scaling, weight_sync
-    from experiments import random_benchmark
+    from configs import default, lowering, synthesis_scaling, weight_sync
+    from experiments import lowering_benchmark, random_benchmark
     from experiments import synthesis_scaling as scaling
     from experiments import weight_sync as sync
 
@@ -32,6 +33,7 @@ def run(workdir: str) -> str:
     ws = sync.run(weight_sync.get_config(), os.path.join(workdir, "weight_sync"))
     rows = scaling.run(synthesis_scaling.get_config(), os.path.join(workdir, "synthesis_scaling"))
     planner_rows = planner_search(os.path.join(workdir, "planner_search_scaling"))
+    lowered = lowering_benchmark.run(lowering.get_config(), os.path.join(workdir, "lowering"))
     worst = max(rows, key=lambda r: r["max_s"])
     m = ws["methods"]
     lines = [
@@ -86,6 +88,19 @@ def run(workdir: str) -> str:
             f"| transformer {r['sizes']} | {r['layers']} | {r['ops']} | {r['mesh']} | "
             f"{r['devices']} | {r['search_s']:.1f} |"
             for r in planner_rows
+        ),
+        "",
+        "## One plan, four lowerings (`lowering/`)",
+        "",
+        "The planner-benchmark workloads' searched plans (and data parallelism), time over XLA's "
+        "SPMD partitioning of the same plan:",
+        "",
+        "| lowering | geomean | min | max |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {r['geomean_over_xla']:.2f} | {r['min_over_xla']:.2f} | "
+            f"{r['max_over_xla']:.2f} |"
+            for name, r in lowered.items()
         ),
     ]
     text = "\n".join(lines) + "\n"

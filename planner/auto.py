@@ -58,7 +58,8 @@ def _spec_mesh(types: list[DistType], mesh: MeshShape) -> MeshShape:
 
 @dataclasses.dataclass
 class AutoPlan:
-    """A searched schedule with its prediction; callable (lowers on first use).
+    """A searched schedule with its prediction; callable: calling it runs :meth:`jit` (compiled on
+    first use), and ``plan.lowered`` is the explicit lowering of the same schedule.
 
     ``in_specs`` / ``out_specs`` are ``PartitionSpec``s over ``spec_mesh``: the user's mesh, or,
     when the plan splits a dimension by part of a mesh axis, the same devices with that axis split
@@ -189,10 +190,14 @@ class AutoPlan:
         which :meth:`jit` uses (:class:`planner.xla_moves.MoveChoice`; ``print`` them)."""
         return list(self._xla_lowered(moves).choices.values())
 
+    @functools.cached_property
+    def _jitted(self):
+        return self.jit()
+
     def __call__(self, *args):
-        outs = self.lowered(*args)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        return jax.tree.unflatten(self.out_tree, list(outs))
+        """Run the plan as :meth:`jit` does (``plan.lowered`` is the explicit lowering: the whole
+        program as one ``shard_map``)."""
+        return self._jitted(*args)
 
     def summary(self) -> str:
         """The prediction, against full replication, and the mesh the specs are written on."""

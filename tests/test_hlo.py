@@ -19,3 +19,18 @@ def test_kinds_bytes_and_group_sizes():
         Collective("reduce-scatter", 16 * 2, 4),
         Collective("collective-permute", 8, 0),
     )
+
+
+def test_bytes_of_tuple_results_and_ops_that_are_not_collectives():
+    hlo = """
+  %all-to-all = (f32[16,32,8]{2,1,0}, f32[16,32,8]{2,1,0}) all-to-all(%a, %b), channel_id=1
+  %ag = bf16[4,8]{1,0} all-gather(%x), dimensions={0}
+  ROOT %p = f32[32]{0} collective-permute(%y), source_target_pairs={{0,1}}
+  %add = f32[4] add(%q, %r)
+"""
+    got = [(c.kind, c.bytes) for c in hlo_collectives(hlo)]
+    assert got == [
+        ("all-to-all", 2 * 16 * 32 * 8 * 4),
+        ("all-gather", 64),
+        ("collective-permute", 128),
+    ]

@@ -31,7 +31,7 @@ def device_bytes(compiled) -> int:
             - m.alias_size_in_bytes)  # fmt: skip
 
 
-def assert_step_equal(got, want):
+def assert_step_equal(got, want, param_atol=1e-5):
     (p_got, s_got, l_got), (p_want, s_want, l_want) = got, want
     np.testing.assert_allclose(l_got, l_want, rtol=1e-5)
     mu_got, mu_want = s_got[0].mu, s_want[0].mu
@@ -40,7 +40,7 @@ def assert_step_equal(got, want):
 
     def param(g, w, mu):
         zero_gradient = np.max(np.abs(mu)) < 1e-8
-        np.testing.assert_allclose(g, w, rtol=0, atol=2 * LR if zero_gradient else 1e-5)
+        np.testing.assert_allclose(g, w, rtol=0, atol=2 * LR if zero_gradient else param_atol)
 
     jax.tree.map(param, p_got, p_want, mu_want)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-12),
@@ -58,7 +58,10 @@ def test_flax_lm_training_step_is_planned_exactly_and_fits(scan, mesh):
     limit = int(0.7 * replicated.peak_bytes)
     p = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit)
     want = jax.jit(step)(*args)
-    assert_step_equal(p(*args), want)
+    assert_step_equal(jax.tree.unflatten(p.out_tree, list(p.lowered(*args))), want)
+    # Through plan.jit XLA orders the sums its own way; adam's update divides by sqrt(nu), so an
+    # element with a tiny second moment moves by a few percent of the learning rate.
+    assert_step_equal(p(*args), want, param_atol=0.05 * LR)
     # the heavy products are split ...
     dense = sorted((o for o in prog.ops if o.dense), key=lambda o: -o.flops * o.trips)
     heaviest = [o for o in dense if o.flops * o.trips == dense[0].flops * dense[0].trips]
