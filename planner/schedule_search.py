@@ -222,6 +222,9 @@ def _zero(prog: Program, shape: MeshShape, results: list, evaluate: _Evaluator) 
         if stored:
             full = {name: loops for name, loops in sched.assign.items() if loops}
             out.append(evaluate(full, default="replicate", stored=stored))
+            # The ops the candidate left whole follow the split layouts at rest: the optimizer's
+            # update runs on each device's shard, its gradient reduce-scattered (ZeRO).
+            out.append(evaluate(full, default="propagate", stored=stored))
     return out
 
 

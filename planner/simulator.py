@@ -11,7 +11,8 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 - each pending sum (or max, min, ...) costs an all-reduce, or a reduce-scatter when the
   dataflow scatters it;
 - memory: inputs and outputs stay live; other values from production to their last use; at each
-  op, the live values plus its results plus the largest tile of its layout changes.
+  op, the live values plus its results plus the copies its operands were moved into (a moved
+  copy serves this op only) plus what a redist plan holds beyond its final tile.
 
 Example:
     >>> pred = simulate(prog, sched)           # doctest: +SKIP
@@ -190,11 +191,12 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
     for k, st in enumerate(steps):
         op = st.op
         compute, comm_t, wire, transient, moved, outs = _priced(st, sched, sizes, m, cal, memo)
-        for mv, size in zip(st.moves, moved):
-            live[mv.value.name] = size
         for r, size in zip(op.results, outs):
             live[r.value.name] = size
-        now = live.total + transient
+        # A moved copy serves this op alone; the value stays live in its own layout until its
+        # last use (so a weight stored split and gathered for one product is held whole only
+        # while that product runs).
+        now = live.total + sum(moved) + max(0, transient - max(moved, default=0))
         peak = max(peak, now)
         costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now))
         for acc in op.operands:
