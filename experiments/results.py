@@ -80,13 +80,15 @@ def run(workdir: str) -> str:
         "",
         "## Planner search time (`planner_search_scaling/`)",
         "",
-        "`planner.search` on the CPU calibration; programs analysed from shapes, meshes abstract.",
+        "`planner.search`; programs analysed from shapes, meshes abstract; the transformer priced "
+        "on the CPU calibration, the flax language model (`lm_scan`) on TPU v5p's.",
         "",
-        "| program | layers | ops | mesh | devices | search s |",
-        "|---|---|---|---|---|---|",
+        "| program | layers | ops | mesh | devices | search s | predicted ms (replicated) |",
+        "|---|---|---|---|---|---|---|",
         *(
-            f"| transformer {r['sizes']} | {r['layers']} | {r['ops']} | {r['mesh']} | "
-            f"{r['devices']} | {r['search_s']:.1f} |"
+            f"| {r['workload']} {r['sizes']} | {r['layers']} | {r['ops']} | {r['mesh']} | "
+            f"{r['devices']} | {r['search_s']:.1f} | {r['predicted_s'] * 1e3:.1f} "
+            f"({r['replicated_s'] * 1e3:.1f}) |"
             for r in planner_rows
         ),
         "",
@@ -114,7 +116,8 @@ PLANNER_MESHES = "a:2,b:2,c:2;a:4,b:4,c:4;data:16,fsdp:4,tensor:4;data:32,fsdp:1
 
 def planner_search(workdir: str) -> list[dict]:
     """Planner search time: a 2-layer transformer step on 8 to 4096 devices, a 24-layer one on
-    8 (:mod:`experiments.search_scaling`)."""
+    8, and the flax language model planned for TPU v5p pods of 256 and 4096 devices
+    (:mod:`experiments.search_scaling`)."""
     from experiments import search_scaling
     from experiments.measure import parse_mesh
 
@@ -123,6 +126,8 @@ def planner_search(workdir: str) -> list[dict]:
                               os.path.join(workdir, "mesh_size"), ("dp",))  # fmt: skip
     rows += search_scaling.run(["transformer:4x64x8x16"], [24], meshes[:1], 0,
                                os.path.join(workdir, "depth_24"), ("dp",))  # fmt: skip
+    rows += search_scaling.run(["lm_scan:256x512x1024x16x32768"], [2], meshes[2:], 0,
+                               os.path.join(workdir, "lm_pod"), ("dp",), "tpu_v5p")  # fmt: skip
     return rows
 
 

@@ -32,6 +32,22 @@ def parse_workload(text: str) -> tuple[str, str, list[int]]:
 
 
 _SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4, "lm": 6, "lm_scan": 6}
+_LAYERS_AT = {"mlp": 2, "transformer": 4, "lm": 4, "lm_scan": 4}  # where the depth goes
+
+
+def with_depth(kind: str, sizes: list[int], depth: int) -> list[int]:
+    """The sizes of ``kind`` without its number of layers, with ``depth`` put in its place.
+
+    Example:
+        >>> with_depth("lm", [8, 16, 32, 4, 64], 2)
+        [8, 16, 32, 4, 2, 64]
+    """
+    if kind not in _LAYERS_AT:
+        raise ValueError(
+            f"workload {kind!r} has no layers; those with layers: {sorted(_LAYERS_AT)}"
+        )
+    k = _LAYERS_AT[kind]
+    return [*sizes[:k], depth, *sizes[k:]]
 
 
 def _sgd(loss):
