@@ -46,16 +46,14 @@ def run(config, workdir: str) -> dict:
     force_host_devices(8)
     import jax
     import numpy as np
-    from jax.sharding import AxisType
 
     import planner
-    from experiments.measure import hlo_collectives, interleaved_times, parse_mesh
+    from experiments.measure import auto_mesh, hlo_collectives, interleaved_times
     from planner import baselines
     from planner.schedule_search import search
 
-    sizes = parse_mesh(config.mesh)
-    axes = tuple(sizes)
-    mesh = jax.make_mesh(tuple(sizes.values()), axes, axis_types=(AxisType.Auto,) * len(axes))
+    mesh = auto_mesh(config.mesh)
+    sizes, axes = dict(mesh.shape), tuple(mesh.axis_names)
     os.makedirs(workdir, exist_ok=True)
     rng = np.random.default_rng(config.seed)
     rows = []

@@ -38,6 +38,16 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def auto_mesh(text: str):
+    """A ``jax.sharding.Mesh`` of Auto axes over the devices in order, from ``"a:2,b:2"``."""
+    import jax
+    from jax.sharding import AxisType
+
+    sizes = parse_mesh(text)
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(AxisType.Auto,) * len(sizes))  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileStats:
     collectives: tuple[Collective, ...]

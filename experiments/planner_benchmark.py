@@ -77,14 +77,12 @@ def run(config, workdir: str) -> dict:
     force_host_devices(8)
     import jax
     import numpy as np
-    from jax.sharding import AxisType
 
     import planner
-    from experiments.measure import hlo_collectives, interleaved_times, parse_mesh
+    from experiments.measure import auto_mesh, hlo_collectives, interleaved_times
 
-    axes_sizes = parse_mesh(config.mesh)
-    axes = tuple(axes_sizes)
-    mesh = jax.make_mesh(tuple(axes_sizes.values()), axes, axis_types=(AxisType.Auto,) * len(axes))
+    mesh = auto_mesh(config.mesh)
+    axes = tuple(mesh.axis_names)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
