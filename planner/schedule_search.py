@@ -5,8 +5,9 @@ layer (forward and backward) are chosen together (:func:`groups`); every other o
 propagation. The objective is the simulator's predicted time (ties: peak memory); plans over
 ``memory_limit_bytes`` are refused. Deterministic.
 
-- Joint space (every factor of every anchor) of at most ``exhaustive_limit`` assignments: all
-  are simulated, which is optimal under the simulator.
+- Joint space (every factor of every anchor) of at most ``exhaustive_limit`` assignments, up to
+  relabelling interchangeable factors (:func:`interchangeable`): all are simulated, which is
+  optimal under the simulator; of equal plans, one splitting the fewest mesh axes is returned.
 - Larger: dynamic programming over layer segments (:mod:`planner.chain`: exact on chains such as
   MLPs, a documented heuristic on DAGs with residual connections), in passes: the whole mesh as
   one group of factors; one mesh axis at a time; and, on meshes of at most ``PER_FACTOR_MAX``
@@ -104,6 +105,54 @@ class _Evaluator:
         return self.cache[key]
 
 
+def interchangeable(shape: MeshShape, cal: Calibration) -> list[tuple[str, ...]]:
+    """Classes of prime factors that no price tells apart: factors of one size, on a machine
+    where no collective's group leaves the fast domain (swapping two such factors everywhere
+    relabels devices and changes no cost). Every factor is its own class otherwise."""
+    if cal.domain_devices and shape.num_devices > cal.domain_devices:
+        return [(f,) for f in shape.factor_names]
+    by_size: dict[int, list[str]] = {}
+    for f in shape.factor_names:
+        by_size.setdefault(shape.factor_size[f], []).append(f)
+    return [tuple(fs) for fs in by_size.values()]
+
+
+def _relabel(assign: Assignment, mapping: Mapping[str, str]) -> Assignment:
+    return {op: {lp: tuple(mapping.get(f, f) for f in fs) for lp, fs in loops.items()}
+            for op, loops in assign.items()}  # fmt: skip
+
+
+def _whole_axes(assign: Assignment, shape: MeshShape, classes, limit: int = 720) -> Assignment:
+    """Among the first ``limit`` relabellings of ``assign`` by interchangeable factors (equal in
+    cost), one that splits the fewest mesh axes into parts, so that its specs are on the user's mesh when
+    they can be (see ``AutoPlan.spec_mesh``)."""
+
+    def broken(a: Assignment) -> int:
+        where: dict[str, set] = {}
+        for op, loops in a.items():
+            for lp, fs in loops.items():
+                for f in fs:
+                    where.setdefault(shape.factor_axis[f], set()).add((op, lp))
+        used = {f for loops in a.values() for fs in loops.values() for f in fs}
+        partial = {shape.factor_axis[f] for f in shape.factor_names if f not in used}
+        return sum(len(w) > 1 for w in where.values()) + len(partial & set(where))
+
+    def relabellings(rest):  # lazily: a class of 12 factors has 479 million
+        if not rest:
+            yield {}
+            return
+        for p in itertools.permutations(rest[0]):
+            for more in relabellings(rest[1:]):
+                yield {**dict(zip(rest[0], p)), **more}
+
+    best, best_key = assign, broken(assign)
+    for mapping in itertools.islice(relabellings([c for c in classes if len(c) > 1]), limit):
+        trial = _relabel(assign, mapping)
+        if broken(trial) < best_key:
+            best, best_key = trial, broken(trial)
+    return best
+
+
 def _extend(loops: Mapping, loop: str | None, factors: tuple[str, ...]) -> dict:
     """One op's loops with ``factors`` added to ``loop`` (unchanged for ``None``)."""
     out = dict(loops)
@@ -124,7 +173,7 @@ def search(
     mesh,
     calibration: Calibration | None = None,
     memory_limit_bytes: int | None = None,
-    exhaustive_limit: int = 4096,
+    exhaustive_limit: int = 256,
     step_limit: int = 64,
     greedy_ops: int = 150,
     dp: bool = True,
@@ -143,28 +192,36 @@ def search(
     evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped)
     empty: Assignment = {o.name: {} for o in ops}
 
-    def joint_space() -> int:
-        n = 1
-        for f in shape.factor_names:
-            for o in ops:
-                n *= len(_options(o, {}, sizes[f], sizes))
-        return n
-
+    classes = interchangeable(shape, cal)
     names = shape.factor_names
-    if joint_space() <= exhaustive_limit:
+
+    def choices(c: tuple[str, ...]) -> list[list]:
+        return [_options(o, {}, sizes[c[0]], sizes) for o in ops]
+
+    joint = math.prod(
+        math.comb(math.prod(map(len, choices(c))) + len(c) - 1, len(c)) for c in classes
+    )
+    if joint <= exhaustive_limit:
+        per_class = [list(itertools.product(*choices(c))) for c in classes]
+        # Interchangeable factors: one assignment per multiset of their choices.
         best = None
-        per_factor = [
-            list(itertools.product(*(_options(o, {}, sizes[f], sizes) for o in ops))) for f in names
-        ]
         scores = []
-        for combo in itertools.product(*per_factor):
+        picks = [itertools.combinations_with_replacement(opts, len(c))
+                 for c, opts in zip(classes, per_class)]  # fmt: skip
+        for combo in itertools.product(*picks):
             assign = empty
-            for f, choices in zip(names, combo):
-                assign = _with(assign, choices, ops, (f,))
+            for c, chosen in zip(classes, combo):
+                for f, choices in zip(c, chosen):
+                    assign = _with(assign, choices, ops, (f,))
             score = evaluate(assign)
             scores.append(score)
             if best is None or score[:2] < best[0][:2]:
                 best = (score, assign)
+        relabelled = _whole_axes(best[1], shape, classes)
+        if relabelled != best[1]:
+            again = evaluate(relabelled)
+            if again[0] <= best[0][0] * (1 + 1e-9) and again[1] <= best[0][1]:
+                best = (again, relabelled)
         results = [best[0]]
         if memory_limit_bytes is not None:  # the fastest few, whatever their memory, with ZeRO
             fastest = sorted((r for r in scores if r[3] is not None), key=lambda r: r[3].time_s)
