@@ -95,7 +95,8 @@ def run(workdir: str) -> str:
         "## One plan, four lowerings (`lowering/`)",
         "",
         "The planner-benchmark workloads' searched plans (and data parallelism), time over XLA's "
-        "SPMD partitioning of the same plan:",
+        "SPMD partitioning of the same plan (`xla again`: the same program timed twice, the "
+        "noise floor of the run):",
         "",
         "| lowering | geomean | min | max |",
         "|---|---|---|---|",
