@@ -217,10 +217,10 @@ class Lowered:
         env.update((v.name, x) for v, x in zip(r.outputs, outs))
 
     def _move(self, x, mv):
-        if self.xla:  # XLA makes the change, unless redist is chosen for it
+        if self.xla:  # XLA makes the change (asked by a constraint), unless redist is chosen
             choice = self.choices.get((mv.value.name, mv.src, mv.dst))
             if choice is None or not choice.use_redist:
-                return x
+                return lax.with_sharding_constraint(x, NamedSharding(self.mesh, _pspec(mv.dst)))
         if not self.local:
             return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
         v = mv.value

@@ -131,6 +131,28 @@ def test_schedules_that_once_failed(program, mesh_name, seed, backend):
     assert_same(planner.lower(prog, sched, mesh, backend)(*args), jax.jit(fn)(*args))
 
 
+@pytest.mark.parametrize("moves", ["redist", "auto"])
+@pytest.mark.parametrize(
+    "program", ["mlp_training_step", "scan_layers_grad", "cond", "checkpoint_grad", "dropout",
+                "custom_rules", "embedding_grad", "fori_static_and_traced"]
+)  # fmt: skip
+def test_random_schedules_through_xla_with_redist_moves(program, moves):
+    """What plan.jit runs: the user's ops under sharding constraints (inside regions too), the
+    layout changes made by redist (all of them, or those chosen against XLA's)."""
+    fn, make = PROGRAMS[program]
+    args = make(np.random.default_rng(0))
+    prog = planner.analyze(fn, *args)
+    mesh = make_mesh("2x2x2")
+    want = jax.jit(fn)(*args)
+    for seed in range(2):
+        assign = random_schedule(prog, dict(mesh.shape), random.Random(seed))
+        sched = make_schedule(prog, assign, dict(mesh.shape), default="replicate")
+        f = planner.lower(prog, sched, mesh, "xla", moves=moves)
+        if moves == "redist":
+            assert all(c.use_redist for c in f.choices.values())
+        assert_same(f(*args), want)
+
+
 @pytest.mark.parametrize("program", ["mlp_training_step", "scan_layers_grad", "cond"])
 def test_random_schedules_per_op_reference(program):
     """The per-op lowering (the reference the one-region lowering grew from) stays exact."""
