@@ -18,7 +18,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.analysis import analyze
-from planner.dataflow import dataflow, input_spec
+from planner.dataflow import dataflow, input_spec, output_specs
 from planner.explanation import explain_rows, render
 from planner.ir import Program
 from planner.lowering import Lowered, lower
@@ -88,12 +88,9 @@ class AutoPlan:
         m = self.mesh_shape
         ins = [_factor_type(input_spec(self.program, self.schedule, v), v.shape, m)
                for v in self.program.inputs]  # fmt: skip
-        final = {}
-        for step in dataflow(self.program, self.schedule):
-            for r, sp in zip(step.op.results, step.out_specs):
-                final[r.value.name] = sp
-        outs = [_factor_type(final.get(v.name, ((),) * len(v.shape)), v.shape, m)
-                for v in self.program.outputs]  # fmt: skip
+        steps = dataflow(self.program, self.schedule)
+        outs = [_factor_type(sp, v.shape, m) for v, sp in
+                zip(self.program.outputs, output_specs(self.program, self.schedule, steps))]  # fmt: skip
         return ins, outs
 
     @functools.cached_property

@@ -55,6 +55,14 @@ def input_spec(prog: Program, sched: Schedule, v: Value) -> Spec:
     return sched.spec(*uses[0]) if uses else ((),) * len(v.shape)
 
 
+def output_specs(prog: Program, sched: Schedule, steps) -> tuple[Spec, ...]:
+    """The layout each output of ``prog`` is left in by ``steps`` (its producer's, after any
+    reduce-scatter; an input returned as it is keeps its stored layout)."""
+    layout = {v.name: input_spec(prog, sched, v) for v in prog.inputs}
+    layout.update((r.value.name, s) for st in steps for r, s in zip(st.op.results, st.out_specs))
+    return tuple(layout.get(v.name, ((),) * len(v.shape)) for v in prog.outputs)
+
+
 def _next_requirement(prog: Program, sched: Schedule, value: Value) -> Spec | None:
     uses = prog.uses.get(value.name)
     return sched.spec(*uses[0]) if uses else None

@@ -4,17 +4,20 @@ Backend ``"explicit"``: the whole program is one ``shard_map`` over the mesh; ev
 local kernel on the tiles of the layouts the schedule derives (an unpartitioned op on whole
 arrays, on every device); between a producer's layout and a consumer's required layout a
 memory-bounded ``redist`` plan moves the tile with collectives. Backend ``"per-op"`` is the
-reference it grew from: one ``shard_map`` per partitioned op, unpartitioned ops left to XLA, and
-every move a ``redist.redistribute`` call. In both, a partitioned reduction loop leaves partial results, combined
-right away by their own operation (``psum``, or ``psum_scatter`` when the first consumer wants
-the sum split along the summed axes; ``pmax`` / ``pmin`` for max / min, and / or). Regions keep
-their construct: a scan runs as ``lax.scan`` whose body runs on the split layouts (collectives
-inside the body); ``checkpoint`` and ``custom_jvp`` / ``custom_vjp`` calls are re-bound around
-their planned bodies, so rematerialisation and the user's differentiation rules survive. Backend ``"xla"``: the original ops with ``with_sharding_constraint`` on every value, regions
-included, run by XLA's SPMD partitioner, which makes the layout changes, except those where it
-would rematerialise or ``redist`` is predicted faster: ``redist`` makes those (``moves``, see
-:mod:`planner.xla_moves`). This is what ``AutoPlan.jit`` runs. Backend ``"xla-inputs"``: only the inputs are placed
-as the schedule says and XLA's sharding propagation decides the rest.
+reference it grew from: one ``shard_map`` per partitioned op, unpartitioned ops left to XLA,
+every move a ``redist.redistribute`` call. In both, a partitioned reduction loop leaves partial
+results, combined right away by their own operation (``psum``, or ``psum_scatter`` when the first
+consumer wants the sum split along the summed axes; ``pmax`` / ``pmin`` for max / min, and / or).
+Regions keep their construct: a scan runs as ``lax.scan`` whose body runs on the split layouts
+(collectives inside the body); ``checkpoint`` and ``custom_jvp`` / ``custom_vjp`` calls are
+re-bound around their planned bodies, so rematerialisation and the user's differentiation rules
+survive.
+
+Backend ``"xla"`` (what ``AutoPlan.jit`` runs): the original ops with ``with_sharding_constraint``
+on every value, regions included, run by XLA's SPMD partitioner, which makes the layout changes
+except those where it would rematerialise or ``redist`` is predicted faster: ``redist`` makes
+those (``moves``, see :mod:`planner.xla_moves`). Backend ``"xla-inputs"``: only the inputs are
+placed as the schedule says and XLA's sharding propagation decides the rest.
 
 Example:
     >>> f = planner.lower(prog, sched, mesh)        # doctest: +SKIP
@@ -33,7 +36,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
-from planner.dataflow import OpStep, dataflow, input_spec
+from planner.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
 from planner.ir import Op, Program, Region
 from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
@@ -78,9 +81,7 @@ class Lowered:
                     key = (mv.value.name, mv.src, mv.dst)
                     if key not in self.choices:
                         self.choices[key] = choose(mesh, mv, cal, probe=moves == "auto")
-        self.body = self._xla if backend == "xla-inputs" else self._walk
-        if self.local:
-            self.body = self._one_region
+        self.body = {"explicit": self._one_region, "xla-inputs": self._xla}.get(backend, self._walk)
         self._jitted = jax.jit(self.body, in_shardings=in_shardings)
 
     def __call__(self, *args):
@@ -97,10 +98,7 @@ class Lowered:
     def _one_region(self, *flat):
         """The program as one ``shard_map``: inputs enter as the schedule stores them, outputs
         leave in the layout their producer left them in."""
-        layout = {v.name: s for v, s in zip(self.prog.inputs, self.in_specs)}
-        layout.update((r.value.name, s) for st in self.steps
-                      for r, s in zip(st.op.results, st.out_specs))  # fmt: skip
-        outs = tuple(_pspec(layout.get(v.name, ((),) * len(v.shape))) for v in self.prog.outputs)
+        outs = tuple(map(_pspec, output_specs(self.prog, self.sched, self.steps)))
         return jax.shard_map(self._walk, mesh=self.mesh, in_specs=tuple(map(_pspec, self.in_specs)),
                              out_specs=outs, check_vma=False)(*flat)  # fmt: skip
 

@@ -124,8 +124,8 @@ def _relabel(assign: Assignment, mapping: Mapping[str, str]) -> Assignment:
 
 def _whole_axes(assign: Assignment, shape: MeshShape, classes, limit: int = 720) -> Assignment:
     """Among the first ``limit`` relabellings of ``assign`` by interchangeable factors (equal in
-    cost), one that splits the fewest mesh axes into parts, so that its specs are on the user's mesh when
-    they can be (see ``AutoPlan.spec_mesh``)."""
+    cost), one that splits the fewest mesh axes into parts, so that its specs are on the user's
+    mesh when they can be (see ``AutoPlan.spec_mesh``)."""
 
     def broken(a: Assignment) -> int:
         where: dict[str, set] = {}
@@ -145,12 +145,8 @@ def _whole_axes(assign: Assignment, shape: MeshShape, classes, limit: int = 720)
             for more in relabellings(rest[1:]):
                 yield {**dict(zip(rest[0], p)), **more}
 
-    best, best_key = assign, broken(assign)
-    for mapping in itertools.islice(relabellings([c for c in classes if len(c) > 1]), limit):
-        trial = _relabel(assign, mapping)
-        if broken(trial) < best_key:
-            best, best_key = trial, broken(trial)
-    return best
+    mappings = itertools.islice(relabellings([c for c in classes if len(c) > 1]), limit)
+    return min(itertools.chain([assign], (_relabel(assign, m) for m in mappings)), key=broken)
 
 
 def _extend(loops: Mapping, loop: str | None, factors: tuple[str, ...]) -> dict:

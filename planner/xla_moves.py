@@ -5,7 +5,8 @@ that change is compiled (not run) on the plan's mesh, and the collectives in its
 (:mod:`redist.hlo`). ``redist`` takes the change when XLA *rematerialises* (one of its
 collectives returns more than the larger of the two tiles: it replicates, then slices) or when
 ``redist``'s plan is predicted faster on the calibration (both priced by the same model: latency
-plus bytes over bandwidth per collective; XLA's local copies are not counted, so ties go to XLA).
+plus bytes over bandwidth per collective; XLA's local copies are not counted, so ties go to XLA,
+and its groups, read from HLO without their devices, are priced on the fast network).
 Probes are cached per mesh, shape, dtype and layouts.
 
 Example:
