@@ -139,14 +139,7 @@ def test_schedules_that_once_failed(program, mesh_name, seed, backend):
 def test_random_schedules_through_xla_with_redist_moves(program, moves):
     """What plan.jit runs: the user's ops under sharding constraints (inside regions too), the
     layout changes made by redist (all of them, or those chosen against XLA's)."""
-    fn, make = PROGRAMS[program]
-    args = make(np.random.default_rng(0))
-    prog = planner.analyze(fn, *args)
-    mesh = make_mesh("2x2x2")
-    want = jax.jit(fn)(*args)
-    for seed in range(2):
-        assign = random_schedule(prog, dict(mesh.shape), random.Random(seed))
-        sched = make_schedule(prog, assign, dict(mesh.shape), default="replicate")
+    for prog, sched, mesh, args, want in _random_plans(program, 2):
         f = planner.lower(prog, sched, mesh, "xla", moves=moves)
         if moves == "redist":
             assert all(c.use_redist for c in f.choices.values())
@@ -156,15 +149,27 @@ def test_random_schedules_through_xla_with_redist_moves(program, moves):
 @pytest.mark.parametrize("program", ["mlp_training_step", "scan_layers_grad", "cond"])
 def test_random_schedules_per_op_reference(program):
     """The per-op lowering (the reference the one-region lowering grew from) stays exact."""
+    for prog, sched, mesh, args, want in _random_plans(program, 3):
+        assert_same(planner.lower(prog, sched, mesh, "per-op")(*args), want)
+
+
+def _random_plans(program: str, count: int):
+    """``count`` random valid schedules of a corpus program on 2x2x2, with its arguments and
+    its unsharded result."""
     fn, make = PROGRAMS[program]
     args = make(np.random.default_rng(0))
     prog = planner.analyze(fn, *args)
     mesh = make_mesh("2x2x2")
     want = jax.jit(fn)(*args)
-    for seed in range(3):
+    for seed in range(count):
         assign = random_schedule(prog, dict(mesh.shape), random.Random(seed))
-        sched = make_schedule(prog, assign, dict(mesh.shape), default="replicate")
-        assert_same(planner.lower(prog, sched, mesh, "per-op")(*args), want)
+        yield (
+            prog,
+            make_schedule(prog, assign, dict(mesh.shape), default="replicate"),
+            mesh,
+            args,
+            want,
+        )
 
 
 def test_the_harness_catches_an_operand_added_per_part(monkeypatch):
