@@ -8,18 +8,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from redist.execute import shard_mapped
-from redist.meshes import factor_spec, translate
+from redist.linear import Move, device_ids, is_explicit, redistribute_p, same_mesh
 from redist.specs import SpecLike, dist_type, dtype_info, mesh_shape
-from redist.synthesis import FOLD_MIN_BYTES, synthesize
-from redist.transfer import transfer
+from redist.synthesis import FOLD_MIN_BYTES
 
 _MISSING = object()
 
@@ -38,16 +34,6 @@ def _pspec(s: SpecLike) -> PartitionSpec:
     raise TypeError(f"expected a PartitionSpec or NamedSharding, got {type(s).__name__}")
 
 
-def _device_ids(mesh) -> tuple[int, ...] | None:
-    try:
-        devices = getattr(mesh, "devices", None)
-    except (NotImplementedError, ValueError):  # an AbstractMesh has no devices
-        return None
-    if devices is None:
-        return None
-    return tuple(int(d.id) for d in devices.flat)
-
-
 def _resolve_mesh(x, src, dst, mesh):
     """The source mesh, from ``src``, ``mesh=``, ``x``'s sharding, else ``dst``'s or the ambient
     mesh."""
@@ -63,7 +49,7 @@ def _resolve_mesh(x, src, dst, mesh):
     if isinstance(x, jax.core.Tracer):  # inside jit: the mesh of the value's type, if it has one
         traced = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if traced is not None and not traced.empty:
-            candidates.append(("x's type", traced))
+            candidates.append(("x's type", _with_devices(traced)))
     else:
         xs = getattr(x, "sharding", None)
         if isinstance(xs, NamedSharding):
@@ -83,9 +69,9 @@ def _resolve_mesh(x, src, dst, mesh):
         candidates.append(("ambient mesh", ambient))
     name, chosen = candidates[0]
     for other, m in candidates[1:]:
-        if not _same_mesh(chosen, m):
+        if not same_mesh(chosen, m):
             what = (
-                f"devices of {name}'s mesh {_device_ids(chosen)} and {other}'s {_device_ids(m)}"
+                f"devices of {name}'s mesh {device_ids(chosen)} and {other}'s {device_ids(m)}"
                 if dict(chosen.shape) == dict(m.shape)
                 else f"meshes of {name} {dict(chosen.shape)} and {other} {dict(m.shape)}"
             )
@@ -96,12 +82,18 @@ def _resolve_mesh(x, src, dst, mesh):
     return chosen
 
 
-def _same_mesh(a, b) -> bool:
-    """Same axes and sizes, and the same devices in the same order where both are known."""
-    if dict(a.shape) != dict(b.shape) or tuple(a.axis_names) != tuple(b.axis_names):
-        return False
-    ia, ib = _device_ids(a), _device_ids(b)
-    return ia is None or ib is None or ia == ib
+def _with_devices(mesh):
+    """``mesh`` (a traced value's ``AbstractMesh``) as the concrete mesh that ``jax.set_mesh`` put
+    in context, if it is that mesh: collectives on its prime factors are then lowered on its
+    devices rather than named on the context mesh, where they would be unbound."""
+    try:
+        from jax._src.mesh import get_concrete_mesh
+    except ImportError:  # pragma: no cover - JAX moved it; the abstract mesh still works
+        return mesh
+    concrete = get_concrete_mesh()
+    if concrete is None or concrete.empty or concrete.abstract_mesh != mesh:
+        return mesh
+    return concrete
 
 
 def _source_spec(x) -> PartitionSpec:
@@ -146,127 +138,27 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
                     "pass the array's own sharding as src, or omit src"
                 )
             src_spec = xs.spec
-    if isinstance(dst, NamedSharding) and not _same_mesh(mesh, dst.mesh):
-        return _to_other_mesh(x, mesh, s, dst, (name, itemsize, *options), donate)
-    d = dist_type(dst_spec, shape, m, argname="dst")
+    on_mesh = not isinstance(dst, NamedSharding) or same_mesh(mesh, dst.mesh)
+    d = dist_type(dst_spec, shape, m if on_mesh else mesh_shape(dst.mesh, argname="dst.mesh"),
+                  argname="dst")  # fmt: skip
     if d.pending:
         raise NotImplementedError(
             f"dst {dst_spec} has unreduced axes: a redistribution reduces pending sums, it does "
             "not create them"
         )
-    plan = synthesize(m, s, d, name, itemsize, *options)
     target = dst if isinstance(dst, NamedSharding) else NamedSharding(mesh, dst_spec)
-    if s.global_size == 0:  # a zero-size array: only its sharding changes
-        return _place(x, target)
-    if not plan.steps and not isinstance(dst, NamedSharding):
-        return x
+    move = Move(mesh, src_spec, target, shape, name, itemsize, options)
+    _ = move.plan  # synthesize now: bad layouts raise here, naming the argument
     if isinstance(x, jax.core.Tracer):
-        return _across(plan, mesh, target, _explicit(mesh))(x)
-    return _across_jitted(plan, mesh, target, donate, _explicit(mesh))(x)
-
-
-def _place(x, target: NamedSharding):
-    """``x`` with sharding ``target``: eagerly ``device_put``; traced, ``reshard`` on Explicit axes
-    and a sharding constraint on Auto ones (free when the placement is the same)."""
-    if not isinstance(x, jax.core.Tracer):
-        return jax.device_put(x, target)
-    if any(str(t).endswith("Explicit") for t in target.mesh.axis_types):
-        return jax.sharding.reshard(x, target)
-    return jax.lax.with_sharding_constraint(x, target)
-
-
-def _explicit(mesh) -> bool:
-    return any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ()))
-
-
-def _factored(mesh, explicit: bool):
-    """``mesh`` with every axis split into its prime factors (same devices, same order), all of
-    them Explicit or all Auto (as the axes of the value moved)."""
-    ms = mesh_shape(mesh)
-    names = ms.factor_names
-    sizes = tuple(f.size for f in ms.factors)
-    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
-    kinds = (kind,) * len(sizes)
-    if _device_ids(mesh) is None:
-        return jax.sharding.AbstractMesh(sizes, names, axis_types=kinds)
-    return jax.sharding.Mesh(mesh.devices.reshape(sizes), names, axis_types=kinds)
-
-
-def _to_other_mesh(x, mesh, s, dst: NamedSharding, options, donate: bool):
-    """Redistribute onto ``dst.mesh``: over the same devices in the same order, a planned move on
-    the prime factors of whichever mesh writes both layouts; otherwise a direct transfer."""
-    other = mesh_shape(dst.mesh, argname="dst.mesh")
-    shape = tuple(x.shape)
-    d = dist_type(dst.spec, shape, other, argname="dst")
-    a, b = _device_ids(mesh), _device_ids(dst.mesh)
-    if a is not None and b is not None and a != b:
-        if isinstance(x, jax.core.Tracer):
-            raise ValueError(
-                f"inside jax.jit, dst's mesh must list the devices of x's mesh in the same order "
-                f"(JAX runs one jit on one device order); x's mesh has devices {a}, dst's {b}. "
-                "Call redistribute outside jit for a transfer between such meshes"
-            )
-        return transfer(x, dst, donate=donate)
-    if mesh_shape(mesh).num_devices != other.num_devices:
-        raise ValueError(f"dst's mesh {other} and x's mesh {mesh_shape(mesh)} differ in size")
-    m = mesh_shape(mesh)
-    on_src = translate(d, other, m)
-    if on_src is not None:
-        run_mesh, s_run, d_run = mesh, s, on_src
-    else:
-        on_dst = translate(s, m, other)
-        if on_dst is None:
-            raise NotImplementedError(
-                f"moving between meshes {m} and {other}: their prime factors lie in different "
-                "orders in the device list, so neither mesh writes both layouts; reorder the "
-                "axes of one mesh so that the prime factors of equal size line up"
-            )
-        run_mesh, s_run, d_run = dst.mesh, on_dst, d
-    plan = synthesize(mesh_shape(run_mesh), s_run, d_run, *options)
-    if isinstance(x, jax.core.Tracer):
-        return _across(plan, run_mesh, dst, _explicit(mesh))(x)
-    return _across_jitted(plan, run_mesh, dst, donate, _explicit(mesh))(x)
-
-
-@functools.lru_cache(maxsize=1024)
-def _across_jitted(plan, run_mesh, dst: NamedSharding, donate: bool, explicit: bool):
-    run = _across(plan, run_mesh, dst, explicit, hand_over=False)  # out_shardings hands over
-    return jax.jit(run, out_shardings=dst, donate_argnums=(0,) if donate else ())
-
-
-def _factor_pspec(t) -> PartitionSpec:
-    """``t`` as a ``PartitionSpec`` over the factored mesh (pending factors unreduced)."""
-    return PartitionSpec(*factor_spec(t), unreduced=frozenset(t.pending))
-
-
-@functools.lru_cache(maxsize=1024)
-def _across(plan, run_mesh, dst: NamedSharding, explicit: bool, hand_over: bool = True):
-    """The function running ``plan`` on ``run_mesh``'s prime factors and handing the result over
-    to ``dst`` (the same placement, so neither hand-over moves data). On the factored mesh a
-    plan's device groups are named axes far more often than on the user's (measured: all of 300
-    random plans on {a:4, b:2}, against 264), which ``vmap`` needs."""
-    factored = _factored(run_mesh, explicit)
-    s_spec, d_spec = _factor_pspec(plan.src), _factor_pspec(plan.dst)
-    if hand_over and explicit != _explicit(dst.mesh):
-        raise ValueError(
-            "inside jax.jit, x's mesh and dst's mesh must both have Explicit axes or both Auto "
-            f"ones (x's are {'Explicit' if explicit else 'Auto'}); call redistribute outside jit "
-            "to move between them"
-        )
-
-    abstract = getattr(factored, "abstract_mesh", factored)
-
-    def run(v):
-        context = contextlib.nullcontext()
-        if not jax.sharding.get_abstract_mesh().empty:  # jax.set_mesh: shard_map wants its mesh
-            context = jax.sharding.use_abstract_mesh(abstract)
-        with context:
-            v = _place(v, NamedSharding(factored, s_spec))
-            if plan.steps:
-                v = shard_mapped(plan, factored, s_spec, d_spec)(v)
-        return _place(v, dst) if hand_over else v
-
-    return run
+        move.check_traceable()
+    elif donate:
+        return move.eager(x, donate=True)
+    y = redistribute_p.bind(x, move=move)
+    if isinstance(y, jax.core.Tracer) and not is_explicit(target.mesh):
+        # Auto axes: the placement is not in the result's type; say it where jit can read it
+        # (for out_shardings it infers); the same placement, so nothing moves.
+        y = jax.lax.with_sharding_constraint(y, target)
+    return y
 
 
 def redistribute(
