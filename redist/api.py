@@ -50,10 +50,9 @@ def _resolve_mesh(x, src, dst, mesh):
         traced = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if traced is not None and not traced.empty:
             candidates.append(("x's type", _with_devices(traced)))
-    else:
-        xs = getattr(x, "sharding", None)
-        if isinstance(xs, NamedSharding):
-            candidates.append(("x.sharding", xs.mesh))
+    xs = getattr(_known_value(x), "sharding", None)
+    if isinstance(xs, NamedSharding) and not (candidates and candidates[-1][0] == "x's type"):
+        candidates.append(("x.sharding", xs.mesh))
     if not candidates and isinstance(dst, NamedSharding):
         candidates.append(("dst", dst.mesh))
     if not candidates:
@@ -96,6 +95,14 @@ def _with_devices(mesh):
     return concrete
 
 
+def _known_value(x):
+    """``x``, or the concrete array that an eager ``jax.grad`` / ``jax.jvp`` traces (its sharding
+    is ``x``'s); ``None`` inside ``jit`` and ``vmap``."""
+    while isinstance(x, jax.core.Tracer):
+        x = getattr(x, "primal", None)
+    return x
+
+
 def _source_spec(x) -> PartitionSpec:
     if isinstance(x, jax.core.Tracer):
         sharding = getattr(jax.typeof(x), "sharding", None)
@@ -103,12 +110,14 @@ def _source_spec(x) -> PartitionSpec:
         explicit = mesh is not None and not mesh.empty and any(
             str(t).endswith("Explicit") for t in mesh.axis_types
         )  # fmt: skip
-        if not explicit:
+        if explicit:
+            return sharding.spec
+        if _known_value(x) is None:
             raise ValueError(
-                "src cannot be read from a value traced inside jax.jit on a mesh without Explicit "
-                "axes; call redistribute(x, src, dst)"
+                "src cannot be read from a value traced inside jax.jit or jax.vmap on a mesh "
+                "without Explicit axes; call redistribute(x, src, dst)"
             )
-        return sharding.spec
+        x = _known_value(x)
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         raise ValueError(
@@ -153,10 +162,18 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
         move.check_traceable()
     elif donate:
         return move.eager(x, donate=True)
+    if isinstance(x, jax.core.Tracer) and not is_explicit(mesh) and not s.pending:
+        # Auto axes: say where x is (it is there already), so that jit places the program on
+        # these devices even where x is not needed (a constant cotangent). jit writes every
+        # output sharding it infers on the mesh of the first such hint: across meshes that is
+        # the prime-factor mesh the plan runs on, where both layouts can be written.
+        x = jax.lax.with_sharding_constraint(x, move.source_hint())
     y = redistribute_p.bind(x, move=move)
-    if isinstance(y, jax.core.Tracer) and not is_explicit(target.mesh):
-        # Auto axes: the placement is not in the result's type; say it where jit can read it
-        # (for out_shardings it infers); the same placement, so nothing moves.
+    if isinstance(y, jax.core.Tracer) and not is_explicit(mesh) and same_mesh(mesh, target.mesh):
+        # Auto axes: the placement is not in the result's type; say it where jit reads it when
+        # it infers out_shardings (the same placement, so nothing moves). Not onto another mesh:
+        # jit writes every inferred output sharding on the mesh of the first such hint, and a
+        # gradient back on x's mesh cannot be written on dst's (IndivisibleError).
         y = jax.lax.with_sharding_constraint(y, target)
     return y
 

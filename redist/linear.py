@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -61,6 +62,19 @@ def same_mesh(a, b) -> bool:
         return False
     ia, ib = device_ids(a), device_ids(b)
     return ia is None or ib is None or ia == ib
+
+
+def _on_devices(mesh, like):
+    """``mesh`` over ``like``'s devices (in ``like``'s order) when ``mesh`` is abstract and
+    ``like`` is not: inside ``jit`` two meshes of one move share their devices and order. A
+    ``shard_map`` on an abstract mesh is lowered on the context's concrete mesh, whose axis
+    names need not be the factored mesh's."""
+    if device_ids(mesh) is not None or device_ids(like) is None:
+        return mesh
+    if math.prod(mesh.axis_sizes) != like.devices.size:
+        return mesh
+    return jax.sharding.Mesh(like.devices.reshape(tuple(mesh.axis_sizes)), tuple(mesh.axis_names),
+                             axis_types=tuple(mesh.axis_types))  # fmt: skip
 
 
 def _entries(spec: PartitionSpec, ndim: int) -> tuple:
@@ -102,10 +116,14 @@ class Move:
         if s.global_size == 0:  # a zero-size array: only its sharding changes
             return "place", None, None
         dst_spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)))  # not `reduced`
-        if same_mesh(self.mesh, self.dst.mesh):
+        mesh, dst_mesh = (
+            _on_devices(self.mesh, self.dst.mesh),
+            _on_devices(self.dst.mesh, self.mesh),
+        )
+        if same_mesh(mesh, dst_mesh):
             d = dist_type(dst_spec, self.shape, m, argname="dst")
-            return "plan", synthesize(m, s, d, self.dtype, self.itemsize, *self.options), self.mesh
-        other = mesh_shape(self.dst.mesh, argname="dst.mesh")
+            return "plan", synthesize(m, s, d, self.dtype, self.itemsize, *self.options), mesh
+        other = mesh_shape(dst_mesh, argname="dst.mesh")
         d = dist_type(dst_spec, self.shape, other, argname="dst")
         a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
         if a is not None and b is not None and a != b:
@@ -114,7 +132,7 @@ class Move:
             raise ValueError(f"dst's mesh {other} and x's mesh {m} differ in size")
         on_src = translate(d, other, m)
         if on_src is not None:
-            run_mesh, s_run, d_run = self.mesh, s, on_src
+            run_mesh, s_run, d_run = mesh, s, on_src
         else:
             on_dst = translate(s, m, other)
             if on_dst is None:
@@ -123,7 +141,7 @@ class Move:
                     "orders in the device list, so neither mesh writes both layouts; reorder the "
                     "axes of one mesh so that the prime factors of equal size line up"
                 )
-            run_mesh, s_run, d_run = self.dst.mesh, on_dst, d
+            run_mesh, s_run, d_run = dst_mesh, on_dst, d
         plan = synthesize(mesh_shape(run_mesh), s_run, d_run, self.dtype, self.itemsize,
                           *self.options)  # fmt: skip
         return "plan", plan, run_mesh
@@ -165,6 +183,13 @@ class Move:
         if kind == "transfer":
             return transfer(x, self.dst, donate=donate)
         return _across_jitted(plan, run_mesh, self.dst, donate, self.explicit)(x)
+
+    def source_hint(self) -> NamedSharding:
+        """Where ``x`` is: on ``mesh``, or across meshes on the prime factors the plan runs on."""
+        kind, plan, run_mesh = self._route
+        if kind != "plan" or same_mesh(self.mesh, self.dst.mesh):
+            return NamedSharding(self.mesh, self.src)
+        return NamedSharding(_factored(run_mesh, self.explicit), _factor_pspec(plan.src))
 
     @functools.cached_property
     def reverse(self) -> Move:
@@ -298,4 +323,3 @@ def _across(plan: Plan, run_mesh, dst: NamedSharding, explicit: bool, hand_over:
         return _place(v, dst) if hand_over else v
 
     return run
-

@@ -36,7 +36,11 @@ def _mesh(shape, order, kind):
 
 
 def _check(y, arr, dst):
-    assert y.sharding.is_equivalent_to(dst, arr.ndim) and y.sharding.mesh == dst.mesh
+    assert y.sharding.is_equivalent_to(dst, arr.ndim)
+    # Inside jit on Auto axes, jit writes an inferred output sharding on a mesh of its choice
+    # (out_shardings names one); the placement is dst's all the same.
+    if any(str(t).endswith("Explicit") for t in dst.mesh.axis_types):
+        assert y.sharding.mesh == dst.mesh
     for sh in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(sh.data), arr[sh.index])
 
