@@ -274,3 +274,22 @@ def test_check_options():
         check_options("bytes", True)
     with pytest.raises(ValueError, match=r"cost_model must be one of .*'calibrated'\), got 'time'"):
         check_options("time", 0)
+
+
+@pytest.mark.parametrize("unreduced", [(), ("b",)])
+def test_zero_size_plan_carries_its_destination(unreduced):
+    from jax.sharding import PartitionSpec as P
+
+    p = redist.plan((0, 8), P("a", unreduced=set(unreduced)), P(None, "a"), MESH)
+    assert p.steps == ()
+    assert p.dst == DistType.from_spec((None, "a"), (0, 8), MeshShape.of(MESH))
+    tiles = redist.simulate(p, np.zeros((0, 8), np.float32))
+    assert len(tiles) == 8 and all(t.shape == (0, 4) for t in tiles)
+
+
+def test_simulate_checks_its_arguments():
+    p = redist.plan((0, 8), ("a",), (None, "a"), MESH)
+    with pytest.raises(ValueError, match="array shape"):
+        redist.simulate(p, np.zeros((8, 8)))
+    with pytest.raises(TypeError, match="plan must be a redist.Plan"):
+        redist.simulate("plan", np.zeros((0, 8)))
