@@ -107,9 +107,20 @@ def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
 def simulate(plan: Plan, array: np.ndarray) -> list[np.ndarray]:
     """Run ``plan`` on ``array`` tile by tile; raise ``AssertionError`` if any step goes wrong.
 
+    A zero-size array has nothing to move: its (empty) plan is right when every device ends with
+    an empty tile, and the destination's empty tiles are returned.
+
     Returns:
         The final tiles per physical device, equal to the destination's tiles.
+
+    Raises:
+        TypeError: if ``plan`` is no :class:`Plan`.
+        ValueError: if ``array``'s shape is not the plan's.
+        AssertionError: if a step leaves some device with the wrong tile.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a redist.Plan, got {type(plan).__name__}")
+    array = np.asarray(array)
     if array.shape != plan.global_shape:
         raise ValueError(f"array shape {array.shape} differs from the plan's {plan.global_shape}")
     tiles = tiles_of(plan.src, plan.mesh, array)
@@ -121,7 +132,8 @@ def simulate(plan: Plan, array: np.ndarray) -> list[np.ndarray]:
         for d, (got, want) in enumerate(zip(tiles, expected)):
             if got.shape != want.shape or not np.array_equal(got, want):
                 raise AssertionError(f"step {k} ({step}) leaves device {d} with the wrong tile")
-    for d, (got, want) in enumerate(zip(tiles, tiles_of(plan.dst, plan.mesh, array))):
-        if not np.array_equal(got, want):
+    final = tiles_of(plan.dst, plan.mesh, array)
+    for d, (got, want) in enumerate(zip(tiles, final)):
+        if not (np.array_equal(got, want) or got.size == want.size == 0):
             raise AssertionError(f"device {d} ends with the wrong tile")
-    return tiles
+    return [want if want.size == 0 else got for got, want in zip(tiles, final)]

@@ -7,7 +7,7 @@ can be planned in a plain Python process.
 Example:
     >>> p = plan((16, 16, 8), ("a", "c"), (None, "a", ("c", "b")), {"a": 2, "b": 2, "c": 2})
     >>> p.kinds
-    ('dynslice', 'alltoall')
+    ('dynslice', 'alltoall', 'allpermute')
 """
 
 from __future__ import annotations
@@ -15,52 +15,89 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
+import ml_dtypes  # registers bfloat16 and friends with numpy
 import numpy as np
 
+from redist.cost import COST_MODELS
 from redist.steps import Plan
 from redist.synthesis import FOLD_MIN_BYTES, synthesize
-from redist.types import DistType, MeshShape, SpecEntry
+from redist.types import DistType, MeshShape, SpecEntry, check_shape, check_size
 
 MeshLike = Any  # jax.sharding.Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | MeshShape
 SpecLike = Any  # jax.sharding.PartitionSpec | jax.sharding.NamedSharding | tuple of entries
 
 
 def mesh_shape(mesh: MeshLike, *, argname: str = "mesh") -> MeshShape:
-    """The pure :class:`MeshShape` of a JAX ``Mesh`` / ``AbstractMesh``, a mapping, or a MeshShape."""
+    """The pure :class:`MeshShape` of a JAX ``Mesh`` / ``AbstractMesh``, a mapping, or a MeshShape.
+
+    Raises:
+        TypeError: for anything else, a non-string axis name or a non-integer size.
+        ValueError: for a size below 1, or more than :data:`~redist.types.MAX_DEVICES` devices.
+
+    Example:
+        >>> mesh_shape({"a": 2, "b": 4})
+        MeshShape(axes=(('a', 2), ('b', 4)))
+        >>> mesh_shape({"a": "2"})
+        Traceback (most recent call last):
+        TypeError: mesh: mesh axis 'a' must have a positive integer size, got '2' of type str
+    """
     if isinstance(mesh, MeshShape):
         return mesh
-    if isinstance(mesh, Mapping):
-        return MeshShape.of(mesh)
-    shape = getattr(mesh, "shape", None)
-    if isinstance(shape, Mapping):
-        return MeshShape.of(shape)
-    raise TypeError(
-        f"{argname} must be a jax.sharding.Mesh, an AbstractMesh, or a {{axis name: size}} mapping; "
-        f"got {type(mesh).__name__}"
-    )
+    axes = mesh if isinstance(mesh, Mapping) else getattr(mesh, "shape", None)
+    if not isinstance(axes, Mapping):
+        raise TypeError(
+            f"{argname} must be a jax.sharding.Mesh, an AbstractMesh, or a {{axis name: size}} "
+            f"mapping; got {mesh!r} of type {type(mesh).__name__}"
+        )
+    try:
+        return MeshShape.of(axes)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{argname}: {e}") from None
+
+
+def _is_partition_spec(spec: Any) -> bool:
+    """A ``jax.sharding.PartitionSpec``, recognised without importing JAX."""
+    return hasattr(spec, "partitions") and hasattr(spec, "unreduced")
 
 
 def spec_entries(spec: SpecLike, *, argname: str) -> tuple[SpecEntry, ...]:
-    """The entries of a ``PartitionSpec``, a ``NamedSharding``'s spec, or a plain tuple."""
+    """The entries of a ``PartitionSpec``, a ``NamedSharding``'s spec, or a tuple/list of entries
+    (``None`` is a replicated spec). An entry is ``None``, an axis name, or a tuple/list of names.
+
+    Raises:
+        TypeError: for anything else: a dict, a set (no order), a string, an iterator, or an entry
+            that is none of the above (``P.UNCONSTRAINED`` included).
+
+    Example:
+        >>> spec_entries(("a", ["b", "c"], None), argname="src")
+        ('a', ('b', 'c'), None)
+        >>> spec_entries({"a": 1}, argname="src")
+        Traceback (most recent call last):
+        TypeError: src must be a PartitionSpec, a NamedSharding, or a tuple of entries (None, an axis name, or a tuple of names); got {'a': 1} of type dict
+    """
     if hasattr(spec, "spec") and hasattr(spec, "mesh"):
         spec = spec.spec
     if spec is None:
         return ()
-    if hasattr(spec, "partitions"):  # a PartitionSpec (which refuses iteration when unreduced)
+    if _is_partition_spec(spec):  # not a tuple in recent JAX; refuses iteration when unreduced
         spec = tuple(spec.partitions)
-    elif not isinstance(spec, (tuple, list, str)) and hasattr(spec, "__iter__"):
-        spec = tuple(spec)  # a PartitionSpec is not a tuple in recent JAX, but iterates as one
     if not isinstance(spec, (tuple, list)):
         raise TypeError(
-            f"{argname} must be a PartitionSpec, a NamedSharding, or a tuple of axis names; "
-            f"got {type(spec).__name__}"
+            f"{argname} must be a PartitionSpec, a NamedSharding, or a tuple of entries (None, an "
+            f"axis name, or a tuple of names); got {spec!r} of type {type(spec).__name__}"
         )
     out = []
     for k, entry in enumerate(spec):
         if isinstance(entry, list):
             entry = tuple(entry)
-        if entry is not None and not isinstance(entry, (str, tuple)):
+        if isinstance(entry, tuple):
+            bad = [n for n in entry if not isinstance(n, str)]
+            if bad:
+                raise TypeError(
+                    f"{argname} entry {k} is {entry!r}, which holds {bad[0]!r}; a tuple entry "
+                    "holds mesh axis names (strings) only"
+                )
+        elif entry is not None and not isinstance(entry, str):
             raise TypeError(
                 f"{argname} entry {k} is {entry!r}; expected None, an axis name, or a tuple of names "
                 "(unconstrained dimensions are not supported)"
@@ -73,11 +110,17 @@ def unreduced_axes(spec: SpecLike, *, argname: str) -> tuple[str, ...]:
     """The mesh axes of a pending sum in a ``PartitionSpec`` (``P('a', unreduced={'c'})``)."""
     if hasattr(spec, "spec") and hasattr(spec, "mesh"):
         spec = spec.spec
+    if not _is_partition_spec(spec):
+        return ()
     if getattr(spec, "reduced", None):
         raise NotImplementedError(
             f"{argname} has reduced axes {set(spec.reduced)}; only unreduced axes are supported"
         )
-    return tuple(getattr(spec, "unreduced", None) or ())
+    axes = spec.unreduced or ()
+    bad = [n for n in axes if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{argname} has unreduced axes {set(axes)}; axis names must be strings")
+    return tuple(axes)
 
 
 def dist_type(spec: SpecLike, shape: Sequence[int], mesh: MeshShape, *, argname: str) -> DistType:
@@ -89,13 +132,127 @@ def dist_type(spec: SpecLike, shape: Sequence[int], mesh: MeshShape, *, argname:
         raise type(e)(f"{argname}: {e}") from None
 
 
-def dtype_info(dtype: Any) -> tuple[str, int]:
-    """Name and item size of a dtype-like (``"bfloat16"``, ``np.float32``, ``jnp.int32``...)."""
+def _dtype(dtype: Any, argname: str) -> np.dtype:
+    """``dtype`` as a numpy dtype of a kind JAX arrays have (bool, integers, floats, complex, and
+    ml_dtypes' bfloat16 / float8 / int4 ... types)."""
+    if dtype is None:
+        raise TypeError(
+            f"{argname}: expected a dtype such as 'float32' or jnp.bfloat16, got None (numpy would "
+            "read None as float64; pass the dtype explicitly)"
+        )
     try:
-        dt = np.dtype(getattr(dtype, "dtype", dtype))
+        # An array or ShapeDtypeStruct stands for its dtype; a scalar type (np.int16) is one.
+        has_dtype = not isinstance(dtype, type) and hasattr(dtype, "dtype")
+        dt = np.dtype(dtype.dtype if has_dtype else dtype)
     except TypeError:
-        raise TypeError(f"dtype {dtype!r} is not a valid numpy/JAX dtype") from None
+        raise TypeError(
+            f"{argname}: {dtype!r} is not a valid numpy/JAX dtype; expected a dtype such as "
+            "'float32' or jnp.bfloat16"
+        ) from None
+    if dt.kind in "biufc" or (dt.kind == "V" and _ml_bits(dt) is not None):
+        return dt
+    raise TypeError(
+        f"{argname}: dtype {dt} ({_KIND_NAMES.get(dt.kind, 'an unsupported kind')}) is not an "
+        "element type of JAX arrays; expected bool, an integer, a float (bfloat16 and float8 "
+        "included) or a complex type"
+    )
+
+
+_KIND_NAMES = {"O": "Python objects", "S": "byte strings", "U": "unicode strings",
+               "V": "raw or structured records", "M": "datetimes", "m": "timedeltas"}  # fmt: skip
+
+
+def _ml_bits(dt: np.dtype) -> int | None:
+    """The bit width of an ml_dtypes type (``int4`` -> 4, ``bfloat16`` -> 16), else ``None``."""
+    if dt.type.__module__ != "ml_dtypes":
+        return None
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            return int(info(dt).bits)
+        except (TypeError, ValueError):
+            pass
+    return None
+
+
+def dtype_info(dtype: Any, *, argname: str = "dtype") -> tuple[str, int]:
+    """Name and item size of a dtype-like (``"bfloat16"``, ``np.float32``, ``jnp.int32``, an
+    array...): any element type of JAX arrays, sub-byte types included (see :func:`movable_dtype`).
+
+    Raises:
+        TypeError: naming ``argname`` for ``None`` (numpy reads it as float64), ``object``,
+            strings, records, datetimes, and what is no dtype at all.
+
+    Example:
+        >>> dtype_info("bfloat16")
+        ('bfloat16', 2)
+        >>> dtype_info(None)
+        Traceback (most recent call last):
+        TypeError: dtype: expected a dtype such as 'float32' or jnp.bfloat16, got None (numpy would read None as float64; pass the dtype explicitly)
+    """
+    dt = _dtype(dtype, argname)
     return dt.name, dt.itemsize
+
+
+def movable_dtype(dtype: Any, *, argname: str = "x") -> tuple[str, int]:
+    """Name and item size of a dtype that collectives can move: :func:`dtype_info`, refusing
+    sub-byte types (``int2``, ``uint2``, ``int4``, ``uint4``, ``float4_e2m1fn``, ``float6_*``...),
+    which XLA packs below a byte (an ``int2`` array through a collective aborts XLA:CPU).
+
+    Raises:
+        TypeError: naming ``argname`` and the dtype, for sub-byte types and as :func:`dtype_info`.
+
+    Example:
+        >>> movable_dtype("float8_e4m3fn")
+        ('float8_e4m3fn', 1)
+        >>> movable_dtype("int4", argname="x")
+        Traceback (most recent call last):
+        TypeError: x: dtype int4 is a sub-byte type (4 bits), which collectives cannot move; use a type of at least 8 bits (e.g. int8)
+    """
+    dt = _dtype(dtype, argname)
+    bits = _ml_bits(dt) if dt.type.__module__ == "ml_dtypes" else 8 * dt.itemsize
+    if bits is None or bits < 8:
+        raise TypeError(
+            f"{argname}: dtype {dt.name} is a sub-byte type ({bits} bits), which collectives cannot "
+            f"move; use a type of at least 8 bits (e.g. {_WIDER.get(dt.name[:3], 'bfloat16')})"
+        )
+    return dt.name, dt.itemsize
+
+
+_WIDER = {"int": "int8", "uin": "uint8"}
+
+
+def check_options(cost_model: Any, fold_min_bytes: Any) -> tuple[str, int]:
+    """The search options of :func:`plan` and ``redistribute``, checked and normalised:
+    ``cost_model`` one of :data:`~redist.cost.COST_MODELS`, ``fold_min_bytes`` a non-negative
+    integer (numpy integers included; not floats, strings or bools).
+
+    Raises:
+        TypeError: for a cost model that is no string or a byte count that is no integer.
+        ValueError: for an unknown cost model or a negative byte count.
+
+    Example:
+        >>> check_options("bytes", np.int64(0))
+        ('bytes', 0)
+        >>> check_options("foo", 0)
+        Traceback (most recent call last):
+        ValueError: cost_model must be one of ('bytes', 'bytes+copies', 'calibrated'), got 'foo'
+    """
+    if not isinstance(cost_model, str):
+        raise TypeError(
+            f"cost_model must be one of {COST_MODELS} (a string), got {cost_model!r} of type "
+            f"{type(cost_model).__name__}"
+        )
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    try:
+        fold = check_size(fold_min_bytes, "fold_min_bytes")
+    except TypeError as e:
+        raise TypeError(f"{e}; expected a non-negative number of bytes (0 always folds)") from None
+    if fold < 0:
+        raise ValueError(
+            f"fold_min_bytes must be a non-negative number of bytes (0 always folds), got {fold}"
+        )
+    return cost_model, fold
 
 
 def plan(
@@ -129,15 +286,19 @@ def plan(
 
     Returns:
         An immutable :class:`Plan`; ``print`` it to read the steps in the paper's notation.
+
+    Raises:
+        TypeError: for a shape, spec, mesh, dtype or option of the wrong type (a float or string
+            size, a dict or set as a spec, ``dtype=None``, a sub-byte dtype...), naming it.
+        ValueError: for values out of range: negative sizes, unknown or repeated axes, a spec
+            longer than the rank, indivisible dimensions, a mesh of more than
+            :data:`~redist.types.MAX_DEVICES` devices, an unknown ``cost_model``...
+        NotImplementedError: for a ``dst`` with unreduced axes, or reduced axes anywhere.
     """
-    try:
-        shape = tuple(int(n) for n in shape)
-    except TypeError:
-        raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
-    if any(n < 0 for n in shape):
-        raise ValueError(f"shape must have non-negative sizes, got {shape}")
+    shape = check_shape(shape)
     m = mesh_shape(mesh)
-    name, itemsize = dtype_info(dtype)
+    name, itemsize = movable_dtype(dtype, argname="dtype")
+    options = check_options(cost_model, fold_min_bytes)
     s = dist_type(src, shape, m, argname="src")
     d = dist_type(dst, shape, m, argname="dst")
     if d.pending:
@@ -145,4 +306,4 @@ def plan(
             f"dst {dst} has unreduced axes: a redistribution reduces pending sums, it does not "
             "create them"
         )
-    return synthesize(m, s, d, name, itemsize, cost_model, int(fold_min_bytes))
+    return synthesize(m, s, d, name, itemsize, *options)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,19 +35,149 @@ Shape = tuple[int, ...]
 SpecEntry = None | str | tuple[str, ...]
 
 
+# Bounds on what the pure layer accepts, so that no input makes it hang or exhaust memory.
+MAX_DEVICES = 1 << 20
+"""The most devices a mesh may have (1,048,576, far beyond any machine): per-device tables such as
+:attr:`MeshShape.factor_coords`, tile offsets and device groups stay within a few hundred MiB."""
+MAX_SIZE = (1 << 63) - 1
+"""The largest dimension size and element count of an array (XLA's sizes are int64)."""
+MAX_RANK = 64
+"""The largest array rank (numpy's limit, which the tile maps and the simulator use)."""
+
+
+def check_size(value: Any, what: str) -> int:
+    """``value`` as a Python ``int`` if it is an integer (numpy integers included, bools not).
+
+    Raises:
+        TypeError: naming ``what``, for anything else (floats, strings, bools, None...).
+
+    Example:
+        >>> check_size(np.int64(4), "mesh axis 'a'")
+        4
+        >>> check_size(2.5, "mesh axis 'a'")
+        Traceback (most recent call last):
+        TypeError: mesh axis 'a' must be an integer, got 2.5 of type float
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an integer, got {value!r} of type {type(value).__name__}")
+    return int(value)
+
+
+def check_shape(shape: Any, *, argname: str = "shape") -> Shape:
+    """``shape`` as a tuple of Python ints: a tuple or list of non-negative integers (numpy
+    integers included; floats, strings and bools refused), at most :data:`MAX_RANK` of them, with
+    at most :data:`MAX_SIZE` elements.
+
+    Raises:
+        TypeError: for a shape that is no tuple or list, or an entry that is no integer.
+        ValueError: for a negative size, too high a rank or too many elements.
+
+    Example:
+        >>> check_shape([8, np.int32(4)])
+        (8, 4)
+        >>> check_shape((8.7, 8))
+        Traceback (most recent call last):
+        TypeError: shape[0] must be an integer, got 8.7 of type float; shape was (8.7, 8)
+    """
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(
+            f"{argname} must be a tuple of non-negative integers, got {shape!r} of type "
+            f"{type(shape).__name__}"
+        )
+    out = []
+    for i, n in enumerate(shape):
+        try:
+            n = check_size(n, f"{argname}[{i}]")
+        except TypeError as e:
+            raise TypeError(f"{e}; {argname} was {tuple(shape)!r}") from None
+        if n < 0:
+            raise ValueError(f"{argname}[{i}] must be non-negative, got {n}; {argname} was {shape}")
+        if n > MAX_SIZE:
+            raise ValueError(
+                f"{argname}[{i}] is {n}, more than the largest size {MAX_SIZE} (2**63 - 1)"
+            )
+        out.append(n)
+    if len(out) > MAX_RANK:
+        raise ValueError(
+            f"{argname} has rank {len(out)}; redist supports arrays of rank at most {MAX_RANK}"
+        )
+    if math.prod(out) > MAX_SIZE:
+        raise ValueError(
+            f"{argname} {tuple(out)} has {math.prod(out)} elements, more than {MAX_SIZE} (2**63 - 1)"
+        )
+    return tuple(out)
+
+
+_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+
+
+def _is_prime(n: int) -> bool:
+    """Miller-Rabin with the first 13 primes as witnesses: exact below 3.3e24."""
+    if n < 2:
+        return False
+    for p in _WITNESSES:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in _WITNESSES:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _divisor(n: int) -> int:
+    """A proper divisor of the odd composite ``n`` (Pollard's rho, Floyd's cycle finding)."""
+    for c in range(1, n):
+        x = y = 2
+        d = 1
+        while d == 1:
+            x = (x * x + c) % n
+            y = (y * y + c) % n
+            y = (y * y + c) % n
+            d = math.gcd(abs(x - y), n)
+        if d != n:
+            return d
+    raise AssertionError(f"no divisor found for {n}")  # unreachable for composite n
+
+
 @functools.cache
 def prime_factors(n: int) -> tuple[int, ...]:
-    """Prime factors of ``n`` in ascending order, with multiplicity (``12 -> (2, 2, 3)``)."""
-    out, p = [], 2
-    while n > 1:
+    """Prime factors of ``n`` in ascending order, with multiplicity (``12 -> (2, 2, 3)``).
+
+    Trial division by small primes, then Miller-Rabin and Pollard's rho: fast for any size up to
+    :data:`MAX_SIZE` (``prime_factors(2**61 - 1)`` takes microseconds).
+    """
+    if n < 2:
+        return ()
+    out = []
+    for p in (2, 3, 5, 7, 11, 13):
         while n % p == 0:
             out.append(p)
             n //= p
-        p += 1 if p == 2 else 2
-        if p * p > n and n > 1:
-            out.append(n)
-            break
-    return tuple(out)
+    p = 17
+    while n > 1 and p * p <= n and p < 1000:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 2
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if m < p * p or _is_prime(m):
+            out.append(m)
+        else:
+            d = _divisor(m)
+            stack += [d, m // d]
+    return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +201,35 @@ class MeshShape:
     axes: tuple[tuple[AxisName, int], ...]
 
     def __post_init__(self) -> None:
-        names = [n for n, _ in self.axes]
-        for name, size in self.axes:
+        if not isinstance(self.axes, tuple):
+            raise TypeError(
+                f"MeshShape.axes must be a tuple of (name, size) pairs, got {self.axes!r}"
+            )
+        for pair in self.axes:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"mesh axes must be (name, size) pairs, got {pair!r}")
+            name, size = pair
             if not isinstance(name, str):
-                raise TypeError(f"mesh axis names must be strings, got {name!r}")
-            if not isinstance(size, (int, np.integer)) or size < 1:
-                raise ValueError(
-                    f"mesh axis {name!r} must have a positive integer size, got {size!r}"
+                raise TypeError(
+                    f"mesh axis names must be strings, got {name!r} of type {type(name).__name__}"
                 )
+            if not isinstance(size, int) or isinstance(size, bool):
+                raise TypeError(
+                    f"mesh axis {name!r} must have a positive integer size, got {size!r} of type "
+                    f"{type(size).__name__} (build meshes with MeshShape.of)"
+                )
+            if size < 1:
+                raise ValueError(
+                    f"mesh axis {name!r} must have a positive integer size, got {size}"
+                )
+        names = [n for n, _ in self.axes]
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be unique, got {names}")
+        if self.num_devices > MAX_DEVICES:
+            raise ValueError(
+                f"mesh {self} has {self.num_devices} devices; redist supports meshes of at most "
+                f"{MAX_DEVICES} (2**20) devices"
+            )
         factor_names = [f.name for f in self.factors]
         if len(set(factor_names)) != len(factor_names):
             raise ValueError(
@@ -89,8 +239,40 @@ class MeshShape:
 
     @classmethod
     def of(cls, axes: Mapping[AxisName, int] | Iterable[tuple[AxisName, int]]) -> MeshShape:
+        """From ``{name: size}`` or ``(name, size)`` pairs, major first. Sizes are integers
+        (numpy integers too; not floats, strings or bools); names are strings.
+
+        Raises:
+            TypeError: for a name that is no string or a size that is no integer.
+            ValueError: for a size below 1, repeated names, or more than :data:`MAX_DEVICES`
+                devices.
+
+        Example:
+            >>> MeshShape.of({"a": 2, "b": np.int64(4)}).sizes
+            {'a': 2, 'b': 4}
+            >>> MeshShape.of({"a": 2.5})
+            Traceback (most recent call last):
+            TypeError: mesh axis 'a' must have a positive integer size, got 2.5 of type float
+        """
         items = axes.items() if isinstance(axes, Mapping) else axes
-        return cls(tuple((str(n), int(s)) for n, s in items))
+        out = []
+        for pair in items:
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise TypeError(f"mesh axes must be (name, size) pairs, got {pair!r}")
+            name, size = pair
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"mesh axis names must be strings, got {name!r} of type {type(name).__name__}"
+                )
+            try:
+                size = check_size(size, f"mesh axis {name!r}")
+            except TypeError:
+                raise TypeError(
+                    f"mesh axis {name!r} must have a positive integer size, got {size!r} of type "
+                    f"{type(size).__name__}"
+                ) from None
+            out.append((name, size))
+        return cls(tuple(out))
 
     @functools.cached_property
     def sizes(self) -> dict[AxisName, int]:
@@ -186,6 +368,7 @@ class DistType:
         cls, shape: Sequence[int], axes: Sequence[Sequence[str]], mesh: MeshShape
     ) -> DistType:
         """Build a type from factor axes per dimension, minor-to-major (the paper's order)."""
+        shape = check_shape(shape)
         if len(shape) != len(axes):
             raise ValueError(
                 f"shape {tuple(shape)} has rank {len(shape)} but {len(axes)} dims of axes"
@@ -207,7 +390,7 @@ class DistType:
                 raise ValueError(
                     f"dimension {i} of size {n} is not divisible by the {parts} parts of {tuple(dim_axes)}"
                 )
-            dims.append(DistDim(n // parts, tuple(dim_axes), int(n)))
+            dims.append(DistDim(n // parts, tuple(dim_axes), n))
         return cls(tuple(dims))
 
     @classmethod
@@ -223,9 +406,18 @@ class DistType:
 
         Raises:
             ValueError: naming the dimension and axis for unknown or repeated axes, a spec longer
-                than the rank, or a dimension not divisible by its axes.
+                than the rank, or a dimension not divisible by its axes (and as
+                :func:`check_shape` for the shape).
+            TypeError: for a spec that is no tuple or list, or a malformed entry.
         """
-        shape = tuple(int(n) for n in shape)
+        shape = check_shape(shape)
+        if not isinstance(spec, (tuple, list)):
+            raise TypeError(
+                f"the spec must be a tuple or list of entries (None, a mesh axis name, or a tuple "
+                f"of names), got {spec!r} of type {type(spec).__name__}"
+            )
+        if isinstance(unreduced, str):
+            raise TypeError(f"unreduced must be a collection of mesh axis names, got {unreduced!r}")
         spec = tuple(spec)
         if len(spec) > len(shape):
             raise ValueError(
@@ -245,8 +437,13 @@ class DistType:
                         f"mesh {mesh}; valid axes: {mesh.axis_names}"
                     )
                 if name in used:
+                    where = (
+                        f"in dimension {i}"
+                        if used[name] == i
+                        else f"(dimensions {used[name]} and {i})"
+                    )
                     raise ValueError(
-                        f"mesh axis {name!r} is used twice (dimensions {used[name]} and {i}); "
+                        f"mesh axis {name!r} is used twice {where}; "
                         "each mesh axis may partition at most one dimension once"
                     )
                 used[name] = i
@@ -354,8 +551,8 @@ def _entry_names(entry: SpecEntry, dim: int) -> tuple[str, ...]:
         return ()
     if isinstance(entry, str):
         return (entry,)
-    if isinstance(entry, tuple) and all(isinstance(n, str) for n in entry):
-        return entry
+    if isinstance(entry, (tuple, list)) and all(isinstance(n, str) for n in entry):
+        return tuple(entry)
     raise TypeError(
         f"dimension {dim} of the spec is {entry!r}; expected None, a mesh axis name, or a tuple of "
         "axis names"
