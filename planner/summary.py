@@ -486,7 +486,7 @@ class Summary:
         heavy = ["Heavy ops (by predicted time; alike ops counted together):"]
         for h in self.heavy:
             count = f" x{h['count']}" if h["count"] > 1 else ""
-            comm = f" ({_ms(h['comm_s'])})" if h["comm_s"] > 0.05 * h["time_s"] else ""
+            comm = f" (comm {_ms(h['comm_s'])})" if h["comm_s"] > 0.05 * h["time_s"] else ""
             heavy.append(f"  {100 * h['share']:4.1f}% {_ms(h['time_s']):>9}  {h['primitive']}{count}"
                          f"  {h['where']}  {h['operation']}: {h['split']}{comm}")  # fmt: skip
         coll = ["Collectives per step (bytes sent per device):"]
