@@ -1,5 +1,6 @@
 """The one-screen summary that ``AutoPlan.explain()`` opens with (planner/summary.py)."""
 
+import json
 import os
 import re
 
@@ -103,7 +104,7 @@ def test_summary_numbers_add_up(plan):
     parts = sum(mem.get(k, 0) for k in ("parameters", "optimizer state", "batch", "rest_bytes"))
     assert parts == mem["peak_bytes"] == plan.prediction.peak_bytes
     assert mem["optimizer state"] == 2 * mem["parameters"] + 4  # mu, nu and the count
-    data = s.as_dict()
+    data = json.loads(json.dumps(s.as_dict()))
     assert {r["name"].split(" (")[0] for r in data["prediction"]} == {
         "this plan", "full replication", "data parallelism", "FSDP"}  # fmt: skip
     assert plan.explain(verbose=True).startswith(plan.explain())
