@@ -149,10 +149,15 @@ def measure_problem(p, config) -> dict:
     }
 
 
-def _progress(k: int, n: int, text: str) -> None:
-    width = 30
-    done = int(width * k / max(n, 1))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {k}/{n} {text:<40}")
+def _progress(k: int, n: int, text: str, finished: bool = False) -> None:
+    """A bar redrawn in place on a terminal; elsewhere (a log file) a plain line after about
+    every tenth of the problems, no carriage returns."""
+    if sys.stderr.isatty():
+        width = 30
+        done = int(width * k / max(n, 1))
+        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {k}/{n} {text:<40}")
+    elif finished and (k == n or k % max(1, n // 10) == 0):
+        sys.stderr.write(f"{k}/{n} problems done, last {text}\n")
     sys.stderr.flush()
 
 
@@ -180,8 +185,9 @@ def run(config, workdir: str) -> dict:
             results.append(r)
             f.write(json.dumps(r) + "\n")
             f.flush()
-            _progress(k + 1, len(problems), f"{p.name} speed-up {r['speedup']:.2f}x")
-    sys.stderr.write("\n")
+            _progress(k + 1, len(problems), f"{p.name} speed-up {r['speedup']:.2f}x", True)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
     summary = report.summarize(results, time.perf_counter() - start)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -140,31 +140,37 @@ def figures(results: list[dict], workdir: str) -> list[str]:
     plt = pyplot()
     if plt is None:
         return []
+    from matplotlib.ticker import MaxNLocator
+
     paths = []
     ours = np.array([r["ours"]["median_s"] for r in results]) * 1e3
     xla = np.array([r["xla"]["median_s"] for r in results]) * 1e3
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.loglog(xla, ours, "o", alpha=0.6, ms=4)
     lo, hi = min(ours.min(), xla.min()) * 0.8, max(ours.max(), xla.max()) * 1.25
-    ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="equal time")
     ax.set(xlabel="XLA resharding time (ms)", ylabel="redist time (ms)", xlim=(lo, hi), ylim=(lo, hi),
            title="Run times (below the diagonal: redist faster)")  # fmt: skip
+    ax.legend()
     paths.append(_save(fig, workdir, "runtimes.png"))
     sp = np.array([r["speedup"] for r in results])
     fig, ax = plt.subplots(figsize=(6, 4))
     bins = np.geomspace(min(sp.min(), 0.5), max(sp.max(), 2.0), 30)
     ax.hist(sp, bins=bins)
     ax.set_xscale("log")
-    ax.axvline(1.0, color="k", ls="--", lw=1)
+    ax.axvline(1.0, color="k", ls="--", lw=1, label="equal time (1x)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="speed-up (XLA time / redist time)", ylabel="problems",
            title=f"Speed-ups, geometric mean {math.exp(np.log(sp).mean()):.2f}x")  # fmt: skip
+    ax.legend()
     paths.append(_save(fig, workdir, "speedups.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     om = [r["ours"]["temp_over_bound"] for r in results]
     xm = [r["xla"]["temp_over_bound"] for r in results]
     bins = np.linspace(0, max(max(om), max(xm)) * 1.05 + 1e-9, 30)
     ax.hist([om, xm], bins=bins, label=["redist", "XLA"])
-    ax.axvline(1.0, color="k", ls="--", lw=1)
+    ax.axvline(1.0, color="k", ls="--", lw=1, label="the bound: max(src tile, dst tile)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="compiled temporary memory / max(src tile, dst tile)", ylabel="problems",
            title="Temporary memory per device")  # fmt: skip
     ax.legend()

@@ -96,11 +96,13 @@ def figure(rows: list[dict], path: str) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    words = {"dp": "dynamic-programming search", "greedy": "greedy search"}
     for key in dict.fromkeys((r["workload"], r["sizes"], r["layers"], r["method"]) for r in rows):
         pts = sorted((r["devices"], r["search_s"]) for r in rows
                      if (r["workload"], r["sizes"], r["layers"], r["method"]) == key)  # fmt: skip
         ax.plot([d for d, _ in pts], [s for _, s in pts], marker="o",
-                label=f"{key[0]} {key[1]} x{key[2]} ({key[3]})")  # fmt: skip
+                label=f"{key[0]} {key[1]}, {key[2]} layer{'s' * (key[2] != 1)} "
+                      f"({words.get(key[3], key[3])})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set(xlabel="devices", ylabel="search time (s)", title="planner search time")

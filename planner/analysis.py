@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import collections
+import dataclasses
+import re
 import warnings
 from collections.abc import Callable
 
@@ -54,6 +56,32 @@ def _inner(eqn) -> tuple[object, tuple] | None:
     return None
 
 
+_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
+
+
+def _source(eqn, outer: tuple | None) -> tuple | None:
+    """Where the user's code made ``eqn``: ``(file, line, library)`` (see :attr:`Op.source`).
+
+    The innermost frame of its traceback outside JAX (JAX's own notion of the user's frame) and
+    outside installed packages; ``library`` names the package the user's line called into (an
+    optax update is reported at the user's ``tx.update`` line, "in optax"). Equations that kept
+    no traceback (the bodies of nested jits) take ``outer``, their call's."""
+    try:
+        from jax._src import source_info_util
+
+        frames = source_info_util.user_frames(eqn.source_info.traceback)
+        library, first = None, None
+        for frame in frames:
+            package = _PACKAGE.search(frame.file_name)
+            if package is None:
+                return frame.file_name, frame.start_line, library
+            library = library or package.group(1).split(".")[0]
+            first = first or (frame.file_name, frame.start_line, None)
+    except Exception:  # a JAX without this private module or attribute: no sources
+        return outer
+    return outer or first
+
+
 def _identity(name: str, kind: str, srcs: list[Value], dst: Value, trips: int) -> Op:
     """A boundary op: ``dst`` is (each of) ``srcs``; a scan adds or drops the stacked axis."""
     whole = any(is_key(v.dtype) for v in srcs)
@@ -73,6 +101,7 @@ class _Builder:
         self.regions: list[Region] = []
         self.ties: list[tuple[str, str]] = []
         self.count = 0
+        self.where: tuple | None = None  # the source of the equation being described
 
     def value(self, var, prefix="v") -> Value:
         aval = var.aval
@@ -92,7 +121,9 @@ class _Builder:
         return env[var]
 
     def walk(self, jaxpr, env: dict, trips: int = 1) -> None:
+        outer = self.where
         for eqn in jaxpr.eqns:
+            self.where = _source(eqn, outer)  # nested bodies fall back on their construct's
             name = eqn.primitive.name
             if name in ("scan", "while", "cond"):
                 getattr(self, {"while": "while_"}.get(name, name))(eqn, env, trips)
@@ -106,6 +137,7 @@ class _Builder:
             for var, v in zip(eqn.outvars, outs):
                 env[var] = v
             self.ops.append(self.describe(eqn, ins, outs, trips))
+        self.where = outer
 
     def call(self, eqn, nested, env: dict, trips: int, kind: str | None) -> None:
         inner, consts = nested
@@ -148,6 +180,7 @@ class _Builder:
 
     def boundary(self, kind: str, srcs: list[Value], var, trips: int) -> Op:
         op = _identity(f"{kind}_{len(self.ops)}", kind, srcs, self.value(var), trips)
+        op = dataclasses.replace(op, source=self.where)
         self.ops.append(op)
         return op
 
@@ -217,7 +250,7 @@ class _Builder:
             if op is None:
                 op = _replicated(name, eqn, ins, outs)
         return Op(op.name, op.primitive, op.loops, op.operands, op.results, op.reductions, op.how,
-                  eqn, trips)  # fmt: skip
+                  eqn, trips, self.where)  # fmt: skip
 
 
 def _replicated(name, eqn, ins, outs) -> Op:

@@ -213,8 +213,16 @@ class AutoPlan:
             )
         return "\n".join(lines)
 
-    def explain(self) -> str:
-        return self.summary() + "\n" + render(self.explain_json())
+    def explain(self, verbose: bool = False) -> str:
+        """One screen (:mod:`planner.summary`): the prediction against replication, data
+        parallelism and FSDP, the inputs' layouts, the heavy ops and the user's lines that made
+        them, collectives, memory, and what runs whole. ``verbose``: then every op."""
+        from planner.summary import summarize
+
+        text = summarize(self).text()
+        if verbose:
+            text += "\n\nEvery op:\n" + self.summary() + "\n" + render(self.explain_json())
+        return text
 
     def explain_json(self) -> list[dict]:
         return explain_rows(self.program, self.schedule, self.mesh_shape)

@@ -96,6 +96,10 @@ class Op:
             scan body: an identity that moves values in or out, see :class:`Region`).
         eqn: the jaxpr equation, for execution.
         trips: how often the op runs per call (the product of the enclosing scans' lengths).
+        source: where the user's code made it, ``(file, line, library)``: the innermost frame
+            of the equation's traceback outside JAX and installed packages; ``library`` names
+            the package (e.g. ``"optax"``) whose code the user's line called, or is ``None``.
+            ``None`` when the trace kept no traceback.
     """
 
     name: str
@@ -107,6 +111,7 @@ class Op:
     how: str = "rule"
     eqn: object = dataclasses.field(default=None, compare=False, repr=False)
     trips: int = 1
+    source: tuple[str, int, str | None] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def loop(self) -> dict[str, Loop]:

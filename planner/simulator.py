@@ -58,15 +58,16 @@ def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
     return math.prod(local_shape(shape, spec, sizes)) * itemsize(dtype)
 
 
-def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
-    """Predicted seconds and wire bytes per device of a redist plan."""
-    t = wire = 0.0
+def step_costs(plan: redist.Plan, cal: Calibration) -> list[tuple[str, float, float]]:
+    """``(kind, seconds, wire bytes per device)`` of each step of a redist plan; ``kind`` is the
+    calibration's collective kind, or ``"copy"`` for a local slice (no wire bytes)."""
+    out = []
     n_dev = plan.mesh.num_devices
     for s in plan.steps:
         before = s.before.local_size * plan.itemsize
         after = s.after.local_size * plan.itemsize
         if s.kind == "dynslice":
-            t += after / cal.copy_bytes_per_s
+            out.append(("copy", after / cal.copy_bytes_per_s, 0.0))
             continue
         kind, nbytes = {
             "allgather": ("all-gather", after),
@@ -79,8 +80,17 @@ def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
             crosses = any(a // d != b // d for a, b in s.perm)
         else:
             crosses = cal.crosses(plan.mesh, s.axes)
-        t += cal.collective_time(kind, nbytes, n, crosses)
-        wire += wire_bytes(kind, nbytes, n)
+        out.append(
+            (kind, cal.collective_time(kind, nbytes, n, crosses), wire_bytes(kind, nbytes, n))
+        )
+    return out
+
+
+def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
+    """Predicted seconds and wire bytes per device of a redist plan."""
+    t = wire = 0.0
+    for _, seconds, sent in step_costs(plan, cal):
+        t, wire = t + seconds, wire + sent
     return t, wire
 
 

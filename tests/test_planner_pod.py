@@ -35,7 +35,7 @@ def test_plan_from_shapes_on_meshes_without_devices(mesh):
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in SHAPES]
     p = planner.plan(STEP, *args, mesh=mesh)
     text = p.explain()
-    assert "replicated: predicted" in text and "dot_general" in text
+    assert "full replication" in text and "dot_general" in text
     assert '"spec_mesh"' in p.to_json()
     names = _names(p.in_specs) | _names(p.out_specs)
     assert names <= {n for n, _ in p.spec_mesh.axes} and not any("#" in n for n in names)

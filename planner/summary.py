@@ -1,0 +1,681 @@
+"""A plan in one screen: what ``AutoPlan.explain()`` opens with.
+
+Six sections, in this order, on the user's mesh axis names (never the prime factors schedules
+are written on) and the user's pytree paths:
+
+1. the prediction: step time and peak memory per device of the plan, of full replication (every
+   device runs the whole step), of data parallelism over the whole mesh and of FSDP (the same,
+   with the weights stored split), all simulated on the plan's mesh and calibration;
+2. the layout of each input by its pytree path, identical subtrees written once;
+3. the heavy ops, with the line of the user's code that made them and how they are split;
+4. the collectives of one step, by kind;
+5. memory per device: parameters, optimizer state, batch, and the rest at the peak;
+6. what runs whole on every device, and why.
+
+How inputs are classified (a stated heuristic, for the memory line and the word "batch"):
+
+- an argument of the function is *state* when it comes back: an output (or an element of a
+  tuple, list or dict output, or of one of those) has its tree structure, shapes and dtypes;
+- state under an ``optax`` state object, or under a key naming one (``opt_state``,
+  ``optimizer``), is *optimizer state*; other state is *parameters*;
+- when some argument is state, the others are the *batch*, and the leading dimension of each
+  batch array is what the heavy ops call "batch" (followed through the data flow); when none
+  is, every argument is an *input*.
+
+Example:
+    >>> print(summarize(plan).text())          # doctest: +SKIP
+    >>> summarize(plan).as_dict()["collectives"]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+
+import jax
+
+import redist
+from planner import baselines
+from planner.dataflow import dataflow, input_spec, output_specs
+from planner.ir import Op, Program, is_key, itemsize
+from planner.schedule import Schedule, Spec, local_shape, make_schedule
+from planner.simulator import Prediction, simulate, step_costs
+from redist.calibration import Calibration, wire_bytes
+from redist.types import MeshShape
+
+MAX_LINES = 40
+HEAVY = 8
+KINDS = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "permute")
+OPTIMIZER_KEYS = ("opt_state", "optimizer")
+_FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}
+_ROLE = {  # loop name prefixes of products and convolutions -> words
+    "dot_general": {"b": "batched dim", "m": "rows", "n": "columns", "k": "contraction"},
+    "conv_general_dilated": {"n": "batch", "o": "out features", "i": "in features",
+                             "s": "spatial"},
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- words for axes
+
+
+def axis_parts(factors, mesh: MeshShape) -> list[tuple[str, tuple[str, ...]]]:
+    """Factor names (major first) as ``(axis, factors)``: consecutive factors of one axis
+    taken together."""
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for f in factors:
+        axis = mesh.factor_axis[f]
+        if out and out[-1][0] == axis:
+            out[-1] = (axis, (*out[-1][1], f))
+        else:
+            out.append((axis, (f,)))
+    return out
+
+
+def _part(axis: str, factors: tuple[str, ...], mesh: MeshShape, quote: str) -> str:
+    """``'model'``, or in words the part of it that ``factors`` are: ``major half of 'model'``."""
+    name = f"{quote}{axis}{quote}"
+    every = mesh.axis_factors(axis)
+    if factors == every:
+        return name
+    ways = math.prod(mesh.factor_size[f] for f in factors)
+    if ways == mesh.sizes[axis]:
+        return f"all of {name} in another device order"
+    r = mesh.sizes[axis] // ways
+    where = ("major " if factors == every[: len(factors)] else
+             "minor " if factors == every[-len(factors) :] else "a middle ")  # fmt: skip
+    fraction = _FRACTION.get(r, f"1/{r}")
+    return f"{where}{fraction.removeprefix('a ').removeprefix('an ')} of {name}"
+
+
+def spec_text(spec: Spec, mesh: MeshShape) -> str:
+    """A factor-level layout as a ``PartitionSpec`` on the user's axis names; a dimension split
+    by part of an axis reads ``half of 'model'`` (trailing whole dimensions dropped)."""
+    entries = []
+    for axes in spec:
+        parts = [_part(a, fs, mesh, "'") for a, fs in axis_parts(axes, mesh)]
+        entries.append("None" if not parts else parts[0] if len(parts) == 1
+                       else f"({', '.join(parts)})")  # fmt: skip
+    while entries and entries[-1] == "None":
+        entries.pop()
+    return f"P({', '.join(entries)})"
+
+
+def split_words(axes, mesh: MeshShape) -> str:
+    """``('data', 'model#0', 'model#1')`` -> ``"data and model"``."""
+    parts = [_part(a, fs, mesh, "") for a, fs in axis_parts(axes, mesh)]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _mib(nbytes: float) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20 or nbytes == 0:
+        return f"{nbytes / 2**20:.2f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _ms(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
+
+
+_DTYPE = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f16",
+          "int32": "i32", "int64": "i64", "int8": "i8", "uint32": "u32", "uint8": "u8"}  # fmt: skip
+
+
+def _shape(v) -> str:
+    dtype = "key" if is_key(v.dtype) else _DTYPE.get(v.dtype, v.dtype)
+    return f"{dtype}[{','.join(map(str, v.shape))}]"
+
+
+def _where(source) -> str:
+    """``(file, line, library)`` -> ``file.py:12`` (``in optax`` when it called a library)."""
+    if not source:
+        return "?"
+    path, line, library = source
+    return f"{os.path.basename(path)}:{line}" + (f" in {library}" if library else "")
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One input array: its pytree path (split into keys), value, kind and layout."""
+
+    parts: tuple[str, ...]
+    index: int
+    kind: str  # "parameters", "optimizer state", "batch" or "input"
+
+    @property
+    def path(self) -> str:
+        return "".join(self.parts)
+
+
+def _arg_names(prog: Program, paths) -> list[str]:
+    """The name of each argument: from the traced function's signature where JAX recorded it."""
+    names: dict[int, str] = {}
+    debug = getattr(getattr(prog.jaxpr, "jaxpr", None), "debug_info", None)
+    arg_names = getattr(debug, "arg_names", None)
+    for k, path in enumerate(paths):
+        i = path[0].idx
+        if i in names:
+            continue
+        suffix = jax.tree_util.keystr(tuple(path[1:]))
+        full = arg_names[k] if arg_names and len(arg_names) == len(paths) else None
+        if full and full.endswith(suffix) and len(full) > len(suffix):
+            names[i] = full[: len(full) - len(suffix)]
+        else:
+            names[i] = f"args[{i}]"
+    return [names[p[0].idx] for p in paths]
+
+
+def _signature(tree, values) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((values[k].shape, values[k].dtype) for k in leaves)
+
+
+def _nodes(tree, depth: int) -> list:
+    """``tree`` and its subtrees down to ``depth`` levels (tuples, lists, dicts)."""
+    out = [tree]
+    if depth and isinstance(tree, (tuple, list, dict)):
+        for child in tree.values() if isinstance(tree, dict) else tree:
+            out += _nodes(child, depth - 1)
+    return out
+
+
+def _is_optax(x) -> bool:
+    return type(x).__module__.split(".")[0] == "optax"
+
+
+def state_pairs(prog: Program, in_tree, out_tree) -> list[tuple[int, int]]:
+    """``(input, output)`` positions of the arrays a step returns in place of an argument: the
+    argument's leaves against those of the first output node (the output, or an element of it
+    down to two levels of tuples, lists and dicts; not a lone output array) that has the
+    argument's tree structure, shapes and dtypes."""
+    args = jax.tree_util.tree_unflatten(in_tree, list(range(len(prog.inputs))))
+    outs = jax.tree_util.tree_unflatten(out_tree, list(range(len(prog.outputs))))
+    nodes = [t for t in _nodes(outs, 2) if t is not outs or not isinstance(t, int)]
+    pairs = []
+    for arg in args:
+        sig = _signature(arg, prog.inputs)
+        node = next((t for t in nodes if _signature(t, prog.outputs) == sig), None)
+        if node is not None:
+            pairs += zip(jax.tree_util.tree_leaves(arg), jax.tree_util.tree_leaves(node))
+    return pairs
+
+
+def classify(prog: Program, in_tree, out_tree) -> list[Leaf]:
+    """Every input with its path and kind (see the module docstring for the heuristic)."""
+    args = jax.tree_util.tree_unflatten(in_tree, list(range(len(prog.inputs))))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    names = _arg_names(prog, paths)
+    state = {i for i, _ in state_pairs(prog, in_tree, out_tree)}
+    optimizer = set()
+    for path, sub in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_optax)[0]:
+        keys = jax.tree_util.keystr(tuple(path)).lower()
+        if _is_optax(sub) or any(k in keys for k in OPTIMIZER_KEYS):
+            optimizer.update(jax.tree_util.tree_leaves(sub))
+    leaves = []
+    for k, (path, name) in enumerate(zip(paths, names)):
+        parts = (name, *(jax.tree_util.keystr((key,)) for key in path[1:]))
+        kind = ("optimizer state" if k in optimizer else "parameters") if k in state else (
+            "batch" if state else "input")  # fmt: skip
+        leaves.append(Leaf(parts, k, kind))
+    return leaves
+
+
+def _group_layouts(leaves: list[Leaf], shapes: dict, specs: dict) -> list[tuple[str, str, str]]:
+    """``(paths, layout, kind)`` lines, one per input, except: a subtree whose arrays have the same
+    relative paths, shapes and layouts as one already listed is written ``as`` that one (with its
+    like neighbours), and a subtree of three or more arrays that all have one layout is written
+    once."""
+    root: dict = {}
+    for leaf in leaves:
+        node = root
+        for part in leaf.parts[:-1]:
+            node = node.setdefault(part, {})
+        node[leaf.parts[-1]] = leaf
+
+    def sig(node, prefix=()) -> tuple:
+        if isinstance(node, Leaf):
+            return ((prefix, shapes[node.index], specs[node.index]),)
+        return tuple(s for key, child in node.items() for s in sig(child, (*prefix, key)))
+
+    seen: dict[tuple, str] = {}
+    lines: list[tuple[str, str, str]] = []
+
+    def kind(node) -> str:
+        while not isinstance(node, Leaf):
+            node = next(iter(node.values()))
+        return node.kind
+
+    def emit(node, prefix: str) -> None:
+        items = list(node.items())
+        i = 0
+        while i < len(items):
+            key, child = items[i]
+            name = prefix + key
+            if isinstance(child, Leaf):
+                lines.append((name, f"{shapes[child.index]:<14} {specs[child.index]}", child.kind))
+                i += 1
+                continue
+            s = sig(child)
+            alike = {spec for *_, spec in s}
+            if len(s) > 1 and s in seen:
+                run = [name]
+                while i + len(run) < len(items):
+                    key2, child2 = items[i + len(run)]
+                    if isinstance(child2, Leaf) or sig(child2) != s:
+                        break
+                    run.append(prefix + key2)
+                shown = ", ".join(run) if len(run) <= 3 else f"{run[0]} ... {run[-1]} ({len(run)})"
+                lines.append((shown, f"as {seen[s]}", kind(child)))
+                i += len(run)
+                continue
+            seen.setdefault(s, name)
+            if len(s) > 2 and len(alike) == 1:
+                lines.append(
+                    (f"{name} ({len(s)} arrays)", f"{'all':<14} {alike.pop()}", kind(child))
+                )
+            else:
+                emit(child, name)
+            i += 1
+
+    emit(root, "")
+    return lines
+
+
+# ---------------------------------------------------------------------------- the plan's ops
+
+
+def _batch_loops(prog: Program, leaves: list[Leaf]) -> dict[str, set[str]]:
+    """Op name -> its loops that run over the batch: the leading dimension of each batch input,
+    followed through the ops' access maps."""
+    dims: dict[str, list] = {}
+    for leaf in leaves:
+        v = prog.inputs[leaf.index]
+        if leaf.kind == "batch" and v.shape:
+            dims[v.name] = [True] + [False] * (len(v.shape) - 1)
+    out: dict[str, set[str]] = {}
+    for op in prog.ops:
+        loops = set()
+        for acc in op.operands:
+            for d, batch in zip(acc.dims, dims.get(acc.value.name, ())):
+                if d and batch:
+                    loops.add(d[0])
+        if loops:
+            out[op.name] = loops
+            for acc in op.results:
+                dims[acc.value.name] = [bool(d) and d[0] in loops for d in acc.dims]
+    return out
+
+
+def _loop_words(op: Op, loop, batch: set[str]) -> str:
+    if loop.name in batch:
+        return "batch"
+    roles = _ROLE.get(op.primitive)
+    if roles and loop.name[:1] in roles:
+        return roles[loop.name[:1]]
+    for acc in op.results:
+        for d, dims in enumerate(acc.dims):
+            if dims and dims[0] == loop.name:
+                return f"dim {d}"
+    if any(name == loop.name for name, _ in op.reductions):
+        return "reduced dim"
+    return loop.name
+
+
+def _operation(op: Op) -> str:
+    if op.primitive == "dot_general" and len(op.operands) == 2:
+        a, b = (acc.value for acc in op.operands)
+        return f"{'x'.join(map(str, a.shape))} @ {'x'.join(map(str, b.shape))}"
+    return _shape(op.results[0].value) if op.results else ""
+
+
+def _how_split(op: Op, step, sched: Schedule, mesh: MeshShape, batch: set[str]) -> str:
+    parts = []
+    for lp in op.loops:
+        axes = sched.axes_of(op, lp.name)
+        if axes:
+            parts.append(f"{_loop_words(op, lp, batch)} {lp.extent} over {split_words(axes, mesh)}")
+    if not parts:
+        return "whole on every device"
+    text = ", ".join(parts)
+    if step.pending:
+        how = "reduce-scattered" if any(s is not None for s in step.scatter) else "all-reduced"
+        text += f"; partial {step.combine}s {how}"
+    return text
+
+
+def _why_whole(op: Op, mesh: MeshShape) -> str:
+    if op.how == "replicated":
+        return "no rule understands it"
+    if any(is_key(a.value.dtype) for a in op.operands + op.results):
+        return "random bits, drawn whole"
+    if all(lp.extent == 1 for lp in op.loops):
+        return "scalars"
+    cut = [lp for lp in op.loops if lp.partitionable]
+    if not cut:
+        return "its dimensions must stay whole"
+    sizes = set(mesh.factor_size.values())
+    if not any(lp.extent % s == 0 for lp in cut for s in sizes):
+        return "its sizes do not divide the mesh"
+    return "not worth splitting (it would cost more than it saves)"
+
+
+def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) -> dict:
+    """Kind -> ``{"count", "bytes", "seconds"}`` of one step (bytes sent per device), from the
+    plan's layout changes (``redist`` plans) and pending sums; local slices under ``"copy"``."""
+    steps = steps if steps is not None else dataflow(prog, sched)
+    m = redist.MeshShape.of(sched.mesh)
+    out: dict[str, dict] = {}
+
+    def add(kind, seconds, sent, trips):
+        kind = "permute" if kind == "collective-permute" else kind
+        row = out.setdefault(kind, {"count": 0, "bytes": 0.0, "seconds": 0.0})
+        row["count"] += trips
+        row["bytes"] += sent * trips
+        row["seconds"] += seconds * trips
+
+    for st in steps:
+        op = st.op
+        for mv in st.moves:
+            plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
+            for kind, seconds, sent in step_costs(plan, cal):
+                add(kind, seconds, sent, op.trips)
+        if st.pending:
+            n = math.prod(sched.mesh[a] for a in st.pending)
+            crosses = cal.crosses(m, st.pending)
+            for k, (r, spec) in enumerate(zip(op.results, st.out_specs)):
+                size = math.prod(local_shape(r.value.shape, spec, sched.mesh))
+                size *= itemsize(r.value.dtype)
+                kind, nbytes = ("all-reduce", size) if st.scatter[k] is None else (
+                    "reduce-scatter", size * n)  # fmt: skip
+                add(kind, cal.collective_time(kind, nbytes, n, crosses),
+                    wire_bytes(kind, nbytes, n), op.trips)  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------- the comparisons
+
+
+def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, object]:
+    """Name -> Prediction, or a short reason why the strategy does not apply."""
+    axes = tuple(a for a, n in mesh.axes if n > 1)
+    sizes = mesh.sizes
+    out: dict[str, object] = {}
+    try:
+        dp = baselines.data_parallel(prog, axes)
+        out["data parallelism"] = simulate(prog, make_schedule(prog, dp, sizes), cal)
+    except (ValueError, KeyError, AttributeError) as e:
+        out["data parallelism"] = _reason(e, mesh)
+        out["FSDP"] = "n/a: needs data parallelism"
+        return out
+    try:
+        stored = baselines.fsdp_stored(prog, axes, sizes)
+        if not stored:
+            out["FSDP"] = "n/a: no weight splits evenly"
+        else:
+            sched = make_schedule(prog, dp, sizes, stored=stored)
+            out["FSDP"] = simulate(prog, sched, cal)
+    except (ValueError, KeyError, AttributeError) as e:
+        out["FSDP"] = _reason(e, mesh)
+    return out
+
+
+def _reason(e: Exception, mesh: MeshShape) -> str:
+    text = str(e)
+    if "not divisible" in text:
+        return f"n/a: the batch does not split {mesh.num_devices} ways"
+    if "needs a dot_general" in text:
+        return "n/a: no matrix product"
+    if "batch-like loop" in text:
+        return "n/a: no batch loop"
+    return "n/a"
+
+
+# ---------------------------------------------------------------------------- the summary
+
+
+@dataclasses.dataclass
+class Summary:
+    """The sections of :func:`summarize`, as data (:meth:`as_dict`) and text (:meth:`text`)."""
+
+    header: str
+    prediction: list[dict]
+    layouts: list[dict]
+    layout_lines: list[tuple[str, str]]
+    outputs: str
+    parts_note: str
+    heavy: list[dict]
+    collectives: dict
+    memory: dict
+    whole: list[dict]
+    whole_ops: int
+    whole_share: float
+    total_ops: int
+    time_s: float
+
+    def as_dict(self) -> dict:
+        return {
+            "prediction": self.prediction,
+            "layouts": self.layouts,
+            "outputs": self.outputs,
+            "heavy_ops": self.heavy,
+            "collectives": self.collectives,
+            "memory": self.memory,
+            "whole": self.whole,
+        }
+
+    def text(self, max_lines: int = MAX_LINES) -> str:
+        pred = [self.header, "Prediction per step and device (simulated):"]
+        for row in self.prediction:
+            if "reason" in row:
+                pred.append(f"  {row['name']:<34} {row['reason']}")
+                continue
+            line = f"  {row['name']:<34} {_ms(row['time_s']):>10} {_mib(row['peak_bytes']):>11}"
+            if row["name"] != "this plan":
+                line += (f"   this plan {row['time_s'] / self.time_s:.2f}x as fast, "
+                         f"{self.memory['peak_bytes'] / max(row['peak_bytes'], 1):.2f}x the "
+                         "memory")  # fmt: skip
+            pred.append(line)
+        heavy = ["Heavy ops (by predicted time; alike ops counted together):"]
+        for h in self.heavy:
+            count = f" x{h['count']}" if h["count"] > 1 else ""
+            comm = f" (comm {_ms(h['comm_s'])})" if h["comm_s"] > 0.05 * h["time_s"] else ""
+            heavy.append(f"  {100 * h['share']:4.1f}% {_ms(h['time_s']):>9}  {h['primitive']}{count}"
+                         f"  {h['where']}  {h['operation']}: {h['split']}{comm}")  # fmt: skip
+        coll = ["Collectives per step (bytes sent per device):"]
+        total_comm = sum(self.collectives[k]["seconds"] for k in KINDS if k in self.collectives)
+        for kind in KINDS:
+            c = self.collectives.get(kind)
+            if c:
+                coll.append(f"  {kind:<15} {c['count']:>5} x  {_mib(c['bytes']):>10}  "
+                            f"{_ms(c['seconds']):>9}")  # fmt: skip
+        if len(coll) == 1:
+            coll[0] += " none"
+        else:
+            coll.append(f"  communication: {_ms(total_comm)} of the {_ms(self.time_s)} step")
+        mem = self.memory
+        named = [(k, mem[k]) for k in ("parameters", "optimizer state", "batch", "inputs")
+                 if mem.get(k)]  # fmt: skip
+        memory = [
+            f"Memory per device: peak {_mib(mem['peak_bytes'])}"
+            + (f" (at {mem['peak_at']})" if mem.get("peak_at") else ""),
+            "  = " + "".join(f"{k} {_mib(b)} + " for k, b in named)
+            + f"activations and temporaries {_mib(mem['rest_bytes'])}",
+        ]  # fmt: skip
+        if any(k in mem for k in ("parameters", "optimizer state")):
+            memory.append("  (parameters: arguments the step returns with their shapes; optimizer "
+                          "state: those under optax states)")  # fmt: skip
+        whole = [f"Runs whole on every device: {self.whole_ops} of {self.total_ops} ops, "
+                 f"{100 * self.whole_share:.1f}% of the predicted time"]  # fmt: skip
+        reasons: dict[str, list] = {}
+        for w in self.whole:
+            reasons.setdefault(w["why"], []).append(w)
+        for why, ws in sorted(reasons.items(), key=lambda r: -sum(w["time_s"] for w in r[1])):
+            names = [w["primitive"] + (f" x{w['count']}" if w["count"] > 1 else "") for w in ws]
+            if len(names) > 5:
+                names = names[:5] + [f"{sum(w['count'] for w in ws[5:])} more"]
+            seconds = sum(w["time_s"] for w in ws)
+            whole.append(f"  {why} ({_ms(seconds)}): {', '.join(names)}")
+        fixed = len(pred) + len(heavy) + len(coll) + len(memory) + len(whole)
+        extra = [x for x in (self.parts_note, self.outputs) if x]
+        room = max(4, max_lines - fixed - 1 - len(extra))
+        lay = ["Layouts of the inputs (PartitionSpecs on the mesh's axes; plan.in_specs):"]
+        width = min(60, max((len(p) for p, *_ in self.layout_lines), default=0))
+        rows = _shorten(self.layout_lines, room)
+        for path, spec, *_ in rows:
+            lay.append(f"  {path:<{width}}  {spec}")
+        lay += [f"  {x}" for x in extra]
+        return "\n".join(pred + lay + heavy + coll + memory + whole)
+
+
+def _shorten(lines: list[tuple], room: int) -> list[tuple]:
+    """At most ``room`` lines: the last lines of the largest kind (parameters, usually) give way
+    to one line saying how many were left out, so that every kind keeps its first lines."""
+    if len(lines) <= room:
+        return lines
+    drop = len(lines) - room + 1
+    counts = collections.Counter(kind for *_, kind in lines)
+    kind = counts.most_common(1)[0][0]
+    at = [k for k, (*_, kd) in enumerate(lines) if kd == kind]
+    if len(at) <= drop:
+        gone = set(range(room - 1, len(lines)))
+    else:
+        gone = set(at[len(at) - drop :])
+    out = [line for k, line in enumerate(lines) if k not in gone]
+    out.insert(min(gone), (f"... {len(gone)} more lines", "plan.in_specs has every input", kind))
+    return out
+
+
+def summarize(plan) -> Summary:
+    """The summary of an :class:`planner.auto.AutoPlan` (cached on it)."""
+    cached = plan.__dict__.get("_summary")
+    if cached is not None:
+        return cached
+    prog: Program = plan.program
+    sched: Schedule = plan.schedule
+    pred: Prediction = plan.prediction
+    mesh: MeshShape = plan.mesh_shape
+    cal = plan.calibration or Calibration.default()
+    steps = dataflow(prog, sched)
+
+    # 1. the prediction against the strategies people run
+    replicated = plan.replicated or simulate(
+        prog, make_schedule(prog, {}, mesh.sizes, default="replicate"), cal
+    )
+    rows = [{"name": "this plan", "time_s": pred.time_s, "peak_bytes": pred.peak_bytes}]
+    rows.append({"name": "full replication (whole step each)", "time_s": replicated.time_s,
+                 "peak_bytes": replicated.peak_bytes})  # fmt: skip
+    ways = mesh.num_devices
+    for name, result in _baselines(prog, mesh, cal).items():
+        label = {"data parallelism": f"data parallelism ({ways}-way batch)",
+                 "FSDP": f"FSDP ({ways}-way, weights split)"}[name]  # fmt: skip
+        if isinstance(result, Prediction):
+            rows.append({"name": label, "time_s": result.time_s, "peak_bytes": result.peak_bytes})
+        else:
+            rows.append({"name": label, "reason": result})
+    func = getattr(getattr(prog.jaxpr, "jaxpr", None), "debug_info", None)
+    func = getattr(func, "func_src_info", None) or "the function"
+    if not any(sched.assign.values()):
+        rows[0]["name"] = "this plan (replication is best)"
+    header = (f"Plan for {func.split(' at ')[0]} on {' x '.join(f'{a}:{n}' for a, n in mesh.axes)}"
+              f" ({mesh.num_devices} devices), priced for {cal.backend}; searched in "
+              f"{plan.search_s:.2f} s")  # fmt: skip
+
+    # 2. layouts of the inputs
+    leaves = classify(prog, plan.in_tree, plan.out_tree)
+    specs = [input_spec(prog, sched, v) for v in prog.inputs]
+    shapes = {leaf.index: _shape(prog.inputs[leaf.index]) for leaf in leaves}
+    spec_texts = {leaf.index: spec_text(specs[leaf.index], mesh) for leaf in leaves}
+    layouts = [{"path": leaf.path, "kind": leaf.kind, "shape": list(prog.inputs[leaf.index].shape),
+                "dtype": prog.inputs[leaf.index].dtype, "spec": spec_text(specs[leaf.index], mesh)}
+               for leaf in leaves]  # fmt: skip
+    parts_note = ""
+    if plan.spec_mesh != mesh:
+        parts_note = ("a part of an axis splits a dimension fewer ways; plan.in_specs write parts "
+                      f"on plan.spec_mesh {plan.spec_mesh} (major part first)")  # fmt: skip
+    outputs = _outputs_text(prog, sched, steps, plan, specs)
+
+    # 3. heavy ops
+    costs = {c.op: c for c in pred.ops}
+    batch = _batch_loops(prog, leaves) if any(lf.kind == "batch" for lf in leaves) else {}
+    groups: dict[tuple, dict] = {}
+    for st in steps:
+        op, c = st.op, costs[st.op.name]
+        if op.how == "region":
+            continue
+        split = _how_split(op, st, sched, mesh, batch.get(op.name, set()))
+        key = (op.primitive, op.source, _operation(op), split)
+        g = groups.setdefault(key, {"primitive": op.primitive, "where": _where(op.source),
+                                    "operation": _operation(op), "split": split, "count": 0,
+                                    "time_s": 0.0, "comm_s": 0.0, "ops": []})  # fmt: skip
+        g["count"] += 1
+        g["time_s"] += c.compute_s + c.comm_s
+        g["comm_s"] += c.comm_s
+        g["ops"].append(op.name)
+    total = max(pred.time_s, 1e-30)
+    heavy = sorted(groups.values(), key=lambda g: -g["time_s"])[:HEAVY]
+    for g in heavy:
+        g["share"] = g["time_s"] / total
+
+    # 4. collectives
+    coll = collectives(prog, sched, cal, steps)
+
+    # 5. memory
+    mem: dict = {"peak_bytes": pred.peak_bytes}
+    for leaf in leaves:
+        v = prog.inputs[leaf.index]
+        nbytes = math.prod(local_shape(v.shape, specs[leaf.index], sched.mesh)) * itemsize(v.dtype)
+        key = "inputs" if leaf.kind == "input" else leaf.kind
+        mem[key] = mem.get(key, 0) + nbytes
+    held = sum(mem.get(k, 0) for k in ("parameters", "optimizer state", "batch", "inputs"))
+    mem["rest_bytes"] = max(0, pred.peak_bytes - held)
+    at = max(pred.ops, key=lambda c: c.memory_bytes, default=None)
+    if at is not None and at.memory_bytes >= pred.peak_bytes:
+        mem["peak_at"] = f"{at.op}, {_where(prog.op(at.op).source)}"
+
+    # 6. what runs whole
+    whole: dict[tuple, dict] = {}
+    n_whole, t_whole = 0, 0.0
+    for st in steps:
+        op = st.op
+        if op.how == "region" or sched.assign.get(op.name) or st.pending:
+            continue
+        why = _why_whole(op, mesh)
+        c = costs[op.name]
+        w = whole.setdefault((op.primitive, why), {"primitive": op.primitive, "why": why,
+                                                   "count": 0, "time_s": 0.0})  # fmt: skip
+        w["count"] += 1
+        w["time_s"] += c.compute_s + c.comm_s
+        n_whole += 1
+        t_whole += c.compute_s + c.comm_s
+    total_ops = sum(op.how != "region" for op in prog.ops)
+    summary = Summary(
+        header, rows, layouts, _group_layouts(leaves, shapes, spec_texts), outputs, parts_note,
+        [{k: v for k, v in g.items()} for g in heavy], coll, mem,
+        sorted(whole.values(), key=lambda w: -w["time_s"]), n_whole, t_whole / total, total_ops,
+        pred.time_s,
+    )  # fmt: skip
+    plan.__dict__["_summary"] = summary
+    return summary
+
+
+def _outputs_text(prog: Program, sched: Schedule, steps, plan, specs) -> str:
+    """Whether the state a step returns comes back in the layouts it came in."""
+    pairs = state_pairs(prog, plan.in_tree, plan.out_tree)
+    out_specs = output_specs(prog, sched, steps)
+    if not pairs:
+        return ""
+    moved = [(i, o) for i, o in pairs if specs[i] != out_specs[o]]
+    if not moved:
+        return "the state it returns keeps these layouts: feed it back as it is"
+    return (
+        f"{len(moved)} of the {len(pairs)} state arrays it returns come back in another "
+        "layout (plan.out_specs): the next step re-lays them out"
+    )
