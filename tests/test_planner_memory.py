@@ -36,8 +36,9 @@ def test_tpu_memory_is_what_the_compiler_reports_as_available():
     assert Calibration.named("tpu_v5p").memory_bytes / 2**30 == pytest.approx(95.74, abs=0.005)
     assert Calibration.named("tpu_v5e").memory_bytes / 2**30 == pytest.approx(15.75, abs=0.005)
     assert Calibration.named("tpu_v6e").memory_bytes / 2**30 == pytest.approx(31.25, abs=0.005)
-    for kind, name in [("TPU v5", "tpu_v5p"), ("TPU v5 lite", "tpu_v5e"),
-                       ("TPU v6 lite", "tpu_v6e"), ("TPU v4", "tpu_v4"), ("cpu", "cpu")]:  # fmt: skip
+    kinds = {"TPU v5": "tpu_v5p", "TPU v5 lite": "tpu_v5e", "TPU v6 lite": "tpu_v6e",
+             "TPU v4": "tpu_v4", "cpu": "cpu"}  # fmt: skip
+    for kind, name in kinds.items():
         assert Calibration.for_device_kind(kind) == Calibration.named(name)
     assert Calibration.for_device_kind("NVIDIA H100 80GB HBM3") == Calibration.named("h100_sxm")
     assert Calibration.for_device_kind("some accelerator") is None
@@ -85,8 +86,8 @@ def test_plan_keeps_under_the_default_limit():
 
 
 def test_a_limit_nothing_fits_names_the_smallest_peak_and_its_largest_buffers():
-    with pytest.raises(MemoryLimitError, match=r"no schedule fits memory_limit_bytes=1000; the "
-                       r"smallest predicted peak seen is \d+ bytes per device") as info:  # fmt: skip
+    message = r"no schedule fits memory_limit_bytes=1000; the smallest predicted peak seen is \d+ "
+    with pytest.raises(MemoryLimitError, match=message + "bytes per device") as info:
         planner.plan(STEP, *ARGS, mesh=MESH, memory_limit_bytes=1000)
     err = info.value
     assert isinstance(err, ValueError) and err.limit == 1000
