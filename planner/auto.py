@@ -216,6 +216,15 @@ class AutoPlan:
     def explain(self) -> str:
         return self.summary() + "\n" + render(self.explain_json())
 
+    def compiled_report(self, mesh=None, moves: str = "auto"):
+        """Compile :meth:`jit` for ``mesh`` (default: the plan's own; a plan made on an
+        ``AbstractMesh`` or ``{name: size}`` is bound to a concrete mesh of the same axes, e.g.
+        :func:`planner.topology_mesh`, without searching again) and return the compiler's
+        verdict (:class:`planner.compiled.CompiledReport`)."""
+        from planner.compiled import plan_compiled_report
+
+        return plan_compiled_report(self, mesh, moves)
+
     def explain_json(self) -> list[dict]:
         return explain_rows(self.program, self.schedule, self.mesh_shape)
 
