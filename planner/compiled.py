@@ -207,10 +207,7 @@ def device_memory_bytes(device) -> int | None:
     cal = Calibration.for_device_kind(device.device_kind)
     if cal is None:
         return None
-    per_host = 1
-    if cal.host_memory:
-        per_host = jax.local_device_count(backend="cpu")
-    mem = cal.device_memory_bytes(per_host)
+    mem = cal.device_memory_bytes(jax.local_device_count(backend="cpu") if cal.host_memory else 1)
     return None if mem is None else int(mem)
 
 

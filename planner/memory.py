@@ -42,7 +42,10 @@ def default_memory_limit(calibration: Calibration, num_devices: int) -> int | No
     if calibration.host_memory:
         import jax
 
-        per_host = min(num_devices, jax.local_device_count(backend="cpu"))
+        try:
+            per_host = min(num_devices, jax.local_device_count(backend="cpu"))
+        except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS)
+            pass
     capacity = calibration.device_memory_bytes(per_host)
     if capacity is None:
         return None
