@@ -75,7 +75,23 @@ def measure(repeats: int):
         bw = (b1 - b0) / max(t1 - t0, 1e-9)
         latency[kind] = max(t0 - b0 / bw, 1e-7)
         bandwidth[kind] = bw
-    return Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw)
+    cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw)
+    return _with_memory(cal, jax.devices()[0].device_kind)
+
+
+def _with_memory(cal, device_kind: str):
+    """``cal`` with the memory per device of the shipped file for ``device_kind`` (the CPU file:
+    the host's memory, read again wherever the file is loaded)."""
+    import dataclasses
+
+    from redist.calibration import Calibration
+
+    shipped = Calibration.for_device_kind(device_kind)
+    if shipped is None:
+        return cal
+    return dataclasses.replace(cal, memory_bytes=shipped.memory_bytes,
+                               memory_source=shipped.memory_source,
+                               host_memory=shipped.host_memory)  # fmt: skip
 
 
 def main(argv):

@@ -22,8 +22,8 @@ from planner.dataflow import dataflow, input_spec, output_specs
 from planner.explanation import explain_rows, render
 from planner.ir import Program
 from planner.lowering import Lowered, lower
+from planner.memory import AUTO, default_calibration, search_within
 from planner.schedule import Schedule, Spec, make_schedule
-from planner.schedule_search import search
 from planner.simulator import simulate
 from redist.calibration import Calibration
 from redist.meshes import translate
@@ -224,6 +224,15 @@ class AutoPlan:
             text += "\n\nEvery op:\n" + self.summary() + "\n" + render(self.explain_json())
         return text
 
+    def compiled_report(self, mesh=None, moves: str = "auto"):
+        """Compile :meth:`jit` for ``mesh`` (default: the plan's own; a plan made on an
+        ``AbstractMesh`` or ``{name: size}`` is bound to a concrete mesh of the same axes, e.g.
+        :func:`planner.topology_mesh`, without searching again) and return the compiler's
+        verdict (:class:`planner.compiled.CompiledReport`)."""
+        from planner.compiled import plan_compiled_report
+
+        return plan_compiled_report(self, mesh, moves)
+
     def explain_json(self) -> list[dict]:
         return explain_rows(self.program, self.schedule, self.mesh_shape)
 
@@ -257,21 +266,28 @@ def plan(
     fn: Callable,
     *args,
     mesh,
-    memory_limit_bytes: int | None = None,
+    memory_limit_bytes: int | float | str | None = AUTO,
     calibration: Calibration | None = None,
 ) -> AutoPlan:
     """Analyse ``fn`` on ``args`` (arrays or ``jax.ShapeDtypeStruct``s), search the best schedule
     on ``mesh`` (a ``Mesh``, an ``AbstractMesh`` or ``{name: size}``), return the plan.
 
-    ``calibration`` prices time: by default the shipped one for ``jax.default_backend()``; plan
-    for another machine with e.g. ``Calibration.named("tpu_v5p")`` (see
+    ``calibration`` prices time: by default the shipped one for the mesh's devices (a mesh from
+    :func:`planner.topology_mesh` is priced as its TPU) or else for ``jax.default_backend()``;
+    plan for another machine with e.g. ``Calibration.named("tpu_v5p")`` (see
     :mod:`redist.calibration`).
+
+    ``memory_limit_bytes``: peak bytes per device no plan may be predicted over. ``"auto"`` (the
+    default): the calibration's memory per device less :data:`planner.memory.MEMORY_RESERVE`
+    (10%); a number: that; ``None`` or ``float("inf")``: no limit. When nothing fits,
+    :class:`planner.memory.MemoryLimitError` names the smallest peak found and its largest
+    buffers.
     """
     prog = analyze(fn, *args)
     sizes = mesh_shape(mesh).sizes
-    calibration = calibration or Calibration.for_backend()
+    calibration = calibration or default_calibration(mesh)
     start = time.perf_counter()
-    sched, pred = search(prog, sizes, calibration, memory_limit_bytes)
+    sched, pred = search_within(prog, sizes, calibration, memory_limit_bytes)
     elapsed = time.perf_counter() - start
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     in_tree = jax.tree.structure(args)
@@ -279,7 +295,9 @@ def plan(
     return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree, replicated, calibration)
 
 
-def auto_shard(fn: Callable, *, mesh, memory_limit_bytes: int | None = None) -> Callable:
+def auto_shard(
+    fn: Callable, *, mesh, memory_limit_bytes: int | float | str | None = AUTO
+) -> Callable:
     """``fn`` planned on its first call for each input structure, shapes and dtypes, then run."""
     plans: dict = {}
 

@@ -31,8 +31,9 @@ import networkx as nx
 
 from planner.chain import ChainDP, with_siblings
 from planner.ir import Op, Program
+from planner.memory import MemoryLimitError
 from planner.schedule import Schedule, make_schedule
-from planner.simulator import Prediction, simulate
+from planner.simulator import Prediction, peak_buffers, simulate
 from redist.calibration import Calibration
 from redist.types import MeshShape
 
@@ -83,6 +84,7 @@ class _Evaluator:
         self.groups = groups
         self.cache: dict = {}
         self.best_peak = math.inf
+        self.best_peak_schedule: Schedule | None = None
 
     def __call__(
         self, assign: Assignment, default: str = "propagate", stored: dict | None = None
@@ -97,7 +99,8 @@ class _Evaluator:
                 self.cache[key] = (math.inf, math.inf, None, None)
                 return self.cache[key]
             pred = simulate(self.prog, sched, self.cal)
-            self.best_peak = min(self.best_peak, pred.peak_bytes)
+            if pred.peak_bytes < self.best_peak:
+                self.best_peak, self.best_peak_schedule = pred.peak_bytes, sched
             if self.limit is not None and pred.peak_bytes > self.limit:
                 self.cache[key] = (math.inf, pred.peak_bytes, sched, pred)
             else:
@@ -177,8 +180,9 @@ def search(
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
     Raises:
-        ValueError: if no schedule fits ``memory_limit_bytes`` (the message gives the smallest
-            peak seen).
+        planner.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
+            ``memory_limit_bytes`` (the message gives the smallest peak seen and its largest
+            buffers).
     """
     shape = MeshShape.of(dict(getattr(mesh, "shape", mesh)))
     sizes = shape.factor_size
@@ -364,8 +368,7 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
 def _result(score, evaluate: _Evaluator, limit):
     time_s, _, sched, pred = score
     if sched is None or time_s == math.inf:
-        raise ValueError(
-            f"no schedule fits memory_limit_bytes={limit}; the smallest predicted peak seen is "
-            f"{evaluate.best_peak} bytes per device"
-        )
+        smallest = evaluate.best_peak_schedule
+        peak = None if smallest is None else peak_buffers(evaluate.prog, smallest, evaluate.cal)
+        raise MemoryLimitError(limit, peak)
     return sched, pred

@@ -181,7 +181,64 @@ def op_seconds(
 
 def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
     """Predicted time, wire bytes and peak memory per device of ``prog`` under ``sched``."""
-    cal = calibration or Calibration.default()
+    return _simulate(prog, sched, calibration or Calibration.default())
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A buffer live on each device at the predicted peak: a program value in its own layout
+    (``kind`` ``"input"``, ``"output"``, ``"constant"`` or ``"from <op>"``), an operand's copy in
+    the layout the running op reads it in (``"moved for <op>"``), or what a redistribution holds
+    beyond its result (``"scratch"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # per device
+    kind: str
+
+    def __str__(self) -> str:
+        return (f"{self.name} {self.dtype}{list(self.shape)} ({self.kind}): "
+                f"{self.bytes:,} bytes per device")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The predicted peak: its bytes per device, the op running then (None: before the first op)
+    and the buffers live then, largest first."""
+
+    bytes: int
+    op: str | None
+    buffers: tuple[Buffer, ...]
+
+
+def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Peak:
+    """What is live on each device at ``simulate``'s predicted peak, largest first."""
+    values = {v.name: v for v in prog.inputs}
+    values.update((v.name, v) for v, _ in prog.consts)
+    values.update((r.value.name, r.value) for o in prog.ops for r in o.results)
+    kinds = {v.name: "constant" for v, _ in prog.consts}
+    kinds.update((v.name, "output") for v in prog.outputs)
+    kinds.update((v.name, "input") for v in prog.inputs)
+    found: list = []
+
+    def record(op, live, moves, moved, transient):
+        bufs = [Buffer(n, values[n].shape, values[n].dtype, b,
+                       kinds.get(n) or f"from {prog.producer[n].name}")
+                for n, b in live.items()]  # fmt: skip
+        bufs += [Buffer(mv.value.name, mv.value.shape, mv.value.dtype, b, f"moved for {op}")
+                 for mv, b in zip(moves, moved)]  # fmt: skip
+        if transient:
+            bufs.append(Buffer(f"redistribution for {op}", (), "uint8", transient, "scratch"))
+        found[:] = [op, sorted(bufs, key=lambda b: -b.bytes)]
+
+    pred = _simulate(prog, sched, calibration or Calibration.default(), record)
+    return Peak(pred.peak_bytes, found[0], tuple(found[1]))
+
+
+def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) -> Prediction:
+    """:func:`simulate`; ``on_peak(op name, live values, moves, moved bytes, scratch bytes)`` is
+    called whenever the peak grows (first with the inputs and constants, op None)."""
     sizes = sched.mesh
     m = redist.MeshShape.of(sizes)
     steps = dataflow(prog, sched)
@@ -197,6 +254,8 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
         live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     costs = []
     peak = live.total
+    if on_peak is not None:
+        on_peak(None, live, (), (), 0)
     memo = _memo(prog, cal, sizes)
     for k, st in enumerate(steps):
         op = st.op
@@ -206,7 +265,10 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
         # A moved copy serves this op alone; the value stays live in its own layout until its
         # last use (so a weight stored split and gathered for one product is held whole only
         # while that product runs).
-        now = live.total + sum(moved) + max(0, transient - max(moved, default=0))
+        scratch = max(0, transient - max(moved, default=0))
+        now = live.total + sum(moved) + scratch
+        if on_peak is not None and now > peak:
+            on_peak(op.name, live, st.moves, moved, scratch)
         peak = max(peak, now)
         costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now))
         for acc in op.operands:

@@ -1,8 +1,16 @@
 """A calibrated cost model: compute throughput, local copy bandwidth, and per collective kind a
 latency + bandwidth line. Calibrate on the current backend with ``python -m
 experiments.calibrate``; ``Calibration.default()`` loads the file shipped for CPU, and
-``Calibration.named("h100_sxm")`` / ``named("tpu_v5p")`` / ``for_backend()`` the ones written from
-published figures (each file lists its sources).
+``Calibration.named("h100_sxm")`` / ``named("tpu_v5p")`` (``tpu_v5e``, ``tpu_v6e``, ``tpu_v4``) /
+``for_backend()`` / ``for_device_kind()`` the ones written from published figures (each file lists
+its sources).
+
+Memory per device: ``memory_bytes`` (with ``memory_source``, where the figure comes from). The TPU
+files give what the TPU compiler reports as available HBM per device (slightly less than the chip's
+published capacity); the H100 file the datasheet's 80 GB. The CPU file says ``"memory_bytes":
+"host"``: the machine's physical memory (or its cgroup limit, whichever is smaller), read when the
+file is loaded, which the CPU devices of one process share (``host_memory``; see
+:meth:`Calibration.device_memory_bytes`).
 
 Links per mesh axis: devices are numbered row-major over the mesh, and the first
 ``domain_devices`` of them share the fast network (NVLink in a GPU host, ICI in a TPU slice). A
@@ -64,6 +72,9 @@ class Calibration:
     cross_latency_s: dict[str, float] | None = None  # the slower network between domains
     cross_bytes_per_s: dict[str, float] | None = None
     sources: tuple[str, ...] = ()  # where the figures come from
+    memory_bytes: float | None = None  # per device (per host if host_memory); None: unknown
+    memory_source: str = ""  # where memory_bytes comes from
+    host_memory: bool = False  # memory_bytes is the host's, shared by its devices (cpu)
 
     def collective_time(self, kind: str, nbytes: float, n: int, crosses: bool = False) -> float:
         """Seconds for ``kind`` over ``n`` devices; ``crosses``: the group spans two domains."""
@@ -94,8 +105,23 @@ class Calibration:
         traffic = read_bytes / read_rate + written_bytes / self.copy_bytes_per_s
         return max(flops / self.flops_per_s, traffic)
 
+    def device_memory_bytes(self, devices_per_host: int = 1) -> float | None:
+        """Memory of one device: ``memory_bytes``, or for a host's memory shared by its devices
+        (``host_memory``, the CPU file) that divided by ``devices_per_host`` (the planner passes
+        the mesh's devices on this host: the smaller of the mesh's size and the process's CPU
+        device count). None when the file states no memory."""
+        if self.memory_bytes is None:
+            return None
+        if self.host_memory:
+            return self.memory_bytes / max(1, devices_per_host)
+        return self.memory_bytes
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        data = dataclasses.asdict(self)
+        if self.host_memory:  # read again from the machine that loads the file
+            data["memory_bytes"] = HOST
+            del data["host_memory"]
+        return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -105,6 +131,9 @@ class Calibration:
             raise ValueError(f"calibration lacks collective kinds {missing}")
         if "sources" in data:
             data["sources"] = tuple(data["sources"])
+        if data.get("memory_bytes") == HOST:
+            data["memory_bytes"] = float(host_memory_bytes())
+            data["host_memory"] = True
         return cls(**data)
 
     @classmethod
@@ -123,7 +152,8 @@ class Calibration:
 
     @classmethod
     def named(cls, name: str) -> Calibration:
-        """A shipped calibration by name: ``"cpu"``, ``"h100_sxm"`` or ``"tpu_v5p"``."""
+        """A shipped calibration by name: ``"cpu"``, ``"h100_sxm"``, ``"tpu_v5p"``, ``"tpu_v5e"``,
+        ``"tpu_v6e"`` or ``"tpu_v4"``."""
         path = os.path.join(os.path.dirname(__file__), "calibrations", f"{name}.json")
         if not os.path.exists(path):
             names = sorted(f[:-5] for f in os.listdir(os.path.dirname(path)) if f.endswith(".json"))
@@ -141,6 +171,39 @@ class Calibration:
         return cls.named(
             {"gpu": "h100_sxm", "cuda": "h100_sxm", "tpu": "tpu_v5p"}.get(backend, "cpu")
         )
+
+    @classmethod
+    def for_device_kind(cls, kind: str) -> Calibration | None:
+        """The shipped calibration for a JAX ``device.device_kind`` (``"TPU v5"`` -> v5p, ``"TPU v5
+        lite"`` -> v5e, ``"TPU v6 lite"`` -> v6e, ``"TPU v4"``, H100s, ``"cpu"``); None if none."""
+        name = DEVICE_KINDS.get(kind.strip().lower())
+        if name is None and "h100" in kind.lower():
+            name = "h100_sxm"
+        return cls.named(name) if name else None
+
+
+HOST = "host"  # "memory_bytes": "host" in a file: this machine's memory, shared by its devices
+
+# JAX device kinds (lower case) -> shipped calibration files.
+DEVICE_KINDS = {
+    "tpu v5": "tpu_v5p", "tpu v5p": "tpu_v5p", "tpu v5 lite": "tpu_v5e", "tpu v5e": "tpu_v5e",
+    "tpu v6 lite": "tpu_v6e", "tpu v6e": "tpu_v6e", "tpu v4": "tpu_v4", "cpu": "cpu",
+}  # fmt: skip
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (``os.sysconf``), or the process's cgroup memory limit where
+    that is smaller (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 @functools.cache

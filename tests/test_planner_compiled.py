@@ -1,0 +1,137 @@
+"""Compiling plans and hand shardings for TPU topologies on this CPU host (the TPU compiler,
+libtpu, from the test extra), and reading the compiler's verdict."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import planner
+from planner import compiled as compiled_mod
+from redist.calibration import Calibration
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"',
+)
+
+AXES = {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def _loss(x, w1, w2):
+    return jnp.mean((jnp.tanh(x @ w1) @ w2) ** 2)
+
+
+def sgd_step(x, w1, w2):
+    g1, g2 = jax.grad(_loss, argnums=(1, 2))(x, w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+SHAPES = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((512, 256), (256, 1024), (1024, 256))]
+
+
+def test_topology_mesh_says_how_to_get_libtpu(monkeypatch):
+    monkeypatch.setattr(compiled_mod, "_libtpu_missing", lambda: True)
+    with pytest.raises(ValueError, match=r'pip install "redist\[tpu\]"'):
+        planner.topology_mesh("v5p:2x2x2", AXES)
+
+
+@needs_libtpu
+def test_topology_mesh_is_auto_axes_over_the_topologys_chips():
+    mesh = planner.topology_mesh("v5p:2x2x2", AXES)
+    assert dict(mesh.shape) == AXES and mesh.axis_types == (AxisType.Auto,) * 3
+    assert {d.platform for d in mesh.devices.flat} == {"tpu"}
+    assert mesh.devices.flat[0].device_kind == "TPU v5"
+    assert len({d.id for d in mesh.devices.flat}) == 8
+    assert jax.default_backend() == "cpu"  # the forced CPU devices stay the default
+    v4 = planner.topology_mesh("v4:2x2x1", {"x": 4})  # megacore: one device per chip
+    assert v4.devices.size == 4
+    with pytest.raises(ValueError, match=r"multiply to 4 devices; topology 'v5p:2x2x2' has 8"):
+        planner.topology_mesh("v5p:2x2x2", {"data": 2, "tensor": 2})
+    with pytest.raises(ValueError, match="no TPU topology"):
+        planner.topology_mesh("v9z:2x2", {"x": 4})
+
+
+@needs_libtpu
+def test_report_of_a_hand_sharding_matches_the_compiler():
+    mesh = planner.topology_mesh("v5p:2x2x1", {"data": 2, "model": 2})
+    shard = [NamedSharding(mesh, s) for s in (P("data"), P(None, "model"), P("model"))]
+    f = jax.jit(sgd_step, in_shardings=tuple(shard), out_shardings=tuple(shard[1:]))
+    report = planner.compiled_report(f, *SHAPES)
+    c = f.lower(*SHAPES).compile()
+    mem = c.memory_analysis()
+    tiles = (512 * 256 // 2 + 2 * 256 * 1024 // 2) * 4  # x by data, the weights by model
+    assert report.argument_bytes == mem.argument_size_in_bytes == tiles
+    assert report.output_bytes == mem.output_size_in_bytes
+    assert report.temp_bytes == mem.temp_size_in_bytes
+    assert report.alias_bytes == mem.alias_size_in_bytes
+    assert report.total_bytes == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                  + mem.temp_size_in_bytes - mem.alias_size_in_bytes)  # fmt: skip
+    assert report.device_kind == "TPU v5" and report.num_devices == 4
+    assert report.hbm_bytes == Calibration.named("tpu_v5p").memory_bytes and report.fits
+    cost = c.cost_analysis()
+    products = 2 * 3 * 512 * 256 * 1024 / 4  # three products, split 4 ways
+    assert report.flops == cost["flops"] > products
+    assert report.bytes_accessed == cost["bytes accessed"]
+    assert report.optimal_seconds == cost["optimal_seconds"] > 0
+    # the data-parallel gradients are summed over "data"
+    assert "all-reduce" in report.collectives_by_kind
+    assert all(c.count > 0 and c.bytes > 0 for c in report.collectives)
+    text = str(report)
+    assert "fits" in text and "all-reduce" in text and "arguments" in text
+    # a Lowered and a Compiled give the same report
+    assert planner.compiled_report(f.lower(*SHAPES)) == report == planner.compiled_report(c)
+
+
+@needs_libtpu
+def test_a_program_over_hbm_is_reported_not_raised():
+    mesh = planner.topology_mesh("v5e:2x2", {"x": 4})  # 16 GB of HBM per chip
+    replicated = NamedSharding(mesh, P())
+    big = jax.ShapeDtypeStruct((5 * 2**30,), jnp.float32, sharding=replicated)  # 20 GiB
+    report = planner.compiled_report(jax.jit(lambda v: v * 2), big)
+    assert not report.fits and "RESOURCE_EXHAUSTED" in report.error
+    assert report.hbm_bytes == Calibration.named("tpu_v5e").memory_bytes
+    assert report.total_bytes > report.hbm_bytes and report.device_kind == "TPU v5 lite"
+    assert report.temp_bytes is None and "does NOT fit" in str(report)
+    sharded = jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh, P("x")))
+    assert planner.compiled_report(jax.jit(lambda v: v * 2), sharded).fits  # 5 GiB per chip
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mesh", [AbstractMesh(tuple(AXES.values()), tuple(AXES)), AXES],
+                         ids=["abstract", "dict"])  # fmt: skip
+def test_a_plan_made_without_devices_compiles_for_the_topology(mesh):
+    p = planner.plan(sgd_step, *SHAPES, mesh=mesh, calibration=Calibration.named("tpu_v5p"))
+    topo = planner.topology_mesh("v5p:2x2x2", AXES)
+    report = p.compiled_report(topo)  # no new search: the same schedule on the topology
+    assert report.fits and report.device_kind == "TPU v5" and report.num_devices == 8
+    bound = planner.bind_plan(p, topo)
+    assert bound.schedule is p.schedule and bound.prediction is p.prediction
+    shardings = jax.tree.leaves(bound.in_shardings)
+    assert all(s.mesh.devices.flat[0].platform == "tpu" for s in shardings)
+    compiled = bound.jit().lower(*SHAPES).compile()
+    assert report.total_bytes == compiled.memory_analysis().argument_size_in_bytes + (
+        compiled.memory_analysis().output_size_in_bytes
+        + compiled.memory_analysis().temp_size_in_bytes
+        - compiled.memory_analysis().alias_size_in_bytes
+    )
+    # what the planner predicted, next to what the compiler holds (both per device)
+    assert 0.25 < report.total_bytes / p.prediction.peak_bytes < 4
+    with pytest.raises(ValueError, match="same axis names and sizes"):
+        planner.bind_plan(p, planner.topology_mesh("v5p:2x2x2", {"data": 4, "tensor": 2}))
+
+
+@needs_libtpu
+def test_a_plan_on_a_topology_mesh_is_priced_as_that_tpu():
+    topo = planner.topology_mesh("v5p:2x2x1", {"data": 2, "model": 2})
+    p = planner.plan(sgd_step, *SHAPES, mesh=topo)
+    assert p.calibration == Calibration.named("tpu_v5p")
+    assert p.compiled_report().fits
+    x = np.zeros((4, 4), np.float32)
+    assert planner.plan(lambda v: v * 2, x, mesh=jax.make_mesh((8,), ("d",))).calibration == (
+        Calibration.default()
+    )
