@@ -14,7 +14,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from redist.linear import Move, device_ids, is_explicit, redistribute_p, same_mesh
-from redist.specs import SpecLike, dist_type, dtype_info, mesh_shape
+from redist.specs import SpecLike, check_options, dist_type, mesh_shape, movable_dtype
 from redist.synthesis import FOLD_MIN_BYTES
 
 _MISSING = object()
@@ -24,14 +24,17 @@ def _is_spec(s: Any) -> bool:
     return s is None or isinstance(s, (PartitionSpec, NamedSharding))
 
 
-def _pspec(s: SpecLike) -> PartitionSpec:
+def _pspec(s: SpecLike, argname: str) -> PartitionSpec:
     if isinstance(s, NamedSharding):
         return s.spec
     if s is None:
         return PartitionSpec()
     if isinstance(s, PartitionSpec):
         return s
-    raise TypeError(f"expected a PartitionSpec or NamedSharding, got {type(s).__name__}")
+    raise TypeError(
+        f"{argname} must be a PartitionSpec or a NamedSharding, got {s!r} of type "
+        f"{type(s).__name__} (a mesh axis name is written P({s!r}))"
+    )
 
 
 def _resolve_mesh(x, src, dst, mesh):
@@ -119,6 +122,11 @@ def _source_spec(x) -> PartitionSpec:
             )
         x = _known_value(x)
     sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        raise ValueError(
+            f"src was not given and x is a {type(x).__name__}, which has no layout; call "
+            "redistribute(x, src, dst) (x is placed as src first) or jax.device_put it"
+        )
     if not isinstance(sharding, NamedSharding):
         raise ValueError(
             f"src was not given and x's sharding is {type(sharding).__name__}, not a NamedSharding; "
@@ -130,12 +138,29 @@ def _source_spec(x) -> PartitionSpec:
 def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
+    given_src = None if src is _MISSING else _pspec(src, "src")
+    dst_spec = _pspec(dst, "dst")
+    if getattr(dst_spec, "unreduced", None):
+        raise NotImplementedError(
+            f"dst {dst_spec} has unreduced axes: a redistribution reduces pending sums, it does "
+            "not create them"
+        )
+    name, itemsize = movable_dtype(x.dtype, argname="x")
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(
+            "x was deleted (donated to an earlier call, or deleted by hand); pass a live array, "
+            "or keep the input with donate=False"
+        )
     mesh = _resolve_mesh(x, src, dst, mesh)
-    src_spec = _source_spec(x) if src is _MISSING else _pspec(src)
-    dst_spec = _pspec(dst)
+    if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) and \
+            mesh_shape(mesh).num_devices > 1:  # fmt: skip
+        raise ValueError(
+            f"x lives on one device ({x.sharding}), not on the mesh's {mesh_shape(mesh)}; place "
+            "it first with jax.device_put(x, NamedSharding(mesh, src))"
+        )
+    src_spec = _source_spec(x) if given_src is None else given_src
     m = mesh_shape(mesh)
     shape = tuple(x.shape)
-    name, itemsize = dtype_info(x.dtype)
     s = dist_type(src_spec, shape, m, argname="src")
     if src is not _MISSING and not isinstance(x, jax.core.Tracer):
         xs = getattr(x, "sharding", None)
@@ -150,11 +175,7 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     on_mesh = not isinstance(dst, NamedSharding) or same_mesh(mesh, dst.mesh)
     d = dist_type(dst_spec, shape, m if on_mesh else mesh_shape(dst.mesh, argname="dst.mesh"),
                   argname="dst")  # fmt: skip
-    if d.pending:
-        raise NotImplementedError(
-            f"dst {dst_spec} has unreduced axes: a redistribution reduces pending sums, it does "
-            "not create them"
-        )
+    del d  # validated: errors name dst, its dimension and axis
     target = dst if isinstance(dst, NamedSharding) else NamedSharding(mesh, dst_spec)
     move = Move(mesh, src_spec, target, shape, name, itemsize, options)
     _ = move.plan  # synthesize now: bad layouts raise here, naming the argument
@@ -176,6 +197,20 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
         # gradient back on x's mesh cannot be written on dst's (IndivisibleError).
         y = jax.lax.with_sharding_constraint(y, target)
     return y
+
+
+def _refuse_repeated(tree) -> None:
+    """A buffer donated twice would be freed twice: refuse repeated arrays in a donated pytree."""
+    first: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            where = jax.tree_util.keystr(path)
+            if id(leaf) in first:
+                raise ValueError(
+                    f"x{where} and x{first[id(leaf)]} are the same array; with donate=True each "
+                    "buffer can be given once: pass distinct arrays, or donate=False"
+                )
+            first[id(leaf)] = where
 
 
 def redistribute(
@@ -227,12 +262,14 @@ def redistribute(
     Raises:
         ValueError / TypeError: naming the argument, dimension and axis for invalid layouts.
     """
-    options = (cost_model, int(fold_min_bytes))
+    options = check_options(cost_model, fold_min_bytes)
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return _redistribute_array(x, src, dst, mesh, options, donate)
     leaves, treedef = jax.tree.flatten(x)
+    if donate:
+        _refuse_repeated(x)
 
     def per_leaf(spec, argname):
         if spec is _MISSING or _is_spec(spec):
