@@ -38,21 +38,26 @@ def _factor_type(spec: Spec, shape, mesh: MeshShape) -> DistType:
 
 def _spec_mesh(types: list[DistType], mesh: MeshShape) -> MeshShape:
     """The user's mesh, with every axis that some type uses only in part split into its prime
-    factors (named ``axis_0``, ``axis_1``, ... major first): the coarsest mesh over the same
-    devices on which every type is a ``PartitionSpec``."""
+    factors (named ``axis_0``, ``axis_1``, ... major first; ``axis__0``, ... when those names are
+    taken): the coarsest mesh over the same devices on which every type is a ``PartitionSpec``."""
     broken = set()
     for t in types:
         for entry in t.to_spec(mesh):
             for name in (entry,) if isinstance(entry, str) else entry or ():
                 if name not in mesh.sizes:
                     broken.add(mesh.factor_axis[name])
+    taken = set(mesh.sizes)
     axes = []
     for name, size in mesh.axes:
-        if name in broken:
-            axes += [(f"{name}_{k}", f.size) for k, f in enumerate(
-                f for f in mesh.factors if f.axis == name)]  # fmt: skip
-        else:
+        if name not in broken:
             axes.append((name, size))
+            continue
+        sizes = [f.size for f in mesh.factors if f.axis == name]
+        prefix = f"{name}_"
+        while any(f"{prefix}{k}" in taken for k in range(len(sizes))):
+            prefix += "_"
+        axes += [(f"{prefix}{k}", n) for k, n in enumerate(sizes)]
+        taken.update(n for n, _ in axes)
     return MeshShape(tuple(axes))
 
 
@@ -124,9 +129,10 @@ class AutoPlan:
         sizes = tuple(s for _, s in self.spec_mesh.axes)
         if names == list(self.mesh.axis_names):
             return self.mesh
-        kinds = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
-        types = tuple(kinds[n.rpartition("_")[0] if n not in kinds else n] for n in names)
-        return jax.sharding.Mesh(devices.reshape(sizes), tuple(names), axis_types=types)
+        types = []  # each axis of spec_mesh has the type of the user's axis it is (part of)
+        for name, kind in zip(self.mesh.axis_names, self.mesh.axis_types):
+            types += [kind] * (1 if name in names else len(self.mesh_shape.axis_factors(name)))
+        return jax.sharding.Mesh(devices.reshape(sizes), tuple(names), axis_types=tuple(types))
 
     @property
     def in_shardings(self):
