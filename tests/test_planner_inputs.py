@@ -36,3 +36,15 @@ def test_spec_mesh_names_do_not_collide_with_the_users_axes():
     assert len(set(names)) == len(names) and "c" not in names  # the plan splits part of c
     assert jax.tree.leaves(p.in_shardings)[0].mesh.axis_names == tuple(names)
     close(p(x, w), jnp.tanh(x @ w))
+
+
+def test_explicit_lowering_places_numpy_inputs_on_a_mesh_of_explicit_axes():
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Explicit,) * 3)
+    x, w = rand(64, 32), rand(32, 16)
+    p = planner.plan(lambda x, w: jnp.tanh(x @ w), x, w, mesh=mesh)
+    assert any(jax.tree.leaves(p.in_specs))  # the inputs rest split
+    want = jnp.tanh(x @ w)
+    close(p.lowered(x, w), want)
+    close(p(x, w), want)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
+    assert p.lowered.lower(*specs).compile()
