@@ -18,6 +18,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.analysis import analyze
+from planner.calls import ArgumentMismatch, Signature
 from planner.dataflow import dataflow, input_spec, output_specs
 from planner.explanation import explain_rows, render
 from planner.ir import Program
@@ -83,6 +84,14 @@ class AutoPlan:
     out_tree: object
     replicated: object = None
     calibration: Calibration | None = None  # what the plan was priced on
+    signature: Signature | None = None  # the arguments it was made for (planner.calls)
+
+    @functools.cached_property
+    def _signature(self) -> Signature:
+        if self.signature is not None:
+            return self.signature
+        specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.inputs]
+        return Signature.of(jax.tree.unflatten(self.in_tree, specs), {})
 
     @functools.cached_property
     def mesh_shape(self) -> MeshShape:
@@ -161,8 +170,11 @@ class AutoPlan:
         boundary shardings only). ``moves`` says who makes the plan's changes of layout:
         ``"auto"``: ``redist`` where XLA would rematerialise (replicate, then slice) or ``redist``
         is predicted faster, XLA elsewhere (:meth:`move_choices` lists them); ``"xla"``: XLA;
-        ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``;
-        ``static_argnums`` are not supported: plan on arrays).
+        ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``,
+        ``donate_argnames``). It takes the arguments the plan was made for: static ones (those
+        without arrays) are ``static_argnums``, and each new structure, shape, dtype or static
+        value is refused when traced (:class:`planner.calls.ArgumentMismatch`); with keyword
+        arguments it is a :class:`planner.calls.KeywordJit`.
 
         Example:
             >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP
@@ -171,17 +183,9 @@ class AutoPlan:
         for k in ("in_shardings", "out_shardings"):
             if k in jit_kwargs:
                 raise TypeError(f"plan.jit sets {k} itself; got {k}=")
-        in_shardings, out_shardings = self.in_shardings, self.out_shardings
+        in_shardings, out_shardings = jax.tree.leaves(self.in_shardings), self.out_shardings
         body = self._xla_lowered(moves).body
-        out_tree, n = self.out_tree, len(self.program.inputs)
-
-        def run(*args):
-            flat = jax.tree.leaves(args)
-            if len(flat) != n:
-                raise ValueError(f"the plan takes {n} arrays, got {len(flat)}")
-            return jax.tree.unflatten(out_tree, list(body(*flat)))
-
-        return jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kwargs)
+        return self._signature.jit(body, in_shardings, out_shardings, self.out_tree, **jit_kwargs)
 
     def _xla_lowered(self, moves: str) -> Lowered:
         explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
@@ -197,10 +201,17 @@ class AutoPlan:
     def _jitted(self):
         return self.jit()
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         """Run the plan as :meth:`jit` does (``plan.lowered`` is the explicit lowering: the whole
-        program as one ``shard_map``)."""
-        return self._jitted(*args)
+        program as one ``shard_map``); arguments unlike those the plan was made for are refused
+        (:class:`planner.calls.ArgumentMismatch`, a ``TypeError`` and a ``ValueError``)."""
+        try:
+            return self._jitted(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ArgumentMismatch):
+                raise
+            self._signature.check(args, kwargs)  # JAX refused them first: say how they differ
+            raise
 
     def summary(self) -> str:
         """The prediction, against full replication, and the mesh the specs are written on."""
@@ -257,36 +268,41 @@ def plan(
     mesh,
     memory_limit_bytes: int | None = None,
     calibration: Calibration | None = None,
+    **kwargs,
 ) -> AutoPlan:
-    """Analyse ``fn`` on ``args`` (arrays or ``jax.ShapeDtypeStruct``s), search the best schedule
-    on ``mesh`` (a ``Mesh``, an ``AbstractMesh`` or ``{name: size}``), return the plan.
+    """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
+    without arrays are static, see :mod:`planner.calls`), search the best schedule on ``mesh`` (a
+    ``Mesh``, an ``AbstractMesh`` or ``{name: size}``), return the plan.
 
     ``calibration`` prices time: by default the shipped one for ``jax.default_backend()``; plan
     for another machine with e.g. ``Calibration.named("tpu_v5p")`` (see
     :mod:`redist.calibration`).
     """
-    prog = analyze(fn, *args)
+    sig = Signature.of(args, kwargs)
+    flat_fn, arrays = sig.function(fn), sig.arrays(args, kwargs)
+    prog = analyze(flat_fn, *arrays)
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or Calibration.for_backend()
     start = time.perf_counter()
     sched, pred = search(prog, sizes, calibration, memory_limit_bytes)
     elapsed = time.perf_counter() - start
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
-    in_tree = jax.tree.structure(args)
-    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
-    return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree, replicated, calibration)
+    out_tree = jax.tree.structure(jax.eval_shape(flat_fn, *arrays))
+    return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
+                    calibration, sig)  # fmt: skip
 
 
 def auto_shard(fn: Callable, *, mesh, memory_limit_bytes: int | None = None) -> Callable:
-    """``fn`` planned on its first call for each input structure, shapes and dtypes, then run."""
+    """``fn`` planned on its first call for each signature (input structure, shapes, dtypes and
+    static arguments, see :mod:`planner.calls`), then run."""
     plans: dict = {}
 
-    def wrapped(*args):
-        leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    def wrapped(*args, **kwargs):
+        key = Signature.of(args, kwargs).key
         if key not in plans:
-            plans[key] = plan(fn, *args, mesh=mesh, memory_limit_bytes=memory_limit_bytes)
-        return plans[key](*args)
+            plans[key] = plan(fn, *args, mesh=mesh, memory_limit_bytes=memory_limit_bytes,
+                              **kwargs)  # fmt: skip
+        return plans[key](*args, **kwargs)
 
     wrapped.plans = plans
     return wrapped

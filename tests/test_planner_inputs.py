@@ -4,6 +4,7 @@ and numpy inputs to the explicit lowering on meshes of Explicit axes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, Mesh
 
 import planner
@@ -48,3 +49,89 @@ def test_explicit_lowering_places_numpy_inputs_on_a_mesh_of_explicit_axes():
     close(p(x, w), want)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
     assert p.lowered.lower(*specs).compile()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+
+
+def matmul(x, w):
+    return x @ w
+
+
+def test_a_plan_refuses_arguments_unlike_those_it_was_made_for(mesh):
+    x, w = rand(64, 32), rand(32, 16)
+    p = planner.plan(matmul, x, w, mesh=mesh)
+    xi, wi = x.astype(np.int32), w.astype(np.int32)
+    assert jax.jit(matmul)(xi, wi).dtype == np.int32  # what the plan must not silently change
+    for f in (p, p.jit()):
+        with pytest.raises(TypeError, match=r"args\[0\] has dtype int32, the plan's is float32"):
+            f(xi, wi)
+        with pytest.raises(ValueError, match=r"args\[1\] has shape \(32, 8\), the plan's is"):
+            f(x, w[:, :8])
+    with pytest.raises(ValueError, match=r"3 positional argument\(s\), the plan takes 2"):
+        p(x, w, w)
+    close(p(x, w), x @ w)  # and the plan still runs what it was made for
+
+    params = {"w": w, "b": rand(16)}
+    q = planner.plan(lambda x, p: x @ p["w"] + p["b"], x, params, mesh=mesh)
+    with pytest.raises(ValueError, match=r"args\[1\]\['b'\] has shape \(8,\)"):
+        q(x, {"w": w, "b": rand(8)})
+    with pytest.raises(ValueError, match=r"args\[1\] has structure"):
+        q(x, {"w": w})
+
+
+def test_auto_shard_plans_again_for_new_dtypes(mesh):
+    x, w = rand(64, 32), rand(32, 16)
+    f = planner.auto_shard(matmul, mesh=mesh)
+    assert f(x, w).dtype == np.float32
+    xi, wi = (RNG.integers(-3, 3, s).astype(np.int32) for s in ((64, 32), (32, 16)))
+    got = f(xi, wi)
+    assert got.dtype == np.int32 and len(f.plans) == 2
+    np.testing.assert_array_equal(np.asarray(got), xi @ wi)
+
+
+def test_arguments_without_arrays_are_static(mesh):
+    x = rand(64, 32)
+    f = planner.auto_shard(lambda x, n: x * n, mesh=mesh)
+    close(f(x, 3), x * 3)
+    close(f(x, 4), x * 4)
+    assert len(f.plans) == 2
+
+    def act(x, name, axes=(0,)):
+        return jnp.sum(getattr(jnp, name)(x), axis=axes)
+
+    p = planner.plan(act, x, "tanh", (1,), mesh=mesh)
+    assert p.in_specs[1:] == (None, None) and len(p.program.inputs) == 1
+    close(p(x, "tanh", (1,)), act(x, "tanh", (1,)))
+    with pytest.raises(ValueError, match=r"args\[1\] is the static value 'exp', the plan's is"):
+        p(x, "exp", (1,))
+    with pytest.raises(TypeError, match="must be hashable"):
+        planner.plan(act, x, "tanh", [1], mesh=mesh)
+
+
+def test_keyword_arguments_are_pytrees_of_arrays_or_static(mesh):
+    x, w = rand(64, 32), rand(32, 16)
+
+    def layer(x, *, w, scale=1.0):
+        return jnp.tanh(x @ w) * scale, w - 0.1 * scale
+
+    p = planner.plan(layer, x, w=w, scale=2.0, mesh=mesh)
+    specs = p.in_specs
+    assert (
+        isinstance(specs, tuple) and set(specs[1]) == {"scale", "w"} and specs[1]["scale"] is None
+    )
+    close(p(x, w=w, scale=2.0), layer(x, w=w, scale=2.0))
+    with pytest.raises(ValueError, match=r"keyword arguments \['w'\], the plan takes"):
+        p(x, w=w)
+    f = p.jit(donate_argnames="w")
+    assert f.lower(x, w=w, scale=2.0).compile()
+    w_on = jax.device_put(w, p.in_shardings[1]["w"])
+    close(f(x, w=w_on, scale=2.0), layer(x, w=w, scale=2.0))
+    assert w_on.is_deleted()
+
+    g = planner.auto_shard(layer, mesh=mesh)
+    close(g(x, w=w), layer(x, w=w))
+    close(g(x, w=w, scale=3.0), layer(x, w=w, scale=3.0))
+    assert len(g.plans) == 2
