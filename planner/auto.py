@@ -71,8 +71,8 @@ class AutoPlan:
     when the plan splits a dimension by part of a mesh axis, the same devices with that axis split
     into its prime factors (``c:8 -> c_0:2, c_1:2, c_2:2``; ``explain()`` says so).
     ``in_shardings`` / ``out_shardings`` are the same as ``NamedSharding``s (a concrete mesh is
-    needed for those and to run the plan; everything else works on an ``AbstractMesh`` or a
-    ``{name: size}`` mesh).
+    needed for those and to run the plan: :meth:`bind`; everything else works on an
+    ``AbstractMesh`` or a ``{name: size}`` mesh). :meth:`save` keeps it in a file.
     """
 
     program: Program
@@ -131,8 +131,9 @@ class AutoPlan:
         if devices is None:
             raise ValueError(
                 f"this plan was made for a mesh without devices ({self.mesh_shape}); its layouts "
-                "are in_specs / out_specs over spec_mesh. Plan on a jax.sharding.Mesh (or build "
-                "NamedShardings on your own mesh from those specs) to get shardings or run it"
+                "are in_specs / out_specs over spec_mesh. Bind it to a jax.sharding.Mesh of those "
+                "axes (plan.bind(mesh)), or build NamedShardings on your own mesh from those "
+                "specs, to get shardings or run it"
             )
         names = [n for n, _ in self.spec_mesh.axes]
         sizes = tuple(s for _, s in self.spec_mesh.axes)
@@ -235,6 +236,21 @@ class AutoPlan:
 
     def explain_json(self) -> list[dict]:
         return explain_rows(self.program, self.schedule, self.mesh_shape)
+
+    def save(self, path: str) -> None:
+        """Write the plan to ``path`` as JSON; :func:`planner.load` restores it without searching
+        (see :mod:`planner.persistence` for the format)."""
+        from planner import persistence
+
+        persistence.save(self, path)
+
+    def bind(self, mesh) -> AutoPlan:
+        """This plan on ``mesh``, a ``jax.sharding.Mesh`` with the axis names and sizes of the
+        (abstract) mesh it was made for: a new plan with shardings, that runs. Raises
+        ``ValueError`` naming what differs."""
+        from planner import persistence
+
+        return persistence.bind(self, mesh)
 
     def __repr__(self) -> str:
         return f"AutoPlan({len(self.program.ops)} ops on {self.mesh_shape}: {self.prediction})"

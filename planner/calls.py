@@ -45,9 +45,15 @@ def _leaf(x, path: str) -> tuple[tuple[int, ...], str]:
     )
 
 
+def without_addresses(text: str) -> str:
+    """``text`` without the memory addresses of reprs (``<function f at 0x7f...>``), so that it
+    is the same in every process."""
+    return _ADDRESS.sub("", text)
+
+
 def static_repr(value) -> str:
-    """A static value as text, without memory addresses (stable across processes)."""
-    return _ADDRESS.sub("", repr(value))
+    """A static value as text, the same in every process."""
+    return without_addresses(repr(value))
 
 
 @dataclasses.dataclass(frozen=True)
