@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 
@@ -34,14 +35,24 @@ def _is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _leaf(x, path: str) -> tuple[tuple[int, ...], str]:
+@functools.cache
+def _canonical(dtype):
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _leaf(x) -> tuple[tuple[int, ...], np.dtype] | None:
+    """``(shape, canonical dtype)`` of an array leaf, ``None`` if ``x`` is no array."""
     if _is_array(x):
-        return tuple(int(n) for n in x.shape), str(jax.dtypes.canonicalize_dtype(x.dtype))
+        return tuple(x.shape), _canonical(x.dtype)
     if isinstance(x, (bool, int, float, complex)):  # traced by jax.jit as a weak-typed scalar
-        return (), str(np.dtype(jnp.result_type(x)))
-    raise ArgumentMismatch(
-        f"{path} is a {type(x).__name__} inside an argument that holds arrays; pass it as an "
-        "argument of its own to make it static"
+        return (), np.dtype(jnp.result_type(x))
+    return None
+
+
+def _paths(label: str, tree) -> tuple[str, ...]:
+    skeleton = jax.tree.unflatten(tree, [0] * tree.num_leaves)
+    return tuple(
+        label + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(skeleton)
     )
 
 
@@ -63,14 +74,13 @@ class Arg:
     label: str
     static: bool
     tree: object = None  # an array argument's PyTreeDef
-    leaves: tuple = ()  # its leaves' (shape, dtype), in flattening order
-    paths: tuple = ()  # its leaves' paths, for messages
+    leaves: tuple = ()  # its leaves' (shape, canonical dtype), in flattening order
     value: object = None  # a static argument's value
 
     @classmethod
     def of(cls, label: str, x) -> Arg:
-        flat, tree = jax.tree_util.tree_flatten_with_path(x)
-        if not any(_is_array(v) for _, v in flat):
+        flat, tree = jax.tree.flatten(x)
+        if not any(_is_array(v) for v in flat):
             try:
                 hash(x)
             except TypeError:
@@ -79,9 +89,14 @@ class Arg:
                     f"and static arguments must be hashable; got a {type(x).__name__}"
                 ) from None
             return cls(label, True, value=x)
-        paths = tuple(label + jax.tree_util.keystr(p) for p, _ in flat)
-        leaves = tuple(_leaf(v, p) for p, (_, v) in zip(paths, flat))
-        return cls(label, False, tree, leaves, paths)
+        leaves = tuple(map(_leaf, flat))
+        if None in leaves:
+            k = leaves.index(None)
+            raise ArgumentMismatch(
+                f"{_paths(label, tree)[k]} is a {type(flat[k]).__name__} inside an argument that "
+                "holds arrays; pass it as an argument of its own to make it static"
+            )
+        return cls(label, False, tree, leaves)
 
     @property
     def key(self) -> tuple:
@@ -96,8 +111,8 @@ class Arg:
             "argument": self.label,
             "structure": str(self.tree),
             "leaves": [
-                {"path": p, "shape": list(s), "dtype": d}
-                for p, (s, d) in zip(self.paths, self.leaves)
+                {"path": p, "shape": list(s), "dtype": str(d)}
+                for p, (s, d) in zip(_paths(self.label, self.tree), self.leaves)
             ],  # fmt: skip
         }
 

@@ -109,6 +109,8 @@ def test_arguments_without_arrays_are_static(mesh):
         p(x, "exp", (1,))
     with pytest.raises(TypeError, match="must be hashable"):
         planner.plan(act, x, "tanh", [1], mesh=mesh)
+    with pytest.raises(TypeError, match=r"args\[0\]\['name'\] is a str inside an argument"):
+        planner.plan(lambda p: p["x"], {"x": x, "name": "tanh"}, mesh=mesh)
 
 
 def test_keyword_arguments_are_pytrees_of_arrays_or_static(mesh):
