@@ -5,15 +5,17 @@
 one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (calibrated cost model,
 ``python -m experiments.calibrate``). :func:`plan` / :func:`auto_shard` search a schedule (:func:`search`) and run it,
 within a memory limit (:mod:`planner.memory`). :func:`topology_mesh` / :func:`compiled_report` compile a
-plan or any jitted program for a TPU topology on any host and read the compiler's verdict.
+plan or any jitted program for a TPU topology on any host and read the compiler's verdict;
+``plan.save(path)`` and :func:`load` keep a plan in a file and restore it without searching.
 """
 
 from planner.analysis import analyze
 from planner.auto import AutoPlan, auto_shard, plan
-from planner.compiled import CompiledReport, bind_plan, compiled_report, topology_mesh
+from planner.compiled import CompiledReport, compiled_report, topology_mesh
 from planner.ir import Access, Loop, Op, Program, Value
 from planner.lowering import Lowered, lower
 from planner.memory import MEMORY_RESERVE, MemoryLimitError
+from planner.persistence import load
 from planner.schedule import Schedule, make_schedule
 from planner.schedule_search import search
 from planner.simulator import Prediction, simulate
@@ -33,12 +35,12 @@ __all__ = [
     "simulate",
     "AutoPlan",
     "auto_shard",
+    "load",
     "plan",
     "search",
     "CompiledReport",
     "MEMORY_RESERVE",
     "MemoryLimitError",
-    "bind_plan",
     "compiled_report",
     "topology_mesh",
 ]

@@ -18,6 +18,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.analysis import analyze
+from planner.calls import ArgumentMismatch, Signature
 from planner.dataflow import dataflow, input_spec, output_specs
 from planner.explanation import explain_rows, render
 from planner.ir import Program
@@ -38,21 +39,26 @@ def _factor_type(spec: Spec, shape, mesh: MeshShape) -> DistType:
 
 def _spec_mesh(types: list[DistType], mesh: MeshShape) -> MeshShape:
     """The user's mesh, with every axis that some type uses only in part split into its prime
-    factors (named ``axis_0``, ``axis_1``, ... major first): the coarsest mesh over the same
-    devices on which every type is a ``PartitionSpec``."""
+    factors (named ``axis_0``, ``axis_1``, ... major first; ``axis__0``, ... when those names are
+    taken): the coarsest mesh over the same devices on which every type is a ``PartitionSpec``."""
     broken = set()
     for t in types:
         for entry in t.to_spec(mesh):
             for name in (entry,) if isinstance(entry, str) else entry or ():
                 if name not in mesh.sizes:
                     broken.add(mesh.factor_axis[name])
+    taken = set(mesh.sizes)
     axes = []
     for name, size in mesh.axes:
-        if name in broken:
-            axes += [(f"{name}_{k}", f.size) for k, f in enumerate(
-                f for f in mesh.factors if f.axis == name)]  # fmt: skip
-        else:
+        if name not in broken:
             axes.append((name, size))
+            continue
+        sizes = [f.size for f in mesh.factors if f.axis == name]
+        prefix = f"{name}_"
+        while any(f"{prefix}{k}" in taken for k in range(len(sizes))):
+            prefix += "_"
+        axes += [(f"{prefix}{k}", n) for k, n in enumerate(sizes)]
+        taken.update(n for n, _ in axes)
     return MeshShape(tuple(axes))
 
 
@@ -65,8 +71,8 @@ class AutoPlan:
     when the plan splits a dimension by part of a mesh axis, the same devices with that axis split
     into its prime factors (``c:8 -> c_0:2, c_1:2, c_2:2``; ``explain()`` says so).
     ``in_shardings`` / ``out_shardings`` are the same as ``NamedSharding``s (a concrete mesh is
-    needed for those and to run the plan; everything else works on an ``AbstractMesh`` or a
-    ``{name: size}`` mesh).
+    needed for those and to run the plan: :meth:`bind`; everything else works on an
+    ``AbstractMesh`` or a ``{name: size}`` mesh). :meth:`save` keeps it in a file.
     """
 
     program: Program
@@ -78,6 +84,14 @@ class AutoPlan:
     out_tree: object
     replicated: object = None
     calibration: Calibration | None = None  # what the plan was priced on
+    signature: Signature | None = None  # the arguments it was made for (planner.calls)
+
+    @functools.cached_property
+    def _signature(self) -> Signature:
+        if self.signature is not None:
+            return self.signature
+        specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.inputs]
+        return Signature.of(jax.tree.unflatten(self.in_tree, specs), {})
 
     @functools.cached_property
     def mesh_shape(self) -> MeshShape:
@@ -117,16 +131,18 @@ class AutoPlan:
         if devices is None:
             raise ValueError(
                 f"this plan was made for a mesh without devices ({self.mesh_shape}); its layouts "
-                "are in_specs / out_specs over spec_mesh. Plan on a jax.sharding.Mesh (or build "
-                "NamedShardings on your own mesh from those specs) to get shardings or run it"
+                "are in_specs / out_specs over spec_mesh. Bind it to a jax.sharding.Mesh of those "
+                "axes (plan.bind(mesh)), or build NamedShardings on your own mesh from those "
+                "specs, to get shardings or run it"
             )
         names = [n for n, _ in self.spec_mesh.axes]
         sizes = tuple(s for _, s in self.spec_mesh.axes)
         if names == list(self.mesh.axis_names):
             return self.mesh
-        kinds = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
-        types = tuple(kinds[n.rpartition("_")[0] if n not in kinds else n] for n in names)
-        return jax.sharding.Mesh(devices.reshape(sizes), tuple(names), axis_types=types)
+        types = []  # each axis of spec_mesh has the type of the user's axis it is (part of)
+        for name, kind in zip(self.mesh.axis_names, self.mesh.axis_types):
+            types += [kind] * (1 if name in names else len(self.mesh_shape.axis_factors(name)))
+        return jax.sharding.Mesh(devices.reshape(sizes), tuple(names), axis_types=tuple(types))
 
     @property
     def in_shardings(self):
@@ -155,8 +171,11 @@ class AutoPlan:
         boundary shardings only). ``moves`` says who makes the plan's changes of layout:
         ``"auto"``: ``redist`` where XLA would rematerialise (replicate, then slice) or ``redist``
         is predicted faster, XLA elsewhere (:meth:`move_choices` lists them); ``"xla"``: XLA;
-        ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``;
-        ``static_argnums`` are not supported: plan on arrays).
+        ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``,
+        ``donate_argnames``). It takes the arguments the plan was made for: static ones (those
+        without arrays) are ``static_argnums``, and each new structure, shape, dtype or static
+        value is refused when traced (:class:`planner.calls.ArgumentMismatch`); with keyword
+        arguments it is a :class:`planner.calls.KeywordJit`.
 
         Example:
             >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP
@@ -165,17 +184,9 @@ class AutoPlan:
         for k in ("in_shardings", "out_shardings"):
             if k in jit_kwargs:
                 raise TypeError(f"plan.jit sets {k} itself; got {k}=")
-        in_shardings, out_shardings = self.in_shardings, self.out_shardings
+        in_shardings, out_shardings = jax.tree.leaves(self.in_shardings), self.out_shardings
         body = self._xla_lowered(moves).body
-        out_tree, n = self.out_tree, len(self.program.inputs)
-
-        def run(*args):
-            flat = jax.tree.leaves(args)
-            if len(flat) != n:
-                raise ValueError(f"the plan takes {n} arrays, got {len(flat)}")
-            return jax.tree.unflatten(out_tree, list(body(*flat)))
-
-        return jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings, **jit_kwargs)
+        return self._signature.jit(body, in_shardings, out_shardings, self.out_tree, **jit_kwargs)
 
     def _xla_lowered(self, moves: str) -> Lowered:
         explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
@@ -191,10 +202,17 @@ class AutoPlan:
     def _jitted(self):
         return self.jit()
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         """Run the plan as :meth:`jit` does (``plan.lowered`` is the explicit lowering: the whole
-        program as one ``shard_map``)."""
-        return self._jitted(*args)
+        program as one ``shard_map``); arguments unlike those the plan was made for are refused
+        (:class:`planner.calls.ArgumentMismatch`, a ``TypeError`` and a ``ValueError``)."""
+        try:
+            return self._jitted(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ArgumentMismatch):
+                raise
+            self._signature.check(args, kwargs)  # JAX refused them first: say how they differ
+            raise
 
     def summary(self) -> str:
         """The prediction, against full replication, and the mesh the specs are written on."""
@@ -236,6 +254,21 @@ class AutoPlan:
     def explain_json(self) -> list[dict]:
         return explain_rows(self.program, self.schedule, self.mesh_shape)
 
+    def save(self, path: str) -> None:
+        """Write the plan to ``path`` as JSON; :func:`planner.load` restores it without searching
+        (see :mod:`planner.persistence` for the format)."""
+        from planner import persistence
+
+        persistence.save(self, path)
+
+    def bind(self, mesh) -> AutoPlan:
+        """This plan on ``mesh``, a ``jax.sharding.Mesh`` with the axis names and sizes of the
+        (abstract) mesh it was made for: a new plan with shardings, that runs. Raises
+        ``ValueError`` naming what differs."""
+        from planner import persistence
+
+        return persistence.bind(self, mesh)
+
     def __repr__(self) -> str:
         return f"AutoPlan({len(self.program.ops)} ops on {self.mesh_shape}: {self.prediction})"
 
@@ -268,9 +301,11 @@ def plan(
     mesh,
     memory_limit_bytes: int | float | str | None = AUTO,
     calibration: Calibration | None = None,
+    **kwargs,
 ) -> AutoPlan:
-    """Analyse ``fn`` on ``args`` (arrays or ``jax.ShapeDtypeStruct``s), search the best schedule
-    on ``mesh`` (a ``Mesh``, an ``AbstractMesh`` or ``{name: size}``), return the plan.
+    """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
+    without arrays are static, see :mod:`planner.calls`), search the best schedule on ``mesh`` (a
+    ``Mesh``, an ``AbstractMesh`` or ``{name: size}``), return the plan.
 
     ``calibration`` prices time: by default the shipped one for the mesh's devices (a mesh from
     :func:`planner.topology_mesh` is priced as its TPU) or else for ``jax.default_backend()``;
@@ -283,30 +318,33 @@ def plan(
     :class:`planner.memory.MemoryLimitError` names the smallest peak found and its largest
     buffers.
     """
-    prog = analyze(fn, *args)
+    sig = Signature.of(args, kwargs)
+    flat_fn, arrays = sig.function(fn), sig.arrays(args, kwargs)
+    prog = analyze(flat_fn, *arrays)
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or default_calibration(mesh)
     start = time.perf_counter()
     sched, pred = search_within(prog, sizes, calibration, memory_limit_bytes)
     elapsed = time.perf_counter() - start
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
-    in_tree = jax.tree.structure(args)
-    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
-    return AutoPlan(prog, sched, pred, mesh, elapsed, in_tree, out_tree, replicated, calibration)
+    out_tree = jax.tree.structure(jax.eval_shape(flat_fn, *arrays))
+    return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
+                    calibration, sig)  # fmt: skip
 
 
 def auto_shard(
     fn: Callable, *, mesh, memory_limit_bytes: int | float | str | None = AUTO
 ) -> Callable:
-    """``fn`` planned on its first call for each input structure, shapes and dtypes, then run."""
+    """``fn`` planned on its first call for each signature (input structure, shapes, dtypes and
+    static arguments, see :mod:`planner.calls`), then run."""
     plans: dict = {}
 
-    def wrapped(*args):
-        leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    def wrapped(*args, **kwargs):
+        key = Signature.of(args, kwargs).key
         if key not in plans:
-            plans[key] = plan(fn, *args, mesh=mesh, memory_limit_bytes=memory_limit_bytes)
-        return plans[key](*args)
+            plans[key] = plan(fn, *args, mesh=mesh, memory_limit_bytes=memory_limit_bytes,
+                              **kwargs)  # fmt: skip
+        return plans[key](*args, **kwargs)
 
     wrapped.plans = plans
     return wrapped

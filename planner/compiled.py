@@ -294,22 +294,6 @@ def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> Compil
     )
 
 
-def bind_plan(plan, mesh):
-    """``plan`` (an :class:`planner.AutoPlan`) on the concrete ``mesh``, which must have the plan's
-    axis names and sizes in the same order (e.g. a :func:`topology_mesh` for a plan made on an
-    ``AbstractMesh`` or ``{name: size}``): the same schedule and prediction, no new search."""
-    from redist.specs import mesh_shape
-
-    if mesh is None or mesh is plan.mesh:
-        return plan
-    if mesh_shape(mesh) != plan.mesh_shape:
-        raise ValueError(
-            f"the plan was made for mesh {plan.mesh_shape}; bind it to a mesh of the same axis "
-            f"names and sizes in the same order, not {mesh_shape(mesh)}"
-        )
-    return dataclasses.replace(plan, mesh=mesh)
-
-
 def input_structs(plan) -> tuple:
     """``jax.ShapeDtypeStruct``s of the plan's arguments, in the structure ``plan.jit()`` takes."""
     from planner.ir import is_key
@@ -327,5 +311,5 @@ def input_structs(plan) -> tuple:
 def plan_compiled_report(plan, mesh=None, moves: str = "auto") -> CompiledReport:
     """:meth:`planner.AutoPlan.compiled_report`: ``plan.jit(moves)`` bound to ``mesh`` (default:
     the plan's own mesh), compiled on the plan's argument shapes."""
-    bound = bind_plan(plan, mesh)
+    bound = plan if mesh is None or mesh is plan.mesh else plan.bind(mesh)
     return compiled_report(bound.jit(moves), *input_structs(bound))

@@ -70,7 +70,8 @@ class Lowered:
         self.steps = dataflow(prog, sched)
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
-        in_shardings = tuple(NamedSharding(mesh, _pspec(s)) for s in self.in_specs)
+        self.in_shardings = in_shardings = tuple(NamedSharding(mesh, _pspec(s))
+                                                 for s in self.in_specs)  # fmt: skip
         self.local = backend == "explicit"  # values are tiles inside one shard_map
         self.xla = backend == "xla"  # values are whole arrays with sharding constraints
         self.choices: dict[tuple, MoveChoice] = {}
@@ -85,14 +86,27 @@ class Lowered:
         self._jitted = jax.jit(self.body, in_shardings=in_shardings)
 
     def __call__(self, *args):
-        flat = jax.tree.leaves(args)
-        if len(flat) != len(self.prog.inputs):
-            raise ValueError(f"expected {len(self.prog.inputs)} arrays, got {len(flat)}")
-        outs = self._jitted(*flat)
+        outs = self._jitted(*self._placed(args))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def lower(self, *args):
-        return self._jitted.lower(*jax.tree.leaves(args))
+        return self._jitted.lower(*self._placed(args))
+
+    def _placed(self, args) -> list:
+        """The arrays of ``args``, those not yet on devices (numpy arrays, Python numbers) put
+        where the schedule stores them: on a mesh of Explicit axes ``jax.jit`` would trace them
+        unsharded, which the ``shard_map``'s ``in_specs`` refuse."""
+        flat = jax.tree.leaves(args)
+        if len(flat) != len(self.prog.inputs):
+            raise ValueError(f"expected {len(self.prog.inputs)} arrays, got {len(flat)}")
+        out = []
+        for x, s in zip(flat, self.in_shardings):
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+                x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            elif not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+                x = jax.device_put(x, s)
+            out.append(x)
+        return out
 
     # ----- the explicit backends -----
     def _one_region(self, *flat):

@@ -1,0 +1,210 @@
+"""Plans kept in files and carried to other meshes: ``plan.save(path)``, :func:`load` and
+``plan.bind(mesh)``.
+
+A saved plan is plain JSON (``"format": "redist.planner.plan"``, ``"version": 1``): the schedule
+(every op's loop -> mesh factor assignment, the inputs' layouts at rest), a fingerprint of the
+program (a hash of its jaxpr's text without source information, the same in every process and on
+every host), the arguments (pytree structure, shapes and dtypes, static values), the structure of
+the outputs, the mesh's axis names and sizes, the calibration (its shipped name and its figures)
+and the prediction. :func:`load` traces the function again but does not search: it refuses, with a
+``ValueError`` saying what differs, another program, other arguments or another mesh.
+
+Example:
+    >>> p = planner.plan(step, *shapes, mesh=AbstractMesh((2, 2, 2), ("a", "b", "c")))  # doctest: +SKIP
+    >>> p.save("step.plan.json")
+    >>> q = planner.load("step.plan.json", step, *arrays, mesh=jax.make_mesh(...))  # elsewhere
+    >>> q(*arrays)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Callable
+
+import jax
+
+from planner.analysis import analyze
+from planner.auto import AutoPlan, _devices
+from planner.calls import Signature, differences, without_addresses
+from planner.ir import Program
+from planner.schedule import Schedule, make_schedule
+from planner.simulator import simulate
+from redist.calibration import Calibration
+from redist.specs import mesh_shape
+from redist.types import MeshShape
+
+FORMAT = "redist.planner.plan"
+VERSION = 1
+
+
+def fingerprint(prog: Program) -> str:
+    """A hash of the program's jaxpr as text, without source information or memory addresses."""
+    text = prog.jaxpr.pretty_print(source_info=False, name_stack=False)
+    return "sha256:" + hashlib.sha256(without_addresses(text).encode()).hexdigest()
+
+
+def mesh_differences(planned: MeshShape, given: MeshShape) -> list[str]:
+    """What differs between two meshes' axis names, order and sizes."""
+    a, b = planned.axis_names, given.axis_names
+    out = []
+    if a != b:
+        how = "in another order" if sorted(a) == sorted(b) else f"the plan's are {a}"
+        out.append(f"mesh axes {b}, {how}")
+    for name in a:
+        if name in given.sizes and given.sizes[name] != planned.sizes[name]:
+            out.append(
+                f"mesh axis {name!r} has size {given.sizes[name]}, the plan's has "
+                f"{planned.sizes[name]}"
+            )
+    return out
+
+
+def bind(plan: AutoPlan, mesh) -> AutoPlan:
+    """``plan`` (made for an ``AbstractMesh`` or ``{name: size}``) on ``mesh``, a
+    ``jax.sharding.Mesh`` of the same axis names and sizes: a new plan that has shardings and
+    runs. Raises ``ValueError`` naming what differs."""
+    if _devices(mesh) is None:
+        raise ValueError(f"bind needs a jax.sharding.Mesh with devices; got {type(mesh).__name__}")
+    problems = mesh_differences(plan.mesh_shape, mesh_shape(mesh))
+    if problems:
+        raise ValueError(
+            f"this plan was made for the mesh {plan.mesh_shape}: " + "; ".join(problems)
+        )
+    return dataclasses.replace(plan, mesh=mesh)
+
+
+def _shipped_name(cal: Calibration) -> str | None:
+    folder = os.path.join(os.path.dirname(__import__("redist").__file__), "calibrations")
+    for name in sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json")):
+        if Calibration.named(name) == cal:
+            return name
+    return None
+
+
+def _prediction(pred) -> dict | None:
+    if pred is None:
+        return None
+    return {"time_s": pred.time_s, "comm_bytes": pred.comm_bytes, "peak_bytes": pred.peak_bytes}
+
+
+def document(plan: AutoPlan) -> dict:
+    """The plan as plain data (what :func:`save` writes)."""
+    sched, cal = plan.schedule, plan.calibration or Calibration.for_backend()
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "jax_version": jax.__version__,
+        "program": {
+            "fingerprint": fingerprint(plan.program),
+            "ops": [o.name for o in plan.program.ops],
+        },
+        "arguments": plan._signature.describe(),
+        "outputs": str(plan.out_tree),
+        "mesh": [[name, size] for name, size in plan.mesh_shape.axes],
+        "calibration": {"name": _shipped_name(cal), "figures": json.loads(cal.to_json())},
+        "prediction": _prediction(plan.prediction),
+        "replicated": _prediction(plan.replicated),
+        "search_s": plan.search_s,
+        "schedule": {
+            "assign": {
+                op: {lp: list(axes) for lp, axes in loops.items()}
+                for op, loops in sched.assign.items()
+            },  # fmt: skip
+            "stored": {name: [list(axes) for axes in spec] for name, spec in sched.stored.items()},
+        },
+    }
+
+
+def save(plan: AutoPlan, path: str) -> None:
+    """Write ``plan`` to ``path`` as JSON (see the module docstring)."""
+    with open(path, "w") as f:
+        json.dump(document(plan), f, indent=1)
+        f.write("\n")
+
+
+def _program_differences(doc: dict, prog: Program) -> str:
+    saved, ours = doc["program"]["ops"], [o.name for o in prog.ops]
+    if saved != ours:
+        k = next(
+            (k for k, (a, b) in enumerate(zip(saved, ours)) if a != b), min(len(saved), len(ours))
+        )
+        parts = [] if len(ours) == len(saved) else [f"{len(ours)} ops, the plan's has {len(saved)}"]
+        here = repr(ours[k]) if k < len(ours) else "missing"
+        parts.append(f"op {k} is {here}, the plan's is {saved[k]!r}" if k < len(saved) else
+                     f"op {k} is {here}, the plan has none")  # fmt: skip
+        how = "; ".join(parts)
+    else:
+        how = "the same ops, with other parameters, literals or constants' shapes"
+    if doc.get("jax_version") != jax.__version__:
+        how += f" (the plan was saved with jax {doc.get('jax_version')}, this is {jax.__version__})"
+    return how
+
+
+def _schedule(doc: dict, prog: Program, shape: MeshShape) -> Schedule:
+    sizes = shape.factor_size
+    ops = {o.name: o for o in prog.ops}
+    assign = {}
+    for name, loops in doc["schedule"]["assign"].items():
+        op = ops.get(name)
+        if op is None or any(lp not in op.loop for lp in loops):
+            raise ValueError(f"the saved schedule names op {name!r} or its loops {sorted(loops)}, "
+                             "which the program lacks")  # fmt: skip
+        assign[name] = {lp: tuple(axes) for lp, axes in loops.items()}
+    stored = {name: tuple(tuple(axes) for axes in spec)
+              for name, spec in doc["schedule"]["stored"].items()}  # fmt: skip
+    used = {a for loops in assign.values() for axes in loops.values() for a in axes}
+    used |= {a for spec in stored.values() for axes in spec for a in axes}
+    if used - set(sizes):
+        raise ValueError(f"the saved schedule uses mesh factors {sorted(used - set(sizes))}, "
+                         f"which {shape} lacks")  # fmt: skip
+    return Schedule(prog, sizes, assign, stored)
+
+
+def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
+    """The plan saved at ``path`` for ``fn(*args, **kwargs)`` on ``mesh`` (a ``Mesh``, an
+    ``AbstractMesh`` or ``{name: size}`` of the axis names and sizes it was made for), without
+    searching. Raises ``ValueError`` saying what differs when the program, the arguments' structure,
+    shapes, dtypes or static values, or the mesh's axes are not those of the plan."""
+    with open(path) as f:
+        doc = json.load(f)
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(
+            f"{path} is not a saved plan of format {FORMAT!r} version {VERSION} (it says "
+            f"{doc.get('format')!r} version {doc.get('version')!r})"
+        )
+    sig = Signature.of(args, kwargs)
+    problems = differences(doc["arguments"], sig.describe())
+    if problems:
+        raise ValueError(f"{path} was made for other arguments: " + "; ".join(problems))
+    shape, saved_shape = mesh_shape(mesh), MeshShape(tuple((n, s) for n, s in doc["mesh"]))
+    problems = mesh_differences(saved_shape, shape)
+    if problems:
+        raise ValueError(f"{path} was made for the mesh {saved_shape}: " + "; ".join(problems))
+    flat_fn, arrays = sig.function(fn), sig.arrays(args, kwargs)
+    prog = analyze(flat_fn, *arrays)
+    if fingerprint(prog) != doc["program"]["fingerprint"]:
+        raise ValueError(
+            f"{path} was made for another program: this one has " + _program_differences(doc, prog)
+        )
+    out_tree = jax.tree.structure(jax.eval_shape(flat_fn, *arrays))
+    if str(out_tree) != doc["outputs"]:
+        raise ValueError(
+            f"{path} was made for a function returning {doc['outputs']}; this one returns "
+            f"{out_tree}"
+        )
+    sched = _schedule(doc, prog, shape)
+    cal = Calibration.from_json(json.dumps(doc["calibration"]["figures"]))
+    pred = simulate(prog, sched, cal)
+    if _prediction(pred) != doc["prediction"]:
+        warnings.warn(
+            f"{path}: the simulator now predicts {pred} for this plan; the file says "
+            f"{doc['prediction']}",
+            stacklevel=2,
+        )
+    replicated = simulate(prog, make_schedule(prog, {}, shape.sizes, default="replicate"), cal)
+    return AutoPlan(prog, sched, pred, mesh, doc["search_s"], sig.in_tree, out_tree, replicated,
+                    cal, sig)  # fmt: skip
