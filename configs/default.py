@@ -26,4 +26,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.check = True  # compare both outputs with the input, element for element
     c.figures = True  # PNG figures (needs matplotlib: pip install -e ".[figures]")
     c.report_rows = 10
+    c.topology = ""  # a TPU topology ("v5p:2x2x2"): compile both sides for it, time nothing
     return c

@@ -1,7 +1,10 @@
 """Smoke tests of the experiment runners on tiny configs."""
 
+import importlib.util
 import json
 import os
+
+import pytest
 
 from configs import smoke
 from experiments import paper_problems, random_benchmark
@@ -103,3 +106,20 @@ def test_lowering_benchmark_smoke(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert len(rows) == 5 * 3  # mlp: auto and data; attention: auto (its batch does not split 8)
     assert all(r["measured_s"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"',
+)
+def test_random_benchmark_compiles_for_a_tpu_topology(tmp_path):
+    """Both sides compiled for v5p:2x2x2 (nothing runs): the paper's P2, whose plan needs less
+    temporary memory than XLA's gather-then-slice."""
+    config = smoke.get_config()
+    config.topology, config.problems, config.scale = "v5p:2x2x2", "P2", 0.25
+    summary = random_benchmark.run(config, str(tmp_path))
+    assert summary["topology"] == "v5p:2x2x2" and summary["problems"] == 1
+    (row,) = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert row["ours"]["temp_bytes"] < row["xla"]["temp_bytes"]
+    assert row["ours"]["collectives"] and row["xla"]["collectives"]
+    assert "TPU compiler" in (tmp_path / "report.md").read_text()
