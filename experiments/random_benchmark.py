@@ -208,8 +208,7 @@ def _topology_markdown(results: list[dict], summary: dict) -> str:
         f"{summary['problems']} problems. Temporary memory over max(src tile, dst tile): median "
         f"{summary['ours_temp_over_bound_median']:.2f} (max {summary['ours_temp_over_bound_max']:.2f})"
         f" for redist, {summary['xla_temp_over_bound_median']:.2f} "
-        f"(max {summary['xla_temp_over_bound_max']:.2f}) for XLA; XLA replicated-then-sliced "
-        f"{summary['xla_full_remats']} times; less temporary memory: redist on "
+        f"(max {summary['xla_temp_over_bound_max']:.2f}) for XLA; less temporary memory: redist on "
         f"{summary['ours_less_temp']}, XLA on {summary['xla_less_temp']}.",
         "",
         "| problem | shape | src -> dst | redist temp MB | XLA temp MB | redist collectives (MB)"
