@@ -76,8 +76,8 @@ def _other_sizes(sizes: dict[str, int], rng: random.Random) -> dict[str, int] | 
     from redist.types import MeshShape
 
     def primes(axes) -> list[int]:  # prime factors in device order: equal ones line up
-        return [f.size for f in MeshShape.of(dict(enumerate(axes)) if isinstance(axes, tuple)
-                                             else axes).factors]  # fmt: skip
+        named = {f"o{k}": n for k, n in enumerate(axes)} if isinstance(axes, tuple) else axes
+        return [f.size for f in MeshShape.of(named).factors]
 
     n = math.prod(sizes.values())
     options = [(n,), (2, n // 2), (n // 2, 2)] if n % 2 == 0 else [(n,)]

@@ -319,15 +319,15 @@ def plan(
     buffers.
     """
     sig = Signature.of(args, kwargs)
-    flat_fn, arrays = sig.function(fn), sig.arrays(args, kwargs)
-    prog = analyze(flat_fn, *arrays)
+    traced, values = sig.traced(fn, args, kwargs)
+    prog = analyze(traced, *values)
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or default_calibration(mesh)
     start = time.perf_counter()
     sched, pred = search_within(prog, sizes, calibration, memory_limit_bytes)
     elapsed = time.perf_counter() - start
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
-    out_tree = jax.tree.structure(jax.eval_shape(flat_fn, *arrays))
+    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
                     calibration, sig)  # fmt: skip
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 from collections.abc import Callable, Sequence
 
@@ -152,17 +153,26 @@ class Signature:
                 out += jax.tree.leaves(x)
         return out
 
-    def function(self, fn: Callable) -> Callable:
-        """``fn`` as a function of the array leaves only (static arguments bound)."""
+    def traced(self, fn: Callable, args: Sequence, kwargs: dict) -> tuple[Callable, list]:
+        """``fn`` as a function of the non-static arguments (pytrees, positional then keyword),
+        static ones bound, and those arguments. It bears ``fn``'s name and parameter names, so
+        that JAX names the program's inputs as the user does (``params['dense']['kernel']``).
+        Its inputs flattened are :meth:`arrays`."""
+        names = _parameter_names(fn, len(self.args)) + list(self.names)
+        values = [*args, *(kwargs[n] for n in self.names)]
+        keep = [k for k, a in enumerate(self.every) if not a.static]
+        n = len(self.args)
 
-        def flat_fn(*arrays):
-            it = iter(arrays)
-            values = [a.value if a.static else jax.tree.unflatten(a.tree, [next(it) for _ in a.leaves])
-                      for a in self.every]  # fmt: skip
-            n = len(self.args)
-            return fn(*values[:n], **dict(zip(self.names, values[n:])))
+        def call(*given):
+            it = iter(given)
+            full = [a.value if a.static else next(it) for a in self.every]
+            return fn(*full[:n], **dict(zip(self.names, full[n:])))
 
-        return flat_fn
+        call.__name__ = call.__qualname__ = getattr(fn, "__name__", "fn")
+        call.__signature__ = inspect.Signature(
+            [inspect.Parameter(names[k], inspect.Parameter.POSITIONAL_ONLY) for k in keep]
+        )
+        return call, [values[k] for k in keep]
 
     @property
     def in_tree(self):
@@ -221,6 +231,18 @@ class Signature:
                          static_argnums=tuple(k for k, a in enumerate(self.every) if a.static),
                          donate_argnums=tuple(sorted(donate)), **jit_kwargs)  # fmt: skip
         return KeywordJit(jitted, self) if names else jitted
+
+
+def _parameter_names(fn: Callable, n: int) -> list[str]:
+    """Names of ``fn``'s first ``n`` positional parameters (``args_k`` past them, or where the
+    signature cannot be read)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    out = positional[:n] + [f"args_{k}" for k in range(len(positional), n)]
+    return [name if name.isidentifier() else f"args_{k}" for k, name in enumerate(out)]
 
 
 class KeywordJit:

@@ -184,13 +184,13 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
     problems = mesh_differences(saved_shape, shape)
     if problems:
         raise ValueError(f"{path} was made for the mesh {saved_shape}: " + "; ".join(problems))
-    flat_fn, arrays = sig.function(fn), sig.arrays(args, kwargs)
-    prog = analyze(flat_fn, *arrays)
+    traced, values = sig.traced(fn, args, kwargs)
+    prog = analyze(traced, *values)
     if fingerprint(prog) != doc["program"]["fingerprint"]:
         raise ValueError(
             f"{path} was made for another program: this one has " + _program_differences(doc, prog)
         )
-    out_tree = jax.tree.structure(jax.eval_shape(flat_fn, *arrays))
+    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     if str(out_tree) != doc["outputs"]:
         raise ValueError(
             f"{path} was made for a function returning {doc['outputs']}; this one returns "

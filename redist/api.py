@@ -31,9 +31,10 @@ def _pspec(s: SpecLike, argname: str) -> PartitionSpec:
         return PartitionSpec()
     if isinstance(s, PartitionSpec):
         return s
+    hint = f" (a mesh axis name is written P({s!r}))" if isinstance(s, str) else ""
     raise TypeError(
         f"{argname} must be a PartitionSpec or a NamedSharding, got {s!r} of type "
-        f"{type(s).__name__} (a mesh axis name is written P({s!r}))"
+        f"{type(s).__name__}{hint}"
     )
 
 

@@ -147,7 +147,7 @@ def test_errors(arr):
         jax.jit(lambda v: redist.redistribute(v, DST, mesh=auto))(xa)
     with _err(r"dst must be one layout or a pytree of layouts with the structure of x"):
         redist.redistribute({"w": x, "b": x}, {"w": DST})
-    with _err(r"expected a PartitionSpec or NamedSharding, got int"):
+    with _err(r"dst must be a PartitionSpec or a NamedSharding, got 3 of type int"):
         redist.redistribute(x, 3)
 
 

@@ -34,7 +34,7 @@ def no_search(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("load searched")
 
-    monkeypatch.setattr(planner.auto, "search", refuse)
+    monkeypatch.setattr(planner.auto, "search_within", refuse)
     monkeypatch.setattr(schedule_search, "search", refuse)
 
 
