@@ -1,5 +1,19 @@
 """Hand-written parallel strategies as schedules, lowered like any other (so they compare fairly).
 
+The expert strategies, complete plans of a training step (:func:`expert_plans`, or
+:func:`expert_schedules` of an analysed program); every op is laid out by the program's logical
+axes, as MaxText's logical axis rules do, in scanned and unscanned layers alike:
+
+| name            | layouts                                                                   |
+|-----------------|---------------------------------------------------------------------------|
+| data_parallel   | batch over ``data_axes``; parameters and optimizer replicated             |
+| fsdp            | and parameters, gradients and optimizer state split over ``data_axes`` on |
+|                 | their embedding width (ZeRO-3: gathered per layer, reduce-scattered)      |
+| fsdp_tensor     | and heads, MLP hidden and vocabulary over ``tensor_axis`` (Megatron)      |
+
+Partial strategies (a few ops named, everything else follows by propagation), also the search's
+starting points:
+
 | strategy        | what it names                                                             |
 |-----------------|---------------------------------------------------------------------------|
 | data_parallel   | the batch (first free) loop of the first dense op, over the given axes    |
@@ -11,17 +25,20 @@
 | data_and_model  | both: batch over ``data_axes``, Megatron over ``model_axes``              |
 | fsdp_stored     | with data_parallel: weights stored split on their first dim (ZeRO-3)      |
 
-Everything else follows by propagation.
-
 Example:
+    >>> plans = expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))  # doctest: +SKIP
     >>> sched = prog.schedule(megatron(prog, ("a", "b", "c")), mesh)   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 from planner.ir import ENTRIES, Op, Program, Value
+from planner.rules import COMBINABLE
+from planner.schedule import Schedule, _try, make_schedule
 
 
 def _dense(prog: Program) -> list[Op]:
@@ -159,3 +176,228 @@ def data_and_model(prog: Program, data_axes: Sequence[str], model_axes: Sequence
     first, loops = next(iter(data_parallel(prog, data_axes).items()))
     out.setdefault(first, {}).update(loops)
     return out
+
+
+# ----------------------------------------------------------------- expert strategies, MaxText-style
+
+
+class _Classes:
+    """Union-find over loops (``(op name, loop)``) and array dimensions (``(value name, dim)``):
+    a dimension joins the major loop indexing it in its producer and in each of its consumers, so
+    that a class is one logical axis of the program (its batch, its heads, its MLP hidden
+    dimension, its embedding width), as MaxText names them by hand."""
+
+    def __init__(self, prog: Program):
+        self.parent: dict = {}
+        for o in prog.ops:
+            for acc in o.operands + o.results:
+                for d, loops in enumerate(acc.dims):
+                    if loops:
+                        self.union((o.name, loops[0]), (acc.value.name, d))
+
+    def find(self, node):
+        root = node
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while node != root:  # path compression
+            self.parent[node], node = root, self.parent.get(node, node)
+        return root
+
+    def union(self, a, b) -> None:
+        a, b = self.find(a), self.find(b)
+        if a != b:
+            self.parent[b] = a
+
+
+STRATEGIES = ("data_parallel", "fsdp", "fsdp_tensor")
+"""The names :func:`expert_schedules` and :func:`expert_plans` return, in order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """One strategy as MaxText's logical axis rules: logical axis (a class of
+    :class:`_Classes`) -> mesh axes, for activations (values with a batch dimension) and for
+    parameters, their gradients and optimizer state (values without one)."""
+
+    batch: object  # the batch class: over ``data`` in activations
+    data: tuple[str, ...]
+    model: frozenset  # heads, MLP hidden, vocabulary: over ``tensor`` everywhere
+    tensor: str | None
+    width: frozenset  # the embedding width: over ``data`` in parameters (FSDP)
+    stacked: frozenset  # the layer axes of weights stacked for a scan
+
+    def __call__(self, extents, classes) -> list[tuple[str, ...]]:
+        """The mesh axes of each dimension (or loop) of the given extents and classes."""
+        activation = self.batch in classes
+        # A per-layer vector (a norm's scale, a bias) stays whole on the data axes, as ZeRO-3
+        # keeps parameters under its persistence threshold and MaxText keeps norm scales off
+        # its FSDP axes: a gather per tiny vector costs more than it saves.
+        vector = sum(n > 1 and c not in self.stacked for n, c in zip(extents, classes)) < 2
+        out: list[tuple[str, ...]] = []
+        taken: set[str] = set()
+        for c in classes:
+            axes: tuple[str, ...] = ()
+            if c in self.model:
+                axes = (self.tensor,)
+            elif activation and c == self.batch:
+                axes = self.data
+            elif not activation and not vector and c in self.width:
+                axes = self.data
+            if taken & set(axes):
+                axes = ()
+            taken.update(axes)
+            out.append(axes)
+        return out
+
+
+def _valid(op: Op, wanted: dict[str, tuple[str, ...]], sizes) -> dict[str, tuple[str, ...]]:
+    """The wanted loops ``op`` can take (partitionable, divisible, each mesh axis once, the major
+    loop of merged dimensions, one kind of partitioned reduction), greedily in loop order."""
+    out = _try(op, sizes, wanted)
+    kinds = dict(op.reductions)
+    kept = None
+    for lp in list(out):
+        if lp in kinds:
+            if kinds[lp] not in COMBINABLE or kept not in (None, kinds[lp]):
+                del out[lp]
+            else:
+                kept = kinds[lp]
+    return out
+
+
+def _schedule(prog: Program, classes: _Classes, rule: _Rule, sizes) -> Schedule:
+    """Every op and every parameter input laid out by ``rule``."""
+    assign = {}
+    for o in prog.ops:
+        axes = rule(
+            [lp.extent for lp in o.loops], [classes.find((o.name, lp.name)) for lp in o.loops]
+        )
+        assign[o.name] = _valid(o, {lp.name: a for lp, a in zip(o.loops, axes) if a}, sizes)
+    stored = {}
+    for v in prog.inputs:
+        cls = [classes.find((v.name, d)) for d in range(len(v.shape))]
+        if rule.batch in cls:
+            continue  # a batch input: laid out as its first consumer reads it
+        spec = rule(v.shape, cls)
+        stored[v.name] = tuple(a if n % math.prod(sizes[x] for x in a) == 0 else ()
+                               for n, a in zip(v.shape, spec))  # fmt: skip
+    return make_schedule(prog, assign, sizes, default="replicate", stored=stored)
+
+
+def expert_schedules(
+    prog: Program,
+    mesh,
+    data_axes: Sequence[str] = ("data", "fsdp"),
+    tensor_axis: str | None = "tensor",
+) -> dict[str, Schedule]:
+    """The hand strategies an expert writes for a training step, as complete schedules of
+    ``prog`` (name -> :class:`planner.schedule.Schedule`, see :func:`expert_plans`).
+
+    Every op is named, as MaxText's logical axis rules constrain every activation and parameter
+    (:class:`_Rule`): the loops of one logical axis (:class:`_Classes`: the batch of the first
+    product; the heads, MLP hidden and vocabulary dimensions Megatron splits; the embedding width
+    FSDP stores split) take the same mesh axes wherever they occur, inside scans too.
+    ``fsdp_tensor`` is left out when ``tensor_axis`` is ``None`` or not a mesh axis of size > 1.
+
+    Raises:
+        ValueError: a data or tensor axis that is not on the mesh, a program without a product
+            with a batch loop, or (``fsdp_tensor``) one whose Megatron dimensions are its batch.
+    """
+    sizes = dict(getattr(mesh, "shape", mesh))
+    data = tuple(data_axes)
+    for a in (*data, *([tensor_axis] if tensor_axis else [])):
+        if a not in sizes:
+            raise ValueError(f"mesh axis {a!r} is not on the mesh {sizes}")
+    if tensor_axis in data:
+        raise ValueError(f"tensor axis {tensor_axis!r} is also a data axis")
+    dense = _dense(prog)
+    if not dense:
+        raise ValueError("expert strategies need a dot_general or convolution in the program")
+    classes = _Classes(prog)
+    batch = classes.find((dense[0].name, _batch_loop(dense[0])))
+    model, width = set(), set()
+    for op, pos, row in _layers(prog):
+        contracted, free = _weight_loops(op, pos)
+        # Column layers: heads / hidden are the weight's first free dimension, the embedding
+        # width its contracted one; row layers the other way round.
+        heads, embed = (contracted, free) if row else (free, contracted)
+        if heads:
+            model.add(classes.find((op.name, heads[0])))
+        if embed:
+            width.add(classes.find((op.name, embed[0])))
+    width.discard(batch)
+    stacked = frozenset(
+        classes.find((o.operands[0].value.name, d))
+        for o in prog.ops if o.how == "region" and o.primitive in ENTRIES
+        for d, loops in enumerate(o.operands[0].dims) if not loops
+    )  # fmt: skip
+    rules = {
+        "data_parallel": _Rule(batch, data, frozenset(), None, frozenset(), stacked),
+        "fsdp": _Rule(batch, data, frozenset(), None, frozenset(width), stacked),
+    }
+    if tensor_axis and sizes.get(tensor_axis, 1) > 1:
+        if batch in model:
+            raise ValueError("the Megatron dimensions of this program are linked to its batch")
+        rules["fsdp_tensor"] = _Rule(batch, data, frozenset(model), tensor_axis,
+                                     frozenset(width - model), stacked)  # fmt: skip
+    return {name: _schedule(prog, classes, rule, sizes) for name, rule in rules.items()}
+
+
+def expert_plans(
+    fn,
+    *args,
+    mesh,
+    data_axes: Sequence[str] = ("data", "fsdp"),
+    tensor_axis: str | None = "tensor",
+    calibration=None,
+) -> dict:
+    """The hand strategies an expert writes, as plans of ``fn`` on ``args`` that run and compile
+    exactly as a searched :func:`planner.plan` does (``plan(*args)`` / ``plan.jit()``,
+    ``plan.lowered``, ``plan.compiled_report(mesh)``, ``plan.prediction``, ``plan.in_specs``).
+
+    Returns ``{name: AutoPlan}`` (``search_s`` 0), in the order of :data:`STRATEGIES`:
+
+    - ``"data_parallel"``: the batch over ``data_axes``; parameters, gradients and the optimizer
+      replicated (gradients all-reduced).
+    - ``"fsdp"``: FSDP / ZeRO-3: as ``data_parallel``, with parameters and optimizer state stored
+      split over ``data_axes`` along their embedding width (MaxText's ``embed``: the contracted
+      dimension of a column layer's weight, the output one of a row layer's), gathered before each
+      use, inside a scan one layer at a time; gradients reduce-scattered, the update on shards.
+      Per-layer vectors (norm scales, biases) stay whole.
+    - ``"fsdp_tensor"``: MaxText's FSDP + tensor parallelism: as ``fsdp``, and heads, MLP hidden
+      and vocabulary over ``tensor_axis`` (Megatron: column layers split on their outputs, row
+      layers on their contraction, then an all-reduce), in activations and in the stored
+      parameters (``mlp``, ``heads``, ``vocab`` -> ``tensor``; ``embed`` -> ``data_axes``). Left
+      out when ``tensor_axis`` is ``None`` or not an axis of size > 1.
+
+    Layouts follow the program's logical axes (see :func:`expert_schedules`), found from its data
+    flow: scanned layers (flax ``nn.scan``, nnx with ``lax.scan``, ``hk.layer_stack``) and Python
+    loops of layers are treated alike. ``calibration`` prices the predictions (default: as
+    :func:`planner.plan` does for ``mesh``).
+
+    Example:
+        >>> plans = expert_plans(step, params, opt_state, batch, mesh=mesh,
+        ...                      data_axes=("data", "fsdp"), tensor_axis="tensor")  # doctest: +SKIP
+        >>> {name: p.prediction.time_s for name, p in plans.items()}
+        >>> plans["fsdp_tensor"].in_specs
+    """
+    import jax
+
+    from planner.analysis import analyze
+    from planner.auto import AutoPlan
+    from planner.memory import default_calibration
+    from planner.simulator import simulate
+    from redist.specs import mesh_shape
+
+    prog = analyze(fn, *args)
+    sizes = mesh_shape(mesh).sizes
+    cal = calibration or default_calibration(mesh)
+    replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), cal)
+    in_tree = jax.tree.structure(args)
+    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+    return {
+        name: AutoPlan(
+            prog, sched, simulate(prog, sched, cal), mesh, 0.0, in_tree, out_tree, replicated, cal
+        )  # fmt: skip
+        for name, sched in expert_schedules(prog, sizes, data_axes, tensor_axis).items()
+    }
