@@ -7,8 +7,11 @@ one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (cal
 within a memory limit (:mod:`planner.memory`). :func:`topology_mesh` / :func:`compiled_report` compile a
 plan or any jitted program for a TPU topology on any host and read the compiler's verdict;
 ``plan.save(path)`` and :func:`load` keep a plan in a file and restore it without searching.
+:func:`planner.baselines.expert_plans` gives the hand strategies (data parallelism, FSDP, FSDP +
+tensor parallelism) as plans of the same kind, to compare with.
 """
 
+from planner import baselines
 from planner.analysis import analyze
 from planner.auto import AutoPlan, auto_shard, plan
 from planner.compiled import CompiledReport, compiled_report, topology_mesh
@@ -29,6 +32,7 @@ __all__ = [
     "Schedule",
     "Value",
     "analyze",
+    "baselines",
     "lower",
     "make_schedule",
     "Prediction",

@@ -1,25 +1,44 @@
 """Hand-written parallel strategies as schedules, lowered like any other (so they compare fairly).
 
+The expert strategies, complete plans of a training step (:func:`expert_plans`, or
+:func:`expert_schedules` of an analysed program); every op is laid out by the program's logical
+axes, as MaxText's logical axis rules do, in scanned and unscanned layers alike:
+
+| name            | layouts                                                                   |
+|-----------------|---------------------------------------------------------------------------|
+| data_parallel   | batch over ``data_axes``; parameters and optimizer replicated             |
+| fsdp            | and parameters, gradients and optimizer state split over ``data_axes`` on |
+|                 | their embedding width (ZeRO-3: gathered per layer, reduce-scattered)      |
+| fsdp_tensor     | and heads, MLP hidden and vocabulary over ``tensor_axis`` (Megatron)      |
+
+Partial strategies (a few ops named, everything else follows by propagation), also the search's
+starting points:
+
 | strategy        | what it names                                                             |
 |-----------------|---------------------------------------------------------------------------|
 | data_parallel   | the batch (first free) loop of the first dense op, over the given axes    |
-| megatron        | dense ops whose weight is a program input: by output columns (``n``), or |
-|                 | by the contraction (``k``, then an all-reduce) when their input derives   |
-|                 | from a column-split layer (MLPs alternate; attention: heads, then rows)   |
+| megatron        | dense ops whose weight is a program input (or a view of one: a scan's     |
+|                 | stacked weight one layer at a time, a transpose, a cast): by output       |
+|                 | columns (``n``), or by the contraction (``k``, then an all-reduce) when   |
+|                 | their input derives from a column-split layer (MLPs alternate;            |
+|                 | attention: heads, then rows)                                              |
 | data_and_model  | both: batch over ``data_axes``, Megatron over ``model_axes``              |
 | fsdp_stored     | with data_parallel: weights stored split on their first dim (ZeRO-3)      |
 
-Everything else follows by propagation.
-
 Example:
+    >>> plans = expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))  # doctest: +SKIP
     >>> sched = prog.schedule(megatron(prog, ("a", "b", "c")), mesh)   # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
-from planner.ir import Op, Program
+from planner.ir import ENTRIES, Op, Program, Value
+from planner.rules import COMBINABLE
+from planner.schedule import Schedule, _try, make_schedule
 
 
 def _dense(prog: Program) -> list[Op]:
@@ -43,42 +62,90 @@ def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
     return {dense[0].name: {_batch_loop(dense[0]): tuple(axes)}}
 
 
-def _weight_ops(prog: Program) -> list[Op]:
-    """Forward layer products ``x @ W`` as ``(op, weight operand position)``: a program input whose
-    first use is as an operand of a product contracted on its leading dimensions is a weight."""
-    out = []
-    for v in prog.inputs:
-        uses = prog.uses.get(v.name)
-        if not uses or uses[0][0].primitive != "dot_general" or len(uses[0][0].operands) != 2:
+VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reduce_precision"})
+"""Ops whose result is their operand relabelled (dims permuted, elements cast): a weight read
+through them (``embedding.T``, a cast to bfloat16) is still the weight."""
+
+
+def weight_views(prog: Program) -> dict[str, tuple[Value, tuple[int, ...]]]:
+    """Value name -> ``(program input, input dimension of each of the value's dimensions)`` for
+    every value that is a program input or a view of one: entered into a region's body (a scan's
+    stacked ``xs`` lose their leading, layer axis, so a stacked weight is seen one layer at a
+    time), transposed or cast (:data:`VIEWS`)."""
+    out = {v.name: (v, tuple(range(len(v.shape)))) for v in prog.inputs}
+    for o in prog.ops:
+        entry = o.how == "region" and o.primitive in ENTRIES
+        if not (entry or (o.primitive in VIEWS and len(o.operands) == 1 and len(o.results) == 1)):
             continue
-        o = uses[0][0]
-        pos = next(k for k, a in enumerate(o.operands) if a is uses[0][1])
-        contract = o.eqn.params["dimension_numbers"][0][pos]
-        if contract and sorted(contract) == list(range(len(contract))):
-            out.append((o, pos))
-    return sorted(out, key=lambda op_pos: prog.index[op_pos[0].name])
+        src, dst = o.operands[0], o.results[0]
+        if src.value.name not in out or any(len(d) > 1 for d in src.dims + dst.dims):
+            continue
+        where = {d[0]: k for k, d in enumerate(src.dims) if d}
+        if not all(d and d[0] in where for d in dst.dims):
+            continue
+        weight, dims = out[src.value.name]
+        out[dst.value.name] = (weight, tuple(dims[where[d[0]]] for d in dst.dims))
+    return out
+
+
+def _weight_ops(prog: Program) -> list[tuple[Op, int]]:
+    """Forward layer products ``x @ W`` as ``(op, weight operand position)``: the first product
+    that reads a program input, or a view of one (:func:`weight_views`: through scans, transposes,
+    casts), with that operand contracted on its leading dimensions is a layer of that weight."""
+    views = weight_views(prog)
+    seen: set[str] = set()
+    out = []
+    for o in prog.ops:
+        if o.primitive != "dot_general" or len(o.operands) != 2:
+            continue
+        for pos, acc in enumerate(o.operands):
+            view = views.get(acc.value.name)
+            if view is None or view[0].name in seen:
+                continue
+            seen.add(view[0].name)
+            contract = o.eqn.params["dimension_numbers"][0][pos]
+            if contract and sorted(contract) == list(range(len(contract))):
+                out.append((o, pos))
+                break
+    return out
+
+
+def _layers(prog: Program) -> list[tuple[Op, int, bool]]:
+    """The layer products as ``(op, weight position, row)``: Megatron's column layers (their input
+    is whole, ``row`` False) and row layers (their input derives from a column layer's output)."""
+    layers = dict(_weight_ops(prog))  # op -> position of its weight operand
+    split: set[str] = set()  # values derived from a column-split layer's output
+    out = []
+    for op in prog.ops:
+        if op in layers:
+            row = op.operands[1 - layers[op]].value.name in split
+            out.append((op, layers[op], row))
+            if not row:
+                split.update(r.value.name for r in op.results)
+        elif any(a.value.name in split for a in op.operands):
+            split.update(r.value.name for r in op.results)
+    return out
+
+
+def _weight_loops(op: Op, pos: int) -> tuple[list[str], list[str]]:
+    """The loops indexing the weight operand's dimensions: ``(contracted, free)``, in its order."""
+    summed = {name for name, _ in op.reductions}
+    dims = [d[0] for d in op.operands[pos].dims if d]
+    return [d for d in dims if d in summed], [d for d in dims if d not in summed]
 
 
 def megatron(prog: Program, axes: Sequence[str]) -> dict:
     """Column (``n``) splits for layers whose input is whole, row (``k``) splits for layers whose
     input derives from a column-split layer's output (then an all-reduce): an MLP alternates; in
-    attention the q, k, v projections are split by heads and the output projection by rows."""
-    layers = dict(_weight_ops(prog))  # op -> position of its weight operand
-    split: set[str] = set()  # values derived from a column-split layer's output
+    attention the q, k, v projections are split by heads and the output projection by rows.
+    Weights inside scans (stacked over layers) count: the body's products are the layers."""
     out = {}
-    for op in prog.ops:
-        if op in layers:
-            row = op.operands[1 - layers[op]].value.name in split
-            # Row: the weight's leading (contracted) dimension; column: its first free one.
-            summed = {name for name, _ in op.reductions}
-            dims = [d[0] for d in op.operands[layers[op]].dims if d]
-            loops = [d for d in dims if (d in summed) == row]
-            if loops:
-                out[op.name] = {loops[0]: tuple(axes)}
-            if not row:
-                split.update(r.value.name for r in op.results)
-        elif any(a.value.name in split for a in op.operands):
-            split.update(r.value.name for r in op.results)
+    for op, pos, row in _layers(prog):
+        # Row: the weight's leading (contracted) dimension; column: its first free one.
+        contracted, free = _weight_loops(op, pos)
+        loops = contracted if row else free
+        if loops:
+            out[op.name] = {loops[0]: tuple(axes)}
     if not out:
         raise ValueError("megatron needs products with a program input (a weight) as right operand")
     return out
@@ -86,15 +153,20 @@ def megatron(prog: Program, axes: Sequence[str]) -> dict:
 
 def fsdp_stored(prog: Program, axes: Sequence[str], mesh_sizes: dict[str, int]) -> dict:
     """FSDP / ZeRO-3: the layers' weights stored split along their first dimension over ``axes``
-    (gathered before use by the data flow); use with :func:`data_parallel`."""
+    (gathered before use by the data flow); use with :func:`data_parallel`. A weight stacked over
+    a scan's layers is split along its first dimension within a layer (its layer axis stays
+    whole, so that each layer is gathered inside the scan, when it runs)."""
     parts = 1
     for a in axes:
         parts *= mesh_sizes[a]
+    views = weight_views(prog)
     out = {}
     for op, pos in _weight_ops(prog):
-        w = op.operands[pos].value
-        if w.shape[0] % parts == 0:
-            out[w.name] = (tuple(axes),) + ((),) * (len(w.shape) - 1)
+        w, dims = views[op.operands[pos].value.name]
+        for d in sorted(dims):
+            if w.shape[d] % parts == 0:
+                out[w.name] = tuple(tuple(axes) if k == d else () for k in range(len(w.shape)))
+                break
     return out
 
 
@@ -104,3 +176,228 @@ def data_and_model(prog: Program, data_axes: Sequence[str], model_axes: Sequence
     first, loops = next(iter(data_parallel(prog, data_axes).items()))
     out.setdefault(first, {}).update(loops)
     return out
+
+
+# ----------------------------------------------------------------- expert strategies, MaxText-style
+
+
+class _Classes:
+    """Union-find over loops (``(op name, loop)``) and array dimensions (``(value name, dim)``):
+    a dimension joins the major loop indexing it in its producer and in each of its consumers, so
+    that a class is one logical axis of the program (its batch, its heads, its MLP hidden
+    dimension, its embedding width), as MaxText names them by hand."""
+
+    def __init__(self, prog: Program):
+        self.parent: dict = {}
+        for o in prog.ops:
+            for acc in o.operands + o.results:
+                for d, loops in enumerate(acc.dims):
+                    if loops:
+                        self.union((o.name, loops[0]), (acc.value.name, d))
+
+    def find(self, node):
+        root = node
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while node != root:  # path compression
+            self.parent[node], node = root, self.parent.get(node, node)
+        return root
+
+    def union(self, a, b) -> None:
+        a, b = self.find(a), self.find(b)
+        if a != b:
+            self.parent[b] = a
+
+
+STRATEGIES = ("data_parallel", "fsdp", "fsdp_tensor")
+"""The names :func:`expert_schedules` and :func:`expert_plans` return, in order."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """One strategy as MaxText's logical axis rules: logical axis (a class of
+    :class:`_Classes`) -> mesh axes, for activations (values with a batch dimension) and for
+    parameters, their gradients and optimizer state (values without one)."""
+
+    batch: object  # the batch class: over ``data`` in activations
+    data: tuple[str, ...]
+    model: frozenset  # heads, MLP hidden, vocabulary: over ``tensor`` everywhere
+    tensor: str | None
+    width: frozenset  # the embedding width: over ``data`` in parameters (FSDP)
+    stacked: frozenset  # the layer axes of weights stacked for a scan
+
+    def __call__(self, extents, classes) -> list[tuple[str, ...]]:
+        """The mesh axes of each dimension (or loop) of the given extents and classes."""
+        activation = self.batch in classes
+        # A per-layer vector (a norm's scale, a bias) stays whole on the data axes, as ZeRO-3
+        # keeps parameters under its persistence threshold and MaxText keeps norm scales off
+        # its FSDP axes: a gather per tiny vector costs more than it saves.
+        vector = sum(n > 1 and c not in self.stacked for n, c in zip(extents, classes)) < 2
+        out: list[tuple[str, ...]] = []
+        taken: set[str] = set()
+        for c in classes:
+            axes: tuple[str, ...] = ()
+            if c in self.model:
+                axes = (self.tensor,)
+            elif activation and c == self.batch:
+                axes = self.data
+            elif not activation and not vector and c in self.width:
+                axes = self.data
+            if taken & set(axes):
+                axes = ()
+            taken.update(axes)
+            out.append(axes)
+        return out
+
+
+def _valid(op: Op, wanted: dict[str, tuple[str, ...]], sizes) -> dict[str, tuple[str, ...]]:
+    """The wanted loops ``op`` can take (partitionable, divisible, each mesh axis once, the major
+    loop of merged dimensions, one kind of partitioned reduction), greedily in loop order."""
+    out = _try(op, sizes, wanted)
+    kinds = dict(op.reductions)
+    kept = None
+    for lp in list(out):
+        if lp in kinds:
+            if kinds[lp] not in COMBINABLE or kept not in (None, kinds[lp]):
+                del out[lp]
+            else:
+                kept = kinds[lp]
+    return out
+
+
+def _schedule(prog: Program, classes: _Classes, rule: _Rule, sizes) -> Schedule:
+    """Every op and every parameter input laid out by ``rule``."""
+    assign = {}
+    for o in prog.ops:
+        axes = rule(
+            [lp.extent for lp in o.loops], [classes.find((o.name, lp.name)) for lp in o.loops]
+        )
+        assign[o.name] = _valid(o, {lp.name: a for lp, a in zip(o.loops, axes) if a}, sizes)
+    stored = {}
+    for v in prog.inputs:
+        cls = [classes.find((v.name, d)) for d in range(len(v.shape))]
+        if rule.batch in cls:
+            continue  # a batch input: laid out as its first consumer reads it
+        spec = rule(v.shape, cls)
+        stored[v.name] = tuple(a if n % math.prod(sizes[x] for x in a) == 0 else ()
+                               for n, a in zip(v.shape, spec))  # fmt: skip
+    return make_schedule(prog, assign, sizes, default="replicate", stored=stored)
+
+
+def expert_schedules(
+    prog: Program,
+    mesh,
+    data_axes: Sequence[str] = ("data", "fsdp"),
+    tensor_axis: str | None = "tensor",
+) -> dict[str, Schedule]:
+    """The hand strategies an expert writes for a training step, as complete schedules of
+    ``prog`` (name -> :class:`planner.schedule.Schedule`, see :func:`expert_plans`).
+
+    Every op is named, as MaxText's logical axis rules constrain every activation and parameter
+    (:class:`_Rule`): the loops of one logical axis (:class:`_Classes`: the batch of the first
+    product; the heads, MLP hidden and vocabulary dimensions Megatron splits; the embedding width
+    FSDP stores split) take the same mesh axes wherever they occur, inside scans too.
+    ``fsdp_tensor`` is left out when ``tensor_axis`` is ``None`` or not a mesh axis of size > 1.
+
+    Raises:
+        ValueError: a data or tensor axis that is not on the mesh, a program without a product
+            with a batch loop, or (``fsdp_tensor``) one whose Megatron dimensions are its batch.
+    """
+    sizes = dict(getattr(mesh, "shape", mesh))
+    data = tuple(data_axes)
+    for a in (*data, *([tensor_axis] if tensor_axis else [])):
+        if a not in sizes:
+            raise ValueError(f"mesh axis {a!r} is not on the mesh {sizes}")
+    if tensor_axis in data:
+        raise ValueError(f"tensor axis {tensor_axis!r} is also a data axis")
+    dense = _dense(prog)
+    if not dense:
+        raise ValueError("expert strategies need a dot_general or convolution in the program")
+    classes = _Classes(prog)
+    batch = classes.find((dense[0].name, _batch_loop(dense[0])))
+    model, width = set(), set()
+    for op, pos, row in _layers(prog):
+        contracted, free = _weight_loops(op, pos)
+        # Column layers: heads / hidden are the weight's first free dimension, the embedding
+        # width its contracted one; row layers the other way round.
+        heads, embed = (contracted, free) if row else (free, contracted)
+        if heads:
+            model.add(classes.find((op.name, heads[0])))
+        if embed:
+            width.add(classes.find((op.name, embed[0])))
+    width.discard(batch)
+    stacked = frozenset(
+        classes.find((o.operands[0].value.name, d))
+        for o in prog.ops if o.how == "region" and o.primitive in ENTRIES
+        for d, loops in enumerate(o.operands[0].dims) if not loops
+    )  # fmt: skip
+    rules = {
+        "data_parallel": _Rule(batch, data, frozenset(), None, frozenset(), stacked),
+        "fsdp": _Rule(batch, data, frozenset(), None, frozenset(width), stacked),
+    }
+    if tensor_axis and sizes.get(tensor_axis, 1) > 1:
+        if batch in model:
+            raise ValueError("the Megatron dimensions of this program are linked to its batch")
+        rules["fsdp_tensor"] = _Rule(batch, data, frozenset(model), tensor_axis,
+                                     frozenset(width - model), stacked)  # fmt: skip
+    return {name: _schedule(prog, classes, rule, sizes) for name, rule in rules.items()}
+
+
+def expert_plans(
+    fn,
+    *args,
+    mesh,
+    data_axes: Sequence[str] = ("data", "fsdp"),
+    tensor_axis: str | None = "tensor",
+    calibration=None,
+) -> dict:
+    """The hand strategies an expert writes, as plans of ``fn`` on ``args`` that run and compile
+    exactly as a searched :func:`planner.plan` does (``plan(*args)`` / ``plan.jit()``,
+    ``plan.lowered``, ``plan.compiled_report(mesh)``, ``plan.prediction``, ``plan.in_specs``).
+
+    Returns ``{name: AutoPlan}`` (``search_s`` 0), in the order of :data:`STRATEGIES`:
+
+    - ``"data_parallel"``: the batch over ``data_axes``; parameters, gradients and the optimizer
+      replicated (gradients all-reduced).
+    - ``"fsdp"``: FSDP / ZeRO-3: as ``data_parallel``, with parameters and optimizer state stored
+      split over ``data_axes`` along their embedding width (MaxText's ``embed``: the contracted
+      dimension of a column layer's weight, the output one of a row layer's), gathered before each
+      use, inside a scan one layer at a time; gradients reduce-scattered, the update on shards.
+      Per-layer vectors (norm scales, biases) stay whole.
+    - ``"fsdp_tensor"``: MaxText's FSDP + tensor parallelism: as ``fsdp``, and heads, MLP hidden
+      and vocabulary over ``tensor_axis`` (Megatron: column layers split on their outputs, row
+      layers on their contraction, then an all-reduce), in activations and in the stored
+      parameters (``mlp``, ``heads``, ``vocab`` -> ``tensor``; ``embed`` -> ``data_axes``). Left
+      out when ``tensor_axis`` is ``None`` or not an axis of size > 1.
+
+    Layouts follow the program's logical axes (see :func:`expert_schedules`), found from its data
+    flow: scanned layers (flax ``nn.scan``, nnx with ``lax.scan``, ``hk.layer_stack``) and Python
+    loops of layers are treated alike. ``calibration`` prices the predictions (default: as
+    :func:`planner.plan` does for ``mesh``).
+
+    Example:
+        >>> plans = expert_plans(step, params, opt_state, batch, mesh=mesh,
+        ...                      data_axes=("data", "fsdp"), tensor_axis="tensor")  # doctest: +SKIP
+        >>> {name: p.prediction.time_s for name, p in plans.items()}
+        >>> plans["fsdp_tensor"].in_specs
+    """
+    import jax
+
+    from planner.analysis import analyze
+    from planner.auto import AutoPlan
+    from planner.memory import default_calibration
+    from planner.simulator import simulate
+    from redist.specs import mesh_shape
+
+    prog = analyze(fn, *args)
+    sizes = mesh_shape(mesh).sizes
+    cal = calibration or default_calibration(mesh)
+    replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), cal)
+    in_tree = jax.tree.structure(args)
+    out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+    return {
+        name: AutoPlan(
+            prog, sched, simulate(prog, sched, cal), mesh, 0.0, in_tree, out_tree, replicated, cal
+        )  # fmt: skip
+        for name, sched in expert_schedules(prog, sizes, data_axes, tensor_axis).items()
+    }

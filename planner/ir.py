@@ -25,6 +25,9 @@ Dims = tuple[tuple[str, ...], ...]
 
 DENSE = frozenset({"dot_general", "conv_general_dilated"})  # ops costing 2 flops per loop point
 KEY_ITEMSIZE = {"fry": 8, "rbg": 16, "unsafe_rbg": 16}  # bytes of one PRNG key, by implementation
+ENTRIES = {"scan_const": 0, "scan_xs": 1, "while_const": 0, "cond_operand": 0}
+"""Region entries that pass an outer value into a body unchanged, with the number of leading
+dimensions they drop (a scan's ``xs``: one slice of the stacked, layer axis per trip)."""
 
 
 @functools.cache
@@ -225,6 +228,22 @@ class Program:
             for acc in o.operands:
                 out.setdefault(acc.value.name, []).append((o, acc))
         return {k: tuple(v) for k, v in out.items()}
+
+    @functools.cached_property
+    def origin(self) -> dict[str, tuple[Value, int]]:
+        """Value name -> ``(outer, k)`` for every value a region entry passes into a body
+        (:data:`ENTRIES`): the outermost value of the program it is a view of, through nested
+        regions, and how many leading dimensions of ``outer`` it drops (a weight stacked over a
+        scan's layers enters the body as one layer: ``(the stacked input, 1)``)."""
+        out: dict[str, tuple[Value, int]] = {}
+        for o in self.ops:
+            drop = ENTRIES.get(o.primitive)
+            if drop is None or o.how != "region":
+                continue
+            src = o.operands[0].value
+            outer, k = out.get(src.name, (src, 0))
+            out[o.results[0].value.name] = (outer, k + drop)
+        return out
 
     def op(self, name: str) -> Op:
         k = self.index.get(name)

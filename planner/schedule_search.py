@@ -46,22 +46,32 @@ def groups(prog: Program) -> list[list[Op]]:
     Dense ops that read a common value (a layer's forward product and the gradient products that
     reuse its weight or its input activation) form one group, found as connected components with
     ``networkx``; the group's first op is its anchor and the others follow by propagation, so a
-    layer's forward and backward products are chosen together. Without dense ops, the first op
-    with a partitionable loop is the only group.
+    layer's forward and backward products are chosen together. Values are followed through the
+    regions' boundaries (:attr:`Program.origin`; a scan's stacked outputs are their body's
+    values): the forward and backward scans over stacked layers read one weight and one saved
+    activation as different body values, and group as a Python loop of the layers does. Without
+    dense ops, the first op with a partitionable loop is the only group.
     """
     dense = [o for o in prog.ops if o.dense]
     if not dense:
         return [[o] for o in prog.ops if any(lp.partitionable for lp in o.loops)][:1]
+    origin = prog.origin
+
+    def value(name: str) -> tuple[str, str]:
+        return ("value", origin[name][0].name if name in origin else name)
+
     graph = nx.Graph()
     graph.add_nodes_from(o.name for o in dense)
-    for uses in prog.uses.values():
-        names = [o.name for o, _ in uses if o.dense]
-        graph.add_edges_from(zip(names, names[1:]))
+    for o in dense:
+        graph.add_edges_from((o.name, value(a.value.name)) for a in o.operands)
+    for o in prog.ops:
+        if o.primitive == "scan_ys" and o.how == "region":  # a body value, stacked out
+            graph.add_edge(value(o.operands[0].value.name), value(o.results[0].value.name))
     order = prog.index
     by_name = {o.name: o for o in dense}
-    out = [sorted((by_name[n] for n in c), key=lambda o: order[o.name])
+    out = [sorted((by_name[n] for n in c if n in by_name), key=lambda o: order[o.name])
            for c in nx.connected_components(graph)]  # fmt: skip
-    return sorted(out, key=lambda g: order[g[0].name])
+    return sorted((g for g in out if g), key=lambda g: order[g[0].name])
 
 
 def anchors(prog: Program) -> list[Op]:

@@ -1,0 +1,236 @@
+"""Expert strategies (data parallelism, FSDP / ZeRO-3, FSDP + tensor parallelism as MaxText lays
+them out) as plans, on real model code with scanned and unscanned layers: exact against the
+unsharded program through ``plan.jit``, parameters stored as the strategy says, and compiled for
+a TPU topology.
+
+Tolerances as in test_planner_lm (adam divides by the square root of the second moment: an
+element with a tiny one moves by a few percent of the learning rate when sums are reordered).
+"""
+
+import importlib.util
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from test_planner_lm import LR, assert_step_equal
+
+import planner
+from experiments.language_model import lm_step
+from planner import baselines
+from planner.dataflow import dataflow, input_spec
+
+DATA, TENSOR = ("a", "b"), "c"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+
+
+def _close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def _mlp_step(params, x, y):
+    def loss(params):
+        (w1, b1), (w2, b2) = params
+        return jnp.mean((jax.nn.relu(x @ w1 + b1) @ w2 + b2 - y) ** 2)
+
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
+
+
+def test_expert_plans_of_an_mlp_step(mesh):
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    params = ((f32(16, 32), f32(32)), (f32(32, 8), f32(8)))
+    args = (params, f32(64, 16), f32(64, 8))
+    plans = baselines.expert_plans(_mlp_step, *args, mesh=mesh, data_axes=DATA,
+                                   tensor_axis=TENSOR)  # fmt: skip
+    assert list(plans) == list(baselines.STRATEGIES)
+    want = jax.jit(_mlp_step)(*args)
+    for p in plans.values():
+        _close(p(*args), want)
+        _close(jax.tree.unflatten(p.out_tree, list(p.lowered(*args))), want)
+    specs = {name: p.in_specs for name, p in plans.items()}
+    assert all(s[1] == P(DATA) for s in specs.values())  # the batch over the data axes
+    (w1, b1), (w2, b2) = specs["data_parallel"][0]
+    assert w1 == w2 == b1 == b2 == P()
+    # FSDP: weights stored split on their embedding width (the first layer's input features,
+    # the second layer's outputs); biases whole
+    (w1, b1), (w2, b2) = specs["fsdp"][0]
+    assert (w1, w2, b1, b2) == (P(DATA), P(None, DATA), P(), P())
+    # and the hidden dimension over the tensor axis (Megatron: column, then row)
+    (w1, b1), (w2, b2) = specs["fsdp_tensor"][0]
+    assert (w1, w2, b1, b2) == (P(DATA, TENSOR), P(TENSOR, DATA), P(TENSOR), P())
+    assert plans["fsdp"].prediction.peak_bytes < plans["data_parallel"].prediction.peak_bytes
+
+
+def _lm(scan: bool):
+    return lm_step(8, 16, 32, 4, 2, 64, scan, np.random.default_rng(0))
+
+
+def _block_specs(params, scan: bool) -> dict:
+    """The in_specs of the first block's weights by name."""
+    blocks = params["blocks"] if scan else params["blocks"][0]
+    names = {"q": ("attn", "query", "kernel"), "out": ("attn", "out", "kernel"),
+             "up": ("up", "kernel"), "down": ("down", "kernel"), "scale": ("norm1", "scale"),
+             "up_bias": ("up", "bias")}  # fmt: skip
+    out = {}
+    for name, path in names.items():
+        node = blocks
+        for key in path:
+            node = node[key]
+        out[name] = node.get_value()
+    out["embedding"] = params["embed"]["embedding"].get_value()
+    return out
+
+
+# The expected layouts on the (2 layers, 32 wide, 4 heads of 8, MLP 128, vocabulary 64) LM, its
+# layer axis first when scanned: FSDP stores the embedding width over the data axes; MaxText's
+# FSDP + tensor parallelism adds heads, MLP hidden and vocabulary over the tensor axis.
+LM_SPECS = {
+    "data_parallel": dict(q=(), out=(), up=(), down=(), scale=(), up_bias=(), embedding=()),
+    "fsdp": dict(q=(DATA,), out=(None, None, DATA), up=(DATA,), down=(None, DATA), scale=(),
+                 up_bias=(), embedding=(None, DATA)),
+    "fsdp_tensor": dict(q=(DATA, TENSOR), out=(TENSOR, None, DATA), up=(DATA, TENSOR),
+                        down=(TENSOR, DATA), scale=(), up_bias=(TENSOR,),
+                        embedding=(TENSOR, DATA)),
+}  # fmt: skip
+
+
+def _expected(name: str, scan: bool) -> dict:
+    out = {}
+    for weight, spec in LM_SPECS[name].items():
+        stacked = scan and weight != "embedding"
+        out[weight] = P(None, *spec) if stacked and spec else P(*spec)
+    return out
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_expert_layouts_of_the_flax_lm(scan, mesh):
+    """Scanned or a Python loop of layers, each layer's weights are laid out alike (the layer
+    axis of stacked weights whole); Adam's moments as their parameters."""
+    step, args = _lm(scan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prog = planner.analyze(step, *args)
+    scheds = baselines.expert_schedules(prog, mesh, DATA, TENSOR)
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(args)]
+    for name, sched in scheds.items():
+        specs = [input_spec(prog, sched, v) for v in prog.inputs]
+        by_path = dict(zip(paths, specs))
+        for path, spec in by_path.items():
+            if path.startswith("[1][0].mu"):  # the optimizer state is stored as its parameter
+                assert spec == by_path["[0]" + path[len("[1][0].mu") :]], path
+        assert by_path["[2]"] == (DATA, ())  # tokens: the batch over the data axes
+        plan = planner.AutoPlan(prog, sched, None, mesh, 0.0, jax.tree.structure(args), None)
+        got = _block_specs(plan.in_specs[0], scan)
+        assert got == _expected(name, scan), name
+
+
+def test_expert_plans_of_the_scanned_flax_lm_are_exact(mesh):
+    step, args = _lm(True)
+    plans = baselines.expert_plans(step, *args, mesh=mesh, data_axes=DATA, tensor_axis=TENSOR)
+    want = jax.jit(step)(*args)
+    prog = plans["fsdp"].program
+    up = next(v for v in prog.inputs if v.shape == (2, 32, 128))
+    for name, p in plans.items():
+        assert_step_equal(p(*args), want, param_atol=0.05 * LR)  # plan.jit
+        assert _block_specs(p.in_specs[0], True) == _expected(name, True)
+        steps = dataflow(prog, p.schedule)
+        # The stacked weight enters the scan as stored; FSDP gathers it one layer at a time
+        # inside the scan, where each layer's product reads it
+        gathers = [st for st in steps for mv in st.moves if prog.origin.get(mv.value.name,
+                   (None,))[0] == up]  # fmt: skip
+        assert not any(mv.value == up for st in steps for mv in st.moves)
+        assert bool(gathers) == (name != "data_parallel")
+        assert all(st.op.trips == 2 and st.op.dense for st in gathers)
+        # ZeRO: weight gradients are reduce-scattered onto the stored layout
+        scattered = any(k is not None for st in steps if st.op.dense for k in st.scatter)
+        assert scattered == (name != "data_parallel")
+    by_name = {name: p.prediction.peak_bytes for name, p in plans.items()}
+    assert by_name["fsdp_tensor"] < by_name["fsdp"] < by_name["data_parallel"]
+    # Megatron: every layer product of the body is split over the tensor axis
+    sched = plans["fsdp_tensor"].schedule
+    for op, _, _ in baselines._layers(prog):
+        assert any(TENSOR in axes for axes in sched.assign[op.name].values()), op.name
+
+
+def _linen_step():
+    import flax.linen as nn
+    import optax
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            y = nn.gelu(nn.Dense(64)(nn.LayerNorm()(h)))
+            return h + nn.Dense(16)(y), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=2)  # fmt: skip
+            h, _ = stack()(x, None)
+            return nn.Dense(8)(h)
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 4, 16)).astype(np.float32)
+    y = rng.standard_normal((16, 4, 8)).astype(np.float32)
+    model = Model()
+    params = model.init(jax.random.key(0), x)
+    tx = optax.adam(LR)
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), x, y)
+
+
+def test_expert_plans_of_a_linen_nn_scan_model_are_exact(mesh):
+    step, args = _linen_step()
+    plans = baselines.expert_plans(step, *args, mesh=mesh, data_axes=DATA, tensor_axis=TENSOR)
+    want = jax.jit(step)(*args)
+    for name, p in plans.items():
+        assert_step_equal(p(*args), want, param_atol=0.05 * LR)
+        stack = p.in_specs[0]["params"]["ScanBlock_0"]
+        up, down = stack["Dense_0"]["kernel"], stack["Dense_1"]["kernel"]
+        expected = {"data_parallel": (P(), P()), "fsdp": (P(None, DATA), P(None, None, DATA)),
+                    "fsdp_tensor": (P(None, DATA, TENSOR), P(None, TENSOR, DATA))}[name]  # fmt: skip
+        assert (up, down) == expected, name
+
+
+def test_the_legacy_baselines_find_scanned_weights(mesh):
+    """megatron and fsdp_stored see through scans: the body's products are the layers, and a
+    stacked weight is split within a layer, its layer axis whole."""
+    step, args = _lm(True)
+    prog = planner.analyze(step, *args)
+    assign = baselines.megatron(prog, (TENSOR,))
+    assert len(assign) == 7  # q, k, v, out, up, down, and the tied unembedding
+    stored = baselines.fsdp_stored(prog, DATA, dict(mesh.shape))
+    stacked = [name for name, spec in stored.items() if len(spec) == 3]
+    assert stacked and all(stored[n][0] == () for n in stacked)
+    dp = baselines.data_parallel(prog, DATA)
+    assert planner.simulate(prog, prog.schedule(dp, mesh, stored=stored)).peak_bytes < (
+        planner.simulate(prog, prog.schedule(dp, mesh)).peak_bytes
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_expert_plan_compiles_for_a_tpu_topology():
+    from redist.calibration import Calibration
+
+    axes = {"data": 2, "fsdp": 2, "tensor": 2}
+    step, args = _lm(True)
+    plans = baselines.expert_plans(step, *args, mesh=axes,
+                                   calibration=Calibration.named("tpu_v5p"))  # fmt: skip
+    report = plans["fsdp_tensor"].compiled_report(planner.topology_mesh("v5p:2x2x2", axes))
+    assert report.fits and report.device_kind.startswith("TPU v5")
+    assert "all-gather" in report.collectives_by_kind  # FSDP's gathers
