@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -85,6 +85,7 @@ class AutoPlan:
     replicated: object = None
     calibration: Calibration | None = None  # what the plan was priced on
     signature: Signature | None = None  # the arguments it was made for (planner.calls)
+    donate_argnums: tuple[int, ...] = ()  # what jit() donates unless told otherwise
 
     @functools.cached_property
     def _signature(self) -> Signature:
@@ -184,6 +185,8 @@ class AutoPlan:
         for k in ("in_shardings", "out_shardings"):
             if k in jit_kwargs:
                 raise TypeError(f"plan.jit sets {k} itself; got {k}=")
+        if self.donate_argnums:
+            jit_kwargs.setdefault("donate_argnums", self.donate_argnums)
         in_shardings, out_shardings = jax.tree.leaves(self.in_shardings), self.out_shardings
         body = self._xla_lowered(moves).body
         return self._signature.jit(body, in_shardings, out_shardings, self.out_tree, **jit_kwargs)
@@ -301,6 +304,7 @@ def plan(
     mesh,
     memory_limit_bytes: int | float | str | None = AUTO,
     calibration: Calibration | None = None,
+    donate_argnums: int | Sequence[int] = (),
     **kwargs,
 ) -> AutoPlan:
     """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
@@ -317,10 +321,16 @@ def plan(
     (10%); a number: that; ``None`` or ``float("inf")``: no limit. When nothing fits,
     :class:`planner.memory.MemoryLimitError` names the smallest peak found and its largest
     buffers.
+
+    ``donate_argnums``: the arguments whose buffers each call donates, as ``jax.jit``'s (e.g. the
+    parameters and optimizer state of a training step): outputs of the same shape, dtype and
+    layout are written into them, which the predicted peak counts on, and :meth:`AutoPlan.jit`
+    donates them.
     """
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
-    prog = analyze(traced, *values)
+    positional = [() if a.static else x for a, x in zip(sig.args, args)]  # static: no inputs
+    prog = donating(analyze(traced, *values), positional, donate_argnums)
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or default_calibration(mesh)
     start = time.perf_counter()
@@ -329,7 +339,31 @@ def plan(
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
-                    calibration, sig)  # fmt: skip
+                    calibration, sig, _argnums(donate_argnums, len(args)))  # fmt: skip
+
+
+def _argnums(donate_argnums, n: int) -> tuple[int, ...]:
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    for k in nums:
+        if not isinstance(k, int) or not -n <= k < n:
+            raise ValueError(f"donate_argnums={donate_argnums!r}: the function takes {n} "
+                             "positional arguments; give their positions")  # fmt: skip
+    return tuple(sorted({k % n for k in nums}))
+
+
+def donating(prog: Program, args: tuple, donate_argnums) -> Program:
+    """``prog`` with the inputs of the positional ``args`` numbered ``donate_argnums`` donated
+    (:attr:`planner.ir.Program.donated`): ``prog.inputs`` are the leaves of ``args`` in order."""
+    nums = _argnums(donate_argnums, len(args))
+    if not nums:
+        return prog
+    names, k = [], 0
+    for i, arg in enumerate(args):
+        n = len(jax.tree.leaves(arg))
+        if i in nums:
+            names += [v.name for v in prog.inputs[k : k + n]]
+        k += n
+    return dataclasses.replace(prog, donated=frozenset(names))
 
 
 def auto_shard(

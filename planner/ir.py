@@ -193,7 +193,9 @@ class Program:
     """A traced function as a flat list of ops (nested jaxprs inlined, regions marked).
 
     ``ties`` pairs ops that must share one assignment: a scan's carry leaves the body in the
-    layout it entered with ``(entry op, exit op)``.
+    layout it entered with ``(entry op, exit op)``. ``donated`` names the inputs whose buffers
+    the caller donates (``jax.jit(donate_argnums=...)``): an output of the same shape, dtype and
+    layout is written into one instead of a buffer of its own.
     """
 
     ops: tuple[Op, ...]
@@ -203,6 +205,7 @@ class Program:
     consts: tuple = dataclasses.field(default=(), compare=False, repr=False)  # (Value, array)
     regions: tuple[Region, ...] = ()
     ties: tuple[tuple[str, str], ...] = ()
+    donated: frozenset[str] = frozenset()
 
     def schedule(self, assign, mesh, default: str = "propagate", stored=None):
         """A :class:`planner.schedule.Schedule`: see :func:`planner.schedule.make_schedule`."""

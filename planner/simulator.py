@@ -10,9 +10,13 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
   latency + wire bytes / bandwidth of their kind and group size);
 - each pending sum (or max, min, ...) costs an all-reduce, or a reduce-scatter when the
   dataflow scatters it;
-- memory: inputs and outputs stay live; other values from production to their last use; at each
-  op, the live values plus its results plus the copies its operands were moved into (a moved
-  copy serves this op only) plus what a redist plan holds beyond its final tile.
+- memory, as the compiled program's total (arguments + outputs + temporaries - aliased): the
+  inputs it reads, its outputs (less those written into donated inputs) and constants are held
+  throughout; the buffers of :mod:`planner.buffers` (what XLA keeps after fusion: no fused
+  elementwise chain, broadcast, iota or bitcast is stored; a loop's operands and stacked outputs
+  for the whole loop) from their first to their last use; at each op, plus the copies its
+  operands were moved into (held while it runs, where its readers run if it is fused) and what a
+  redist plan holds beyond its final tile.
 
 Example:
     >>> pred = simulate(prog, sched)           # doctest: +SKIP
@@ -25,6 +29,7 @@ import dataclasses
 import math
 
 import redist
+from planner.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program, itemsize
 from planner.schedule import Schedule, Spec, local_shape
@@ -94,19 +99,6 @@ def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
     return t, wire
 
 
-class _Live(dict):
-    """Live values -> bytes per device, with their running total."""
-
-    total = 0
-
-    def __setitem__(self, name: str, size: int) -> None:
-        self.total += size - self.get(name, 0)
-        super().__setitem__(name, size)
-
-    def pop(self, name: str) -> None:
-        self.total -= super().pop(name, 0)
-
-
 def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
     """Per-op prices already computed for this program, calibration and mesh: a search prices
     thousands of schedules that differ in a few ops, so each op's price under the same layouts
@@ -120,7 +112,8 @@ def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
 
 def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
-    operand in its new layout, bytes of each result), per trip."""
+    operand in its new layout, bytes of each result, bytes its kernel holds while it runs), per
+    trip."""
     comm_t = wire = 0.0
     transient = 0
     moved = []
@@ -148,7 +141,20 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             else:
                 comm_t += cal.collective_time("reduce-scatter", size * n, n, crosses)
                 wire += wire_bytes("reduce-scatter", size * n, n)
-    return compute, comm_t, wire, transient, tuple(moved), tuple(outs)
+    # What the kernel holds while it runs: operands it copies into another order, and a partial
+    # result beside its sum (an all-reduce writes a new buffer; a reduce-scatter reads the partial
+    # result at its whole size, and where the compiler all-reduces it then slices, writes one).
+    kernel = sum(
+        _bytes(a.value.shape, sp, sizes, a.value.dtype)
+        for a, sp in zip(op.operands, st.in_specs)
+        if a in kernel_copies(op, cal.backend)
+    )
+    if st.pending:
+        n = math.prod(sizes[a] for a in st.pending)
+        whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
+        kernel += sum(size if st.scatter[k_res] is None else whole * size * n
+                      for k_res, size in enumerate(outs))  # fmt: skip
+    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), kernel
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
@@ -188,8 +194,10 @@ def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = N
 class Buffer:
     """A buffer live on each device at the predicted peak: a program value in its own layout
     (``kind`` ``"input"``, ``"output"``, ``"constant"`` or ``"from <op>"``), an operand's copy in
-    the layout the running op reads it in (``"moved for <op>"``), or what a redistribution holds
-    beyond its result (``"scratch"``)."""
+    the layout ops read it in (``"moved for <op>"``, the first of them), or what the running op
+    holds beyond its result (``"scratch"``: a redistribution's steps, operand copies its kernel
+    makes, a partial result before its reduce-scatter). A donated input that an output reuses is listed once, as the
+    input."""
 
     name: str
     shape: tuple[int, ...]
@@ -222,58 +230,147 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
     kinds.update((v.name, "input") for v in prog.inputs)
     found: list = []
 
-    def record(op, live, moves, moved, transient):
+    def record(op, fixed, live, held, scratch):
         bufs = [Buffer(n, values[n].shape, values[n].dtype, b,
                        kinds.get(n) or f"from {prog.producer[n].name}")
-                for n, b in live.items()]  # fmt: skip
-        bufs += [Buffer(mv.value.name, mv.value.shape, mv.value.dtype, b, f"moved for {op}")
-                 for mv, b in zip(moves, moved)]  # fmt: skip
-        if transient:
-            bufs.append(Buffer(f"redistribution for {op}", (), "uint8", transient, "scratch"))
+                for n, b in [*fixed.items(), *live.items()] if b]  # fmt: skip
+        bufs += [Buffer(mv.value.name, mv.value.shape, mv.value.dtype, b, f"moved for {first}")
+                 for _, (mv, first), b in held if b]  # fmt: skip
+        if scratch:
+            bufs.append(Buffer(f"scratch of {op}", (), "uint8", scratch, "scratch"))
         found[:] = [op, sorted(bufs, key=lambda b: -b.bytes)]
 
     pred = _simulate(prog, sched, calibration or Calibration.default(), record)
     return Peak(pred.peak_bytes, found[0], tuple(found[1]))
 
 
+def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> dict[str, int]:
+    """Bytes per device of what the compiled program holds throughout: the inputs it reads, its
+    outputs (less those written into donated inputs of the same shape, dtype and layout, as
+    ``jax.jit(donate_argnums=...)`` aliases them) and its constants."""
+    out: dict[str, int] = {}
+    specs: dict[str, Spec] = {}
+    for v in prog.inputs:
+        if v.name in lt.fixed:
+            specs[v.name] = input_spec(prog, sched, v)
+            out[v.name] = _bytes(v.shape, specs[v.name], sizes, v.dtype)
+    for v, _ in prog.consts:
+        out[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
+    free = [v for v in prog.inputs if v.name in prog.donated and v.name in out]
+    for v in prog.outputs:
+        if v.name in out:  # an input returned as it is, or a constant
+            continue
+        op = prog.producer[v.name]
+        k = prog.index[op.name]
+        r = next(i for i, res in enumerate(op.results) if res.value.name == v.name)
+        spec = steps[k].out_specs[r]
+        donor = next((d for d in free if (d.shape, d.dtype, specs[d.name]) ==
+                      (v.shape, v.dtype, spec)), None)  # fmt: skip
+        if donor is not None:
+            free.remove(donor)
+            out[v.name] = 0
+        else:
+            out[v.name] = priced[k][5][r]
+    return out
+
+
+def _chains(prog: Program, lt, priced, fixed: dict[str, int]) -> list[tuple[int, int, int, tuple]]:
+    """The temporaries as ``(first op, last op, bytes, (op index, result index) of the first)``:
+    a result written in place into a buffer of its size that dies where it is made continues
+    that buffer's allocation (and one that is an output makes it the output's, held
+    throughout, unless the output is written into a donated input, which holds the input
+    until then)."""
+    after: dict[tuple, tuple] = {}
+    taken: set = set()
+    for k, results in enumerate(lt.reuse):
+        for r, candidates in results:
+            size = priced[k][5][r]
+            for key in candidates:
+                if key not in taken and priced[key[0]][5][key[1]] == size:
+                    taken.add(key)
+                    after[key] = (k, r)
+                    break
+    spans = {key: (begin, -1) for begin, keys in enumerate(lt.alloc) for key in keys}
+    for end, keys in enumerate(lt.free):
+        for key in keys:
+            spans[key] = (spans[key][0], end)
+    continuing = set(after.values())
+    out = []
+    for key, (begin, end) in spans.items():
+        if key in continuing:
+            continue  # written into the buffer of an earlier value
+        last = key
+        while last in after:
+            last = after[last]
+        if last not in spans:  # an output
+            name = prog.ops[last[0]].results[last[1]].value.name
+            if fixed.get(name):
+                continue  # the buffer is the output's, held throughout
+            end = last[0]  # the output is written into a donated input, free only at the end
+        else:
+            end = spans[last][1]
+        out.append((begin, end, priced[key[0]][5][key[1]], key))
+    return out
+
+
 def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) -> Prediction:
-    """:func:`simulate`; ``on_peak(op name, live values, moves, moved bytes, scratch bytes)`` is
-    called whenever the peak grows (first with the inputs and constants, op None)."""
+    """:func:`simulate`; ``on_peak(op name, fixed, live values, held moved copies, scratch)`` is
+    called whenever the peak grows (first with what is held throughout, op None)."""
     sizes = sched.mesh
     m = redist.MeshShape.of(sizes)
     steps = dataflow(prog, sched)
-    last_use: dict[str, int] = {}
-    for k, st in enumerate(steps):
-        for acc in st.op.operands:
-            last_use[acc.value.name] = k
-    keep = {v.name for v in prog.inputs} | {v.name for v in prog.outputs}
-    live = _Live()
-    for v in prog.inputs:
-        live[v.name] = _bytes(v.shape, input_spec(prog, sched, v), sizes, v.dtype)
-    for v, _ in prog.consts:
-        live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
-    costs = []
-    peak = live.total
-    if on_peak is not None:
-        on_peak(None, live, (), (), 0)
+    lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)
+    priced = [_priced(st, sched, sizes, m, cal, memo) for st in steps]
+    fixed = _fixed(prog, sched, steps, priced, sizes, lt)
+    base = sum(fixed.values())
+    n = len(steps)
+    grow, release = [0] * n, [0] * n
+    chains = _chains(prog, lt, priced, fixed)
+    for begin, end, size, _ in chains:
+        grow[begin] += size
+        release[end] += size
+    # A value moved to a layout is held from its first move there to the last op reading that
+    # copy (the compiler makes one collective for equal moves): while the op runs, or where its
+    # readers run if it is fused or a view, or for a whole loop if it enters one.
+    copies: dict[tuple, list] = {}  # (value, layout) -> [first op, last op, bytes, move]
     for k, st in enumerate(steps):
-        op = st.op
-        compute, comm_t, wire, transient, moved, outs = _priced(st, sched, sizes, m, cal, memo)
-        for r, size in zip(op.results, outs):
-            live[r.value.name] = size
-        # A moved copy serves this op alone; the value stays live in its own layout until its
-        # last use (so a weight stored split and gathered for one product is held whole only
-        # while that product runs).
-        scratch = max(0, transient - max(moved, default=0))
-        now = live.total + sum(moved) + scratch
-        if on_peak is not None and now > peak:
-            on_peak(op.name, live, st.moves, moved, scratch)
+        for mv, size in zip(st.moves, priced[k][4]):
+            held = copies.get((mv.value.name, mv.dst))
+            if held is None:
+                copies[(mv.value.name, mv.dst)] = [k, lt.hold[k], size, mv]
+            else:
+                held[1] = max(held[1], lt.hold[k])
+    for begin, end, size, _ in copies.values():
+        grow[begin] += size
+        release[end] += size
+    live = 0
+    peak = base
+    costs = []
+    if on_peak is not None:
+        on_peak(None, fixed, {}, (), 0)
+        starts: dict[int, list] = {}
+        for begin, end, size, (j, r) in chains:
+            starts.setdefault(begin, []).append((prog.ops[j].results[r].value.name, size, end))
+        for begin, end, size, mv in copies.values():
+            starts.setdefault(begin, []).append(((mv, steps[begin].op.name), size, end))
+        names: dict = {}  # the live buffers (value names, or moves), with bytes and last op
+    for k, st in enumerate(steps):
+        compute, comm_t, wire, transient, moved, outs, kernel = priced[k]
+        live += grow[k]
+        scratch = max(0, transient - max(moved, default=0)) + kernel
+        now = base + live + scratch
+        if on_peak is not None:
+            names.update((key, (size, end)) for key, size, end in starts.get(k, ()))
+            if now > peak:
+                values = {key: b for key, (b, _) in names.items() if isinstance(key, str)}
+                held = [(st.op.name, key, b) for key, (b, _) in names.items()
+                        if not isinstance(key, str)]  # fmt: skip
+                on_peak(st.op.name, fixed, values, held, scratch)
+            names = {key: (b, end) for key, (b, end) in names.items() if end > k}
         peak = max(peak, now)
-        costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now))
-        for acc in op.operands:
-            name = acc.value.name
-            if last_use.get(name) == k and name not in keep:
-                live.pop(name)
+        costs.append(OpCost(st.op.name, compute * st.op.trips, comm_t * st.op.trips,
+                            wire * st.op.trips, now))  # fmt: skip
+        live -= release[k]
     total = sum(c.compute_s + c.comm_s for c in costs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs))

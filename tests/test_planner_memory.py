@@ -19,7 +19,7 @@ def _loss(x, w1, w2):
 
 
 STEP = jax.grad(_loss, argnums=(1, 2))
-ARGS = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((256, 128), (128, 512), (512, 128))]
+ARGS = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1024, 128), (128, 512), (512, 128))]
 MESH = {"data": 2, "model": 4}
 
 

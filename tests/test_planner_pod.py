@@ -175,7 +175,9 @@ def test_zero_update_runs_on_shards_with_reduce_scattered_gradients():
     assert sum(any(k is not None for k in st.scatter) for st in steps) == 2  # both gradients
     updates = [st for st in steps if st.op.results[0].value in prog.outputs]
     assert updates and all(any(st.out_specs[0]) for st in updates)  # new weights stay split
-    assert planner.simulate(prog, zero).peak_bytes < planner.simulate(prog, dp).peak_bytes / 2
+    # the weights rest and return split; each reduce-scatter still reads a whole partial
+    # gradient, which the peak holds while it runs
+    assert planner.simulate(prog, zero).peak_bytes < 0.75 * planner.simulate(prog, dp).peak_bytes
     for g, w in zip(jax.tree.leaves(planner.lower(prog, zero, mesh)(*args)),
                     jax.tree.leaves(jax.jit(fn)(*args))):  # fmt: skip
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

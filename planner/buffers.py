@@ -1,0 +1,317 @@
+"""Which values of a program the compiler keeps in memory, and from when to when (pure, no JAX).
+
+XLA does not give every jaxpr value a buffer: it fuses producers into their consumers (a fused
+value is computed where it is read and never stored), folds transposes and reshapes into the
+ops that read them, writes an elementwise result into an operand that dies there, and keeps a
+loop's operands and stacked outputs for the whole loop. :func:`lifetimes` mirrors that closely
+enough for the peak memory per device (:mod:`planner.simulator` sizes each buffer in its
+layout). The fusion rule, by producer:
+
+| the value of ...                              | is                                              |
+|-----------------------------------------------|-------------------------------------------------|
+| a program output                              | a buffer (held for the whole program)           |
+| a dot, convolution, reduction, cumulative op, | a buffer                                        |
+| sort, scatter, collective, unknown primitive  |                                                 |
+| reshape, transpose, squeeze, expand_dims,     | a view of its operand: no memory of its own (a  |
+| copy; a region's entry (scan and while        | bitcast, a transpose folded into its reader, a  |
+| constants and carries, cond operands) and     | loop operand that is the outer buffer)          |
+| its carry out                                 |                                                 |
+| a fusible op: elementwise, broadcast_in_dim,  | fused (no buffer) unless a reader needs it in   |
+| iota, convert, select_n, slice, dynamic_slice,| memory, or it is expensive (exp, log, tanh,     |
+| gather, pad, concatenate, rev, scan_xs (a     | div, rsqrt, ...: XLA does not duplicate those)  |
+| layer's slice of a stacked operand)           | and has more than one reader                    |
+| scan_ys (a loop's stacked output)             | a buffer, allocated when its loop starts        |
+| cond_merge                                    | a buffer                                        |
+
+"Readers" of a value are the ops that run it: following fused values and views to the ops that
+make a buffer (a cheap fused value is duplicated into every reader). Fusible ops, reductions and
+scan_ys fuse what they read; dots, convolutions, collectives, sorts, scatters, unknown
+primitives, a loop's carry (in and out), a cond's results and a loop operand need it in memory.
+A loop operand computed from constants and iotas alone (a causal mask, a broadcast zero) is sunk
+into the loop (XLA's while-loop constant sinking) and fused there.
+
+In place: a fusible op's result (or a scatter's, a dynamic_update_slice's) is written into a
+buffer of the same dtype and size that dies where it runs (:attr:`Lifetimes.reuse`; the
+simulator checks that the layouts agree), so the two are one allocation; a chain of such buffers
+that ends in an output is the output's allocation.
+
+Lifetimes: a buffer lives from the op that makes it (a loop's stacked output: from the loop's
+first op) to the last op that runs a reader of it; a buffer made before a loop's body and read
+inside it lives to the loop's end (every iteration reads it). A fused or view op "runs" where its
+last reader runs, so a copy an op's operand was moved into lives that long (see
+:attr:`Lifetimes.hold`). Inputs, outputs and constants are held for the whole program and left to
+the caller.
+
+Backends differ (a calibration's ``backend``): XLA:CPU's reductions do not recompute a value
+that other ops also read, nor a broadcast that several ops read (:data:`UNSHARED_REDUCTIONS`);
+XLA:CPU and XLA:GPU copy a batched product's operands whose batch dimensions are not leading
+(:func:`kernel_copies`); XLA:CPU makes a reduce-scatter as an all-reduce and a slice
+(:data:`ALL_REDUCE_THEN_SLICE`). The TPU compiler does none of these.
+
+Remat (``jax.checkpoint``) needs no rule: the jaxpr recomputes what it does not save, so the
+forward's values die at their last forward use.
+
+Example:
+    >>> lt = lifetimes(prog, "tpu")                    # doctest: +SKIP
+    >>> lt.kind["v12"], lt.alloc[3], lt.free[3]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from planner.ir import Op, Program
+
+BUFFER, FUSED, VIEW = "buffer", "fused", "view"
+
+VIEWS = frozenset("reshape squeeze expand_dims transpose copy copy_p optimization_barrier "
+                  "sharding_constraint pvary random_wrap random_unwrap".split())  # fmt: skip
+ENTRIES = frozenset("scan_const scan_carry while_const while_carry cond_operand".split())
+SINKABLE = frozenset("scan_const while_const cond_operand".split())  # constant operands sink
+EXITS = frozenset("scan_carry_out while_carry_out".split())
+STACKS = frozenset({"scan_ys"})
+EXPENSIVE = frozenset(
+    """exp exp2 expm1 log log1p tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh
+    acosh atanh sqrt rsqrt cbrt div rem pow erf erfc erf_inv lgamma digamma polygamma igamma
+    igammac igamma_grad_a random_gamma_grad bessel_i0e bessel_i1e zeta
+    regularized_incomplete_beta threefry2x32 random_bits""".split()
+)
+CHEAP = frozenset(
+    """abs add add_any and bitcast_convert_type broadcast_in_dim ceil clamp clz concatenate conj
+    convert_element_type dynamic_slice eq floor gather ge gt imag integer_pow iota is_finite le lt
+    max min mul ne neg nextafter not or pad population_count real reduce_precision rev round
+    scan_xs select_n shift_left shift_right_arithmetic shift_right_logical sign slice split
+    square stop_gradient sub xor""".split()
+)
+FUSIBLE = CHEAP | EXPENSIVE
+FUSING = frozenset(
+    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
+    scan_ys""".split()
+)  # materialize their result, fuse what they read
+
+
+IN_PLACE = frozenset("dynamic_update_slice scatter scatter-add scatter_add scatter-mul scatter_mul "
+                     "scatter-min scatter_min scatter-max scatter_max".split())  # fmt: skip
+"""Ops that write their result into their first operand's buffer when it dies there."""
+
+UNSHARED_REDUCTIONS = frozenset({"cpu"})
+"""Backends whose reductions recompute a fused value only when they are its one reader, and that
+store a broadcast (a value larger than what it is computed from) that several ops read, rather
+than recompute it in each (XLA:CPU's YNNPACK fusions): the normalized activations and broadcast
+statistics of a layer norm, kept for its gradient."""
+
+ALL_REDUCE_THEN_SLICE = frozenset({"cpu"})
+"""Backends whose compiler makes a reduce-scatter as an all-reduce of the whole partial result
+followed by a slice (XLA:CPU): both whole buffers exist while it runs."""
+
+BATCH_LEADING = frozenset({"cpu", "gpu"})
+"""Backends whose batched products want the batch dimensions of each operand leading (XLA:CPU
+and XLA:GPU canonicalize a ``dot_general`` to ``[batch, m, k] x [batch, k, n]``): an operand
+whose batch dimensions are elsewhere is copied into that order while the product runs. TPU
+layouts take any order."""
+
+
+def kernel_copies(op: Op, backend: str) -> tuple:
+    """The operands (accesses) of ``op`` that the ``backend``'s kernel copies into another order
+    before it runs (see :data:`BATCH_LEADING`); dimensions of size 1 do not count."""
+    if op.primitive != "dot_general" or backend not in BATCH_LEADING or len(op.operands) != 2:
+        return ()
+    extent = {lp.name: lp.extent for lp in op.loops}
+    read = [{lp for d in a.dims for lp in d} for a in op.operands]
+    batch = [lp for d in op.results[0].dims for lp in d if extent[lp] > 1
+             and all(lp in r for r in read)]  # fmt: skip
+    if not batch:
+        return ()
+    out = []
+    for a in op.operands:
+        order = [lp for d in a.dims for lp in d if extent[lp] > 1]
+        if order[: len(batch)] != batch:
+            out.append(a)
+    return tuple(out)
+
+
+def _expands(op: Op) -> bool:
+    """Whether ``op``'s result is larger than each of its operands (a broadcast, an iota, the
+    product of two broadcast vectors)."""
+    size = math.prod(op.results[0].value.shape) if op.results else 0
+    return all(math.prod(a.value.shape) < size for a in op.operands)
+
+
+def category(op: Op) -> str:
+    """How the compiler treats ``op``'s results: ``"view"``, ``"entry"`` / ``"exit"`` (views
+    across a region's boundary), ``"fusible"``, ``"fusing"`` (a buffer that fuses what it
+    reads), ``"stack"`` (scan_ys) or ``"materialize"`` (a buffer; what it reads must be one)."""
+    p = op.primitive
+    if p in VIEWS:
+        return "view"
+    if p in ENTRIES:
+        return "entry"
+    if p in EXITS:
+        return "exit"
+    if p in STACKS:
+        return "stack"
+    if p in FUSIBLE:
+        return "fusible"
+    if p in FUSING:
+        return "fusing"
+    return "materialize"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifetimes:
+    """The buffers of a program and when they live (op indices into ``prog.ops``).
+
+    Attributes:
+        kind: op result name -> ``"buffer"``, ``"fused"`` or ``"view"``.
+        alloc: per op, the buffers ``(op index, result index)`` allocated when it runs (not
+            inputs, outputs or constants: those are held throughout).
+        free: per op, the buffers released after it runs.
+        hold: per op, the last op during which copies of its operands moved to another layout
+            are held (itself if it materializes its result, else where its readers run; a loop's
+            end for a loop's entry).
+        fixed: names of the values held for the whole program: inputs that are read or
+            returned, outputs, constants.
+        reuse: per op, its results (index, candidates) that may be written in place into a
+            buffer that dies where the op runs and has the result's shape and dtype (an
+            elementwise fusion's output, a scatter or dynamic_update_slice into its operand; a
+            bitcast that is returned, into its operand), as XLA's buffer assignment shares them
+            when the layouts agree too.
+    """
+
+    kind: dict[str, str]
+    alloc: tuple[tuple[tuple[int, int], ...], ...]
+    free: tuple[tuple[tuple[int, int], ...], ...]
+    hold: tuple[int, ...]
+    fixed: frozenset[str]
+    reuse: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
+
+
+def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
+    """The program's buffers and their lifetimes when compiled for ``backend`` (a calibration's
+    ``backend``: see :data:`UNSHARED_REDUCTIONS`), per the module docstring; computed once per
+    program and backend."""
+    cache = prog.__dict__.setdefault("_lifetimes", {})
+    if backend not in cache:
+        cache[backend] = _lifetimes(prog, backend in UNSHARED_REDUCTIONS)
+    return cache[backend]
+
+
+def _constant_like(prog: Program, cats: list[str]) -> set[str]:
+    """Values computed from constants and iotas alone (through fusible ops and views)."""
+    out = {v.name for v, _ in prog.consts}
+    for op, cat in zip(prog.ops, cats):
+        if cat in ("fusible", "view", "entry") and all(a.value.name in out for a in op.operands):
+            out.update(r.value.name for r in op.results)
+    return out
+
+
+def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[str, str]:
+    """The fusion rule (module docstring): each op result's kind, deciding from the last op back
+    (a value's readers are decided before it)."""
+    ops, index, uses = prog.ops, prog.index, prog.uses
+    outputs = {v.name for v in prog.outputs}
+    constant = _constant_like(prog, cats)
+
+    def passes(c: int, operand: str) -> bool:
+        """Whether reader ``c`` computes ``operand`` where it is read, or hands it on: fusible
+        ops and views do; a loop's entry or scan_xs only a constant, which sinks into the
+        loop."""
+        if cats[c] in ("entry", "exit") or ops[c].primitive == "scan_xs":
+            return ops[c].primitive in SINKABLE | {"scan_xs"} and operand in constant
+        return cats[c] in ("fusible", "view")
+
+    kind: dict[str, str] = {}
+    ends: dict[str, frozenset[int]] = {}  # value -> the ops that run its readers
+    needy: dict[str, bool] = {}  # value -> whether one of them needs it in memory
+    for k in range(len(ops) - 1, -1, -1):
+        op, cat = ops[k], cats[k]
+        for r in op.results:
+            name = r.value.name
+            readers: set[int] = set()
+            needed = False
+            for c_op, _ in uses.get(name, ()):
+                c = index[c_op.name]
+                if not passes(c, name):
+                    readers.add(c)
+                    needed |= cats[c] not in ("fusing", "stack")
+                    continue
+                for x in c_op.results:
+                    if kind[x.value.name] == BUFFER:
+                        readers.add(c)
+                    else:
+                        readers |= ends[x.value.name]
+                        needed |= needy[x.value.name]
+            ends[name], needy[name] = frozenset(readers), needed
+            shared = len(readers) > 1
+            if name in outputs or cat in ("materialize", "fusing", "stack"):
+                kind[name] = BUFFER
+            elif cat in ("view", "entry", "exit"):
+                kind[name] = VIEW
+            elif needed or (shared and op.primitive not in CHEAP):
+                kind[name] = BUFFER
+            elif (
+                shared
+                and unshared_reductions
+                and (_expands(op) or any(cats[c] == "fusing" for c in readers))
+            ):
+                kind[name] = BUFFER
+            else:
+                kind[name] = FUSED  # (with no readers: dead, never computed)
+    return kind
+
+
+def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
+    ops, index, uses = prog.ops, prog.index, prog.uses
+    n = len(ops)
+    cats = [category(op) for op in ops]
+    kind = _kinds(prog, cats, unshared_reductions)
+    # Where each op runs: itself if it makes a buffer, else where its readers run.
+    when = list(range(n))
+    last: dict[str, int] = {}
+    for k in range(n - 1, -1, -1):
+        for r in ops[k].results:
+            last[r.value.name] = max((when[index[c.name]] for c, _ in uses.get(r.value.name, ())),
+                                     default=k)  # fmt: skip
+        if not any(kind[r.value.name] == BUFFER for r in ops[k].results):
+            when[k] = max((last[r.value.name] for r in ops[k].results), default=k)
+    read = {v.name for v in prog.inputs if v.name in uses}
+    held = frozenset(read | {v.name for v in prog.outputs} | {v.name for v, _ in prog.consts})
+    loops = sorted((r for r in prog.regions if r.kind in ("scan", "while")),
+                   key=lambda r: r.stop - r.start)  # fmt: skip
+    stack_start = {}  # a loop's stacked output is allocated when the (innermost) loop starts
+    for r in reversed(loops):
+        stack_start.update((k, r.start) for k in range(r.body, r.stop) if cats[k] == "stack")
+    spans: dict[tuple[int, int], list[int]] = {}
+    for k, op in enumerate(ops):
+        for i, r in enumerate(op.results):
+            if kind[r.value.name] == BUFFER and r.value.name not in held:
+                begin = stack_start.get(k, k)
+                spans[(k, i)] = [begin, max(last[r.value.name], begin)]
+    hold = [[k, when[k]] for k in range(n)]
+    for region in loops:  # read inside a loop, made before its body: held to the loop's end
+        for span in [*spans.values(), *hold]:
+            if span[0] < region.body <= span[1] < region.stop:
+                span[1] = region.stop - 1
+    alloc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    free: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for key, (begin, end) in spans.items():
+        alloc[begin].append(key)
+        free[end].append(key)
+    reuse = []
+    for k, op in enumerate(ops):
+        if cats[k] not in ("fusible", "view") and op.primitive not in IN_PLACE:
+            reuse.append(())
+            continue
+        reuse.append(tuple(
+            (i, tuple(key for key in free[k] if key[0] != k
+                      and _same_size(ops[key[0]].results[key[1]].value, r.value)))
+            for i, r in enumerate(op.results) if kind[r.value.name] == BUFFER
+        ))  # fmt: skip
+    return Lifetimes(kind, tuple(map(tuple, alloc)), tuple(map(tuple, free)),
+                     tuple(end for _, end in hold), held, tuple(reuse))  # fmt: skip
+
+
+def _same_size(a, b) -> bool:
+    """Whether values ``a`` and ``b`` have one dtype and as many elements."""
+    return a.dtype == b.dtype and math.prod(a.shape) == math.prod(b.shape)

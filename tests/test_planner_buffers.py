@@ -1,0 +1,182 @@
+"""The memory model: which values are buffers (the fusion rule), how long they live, and the
+predicted peak against the compiled program's total (arguments + outputs + temporaries -
+aliased) on XLA:CPU and the TPU compiler."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import planner
+from planner.buffers import BUFFER, FUSED, VIEW, kernel_copies, lifetimes
+from planner.simulator import peak_buffers
+
+F32 = jnp.float32
+
+
+def kinds(fn, *shapes, backend="tpu"):
+    prog = planner.analyze(fn, *[jax.ShapeDtypeStruct(s, F32) for s in shapes])
+    lt = lifetimes(prog, backend)
+    return prog, {o.name.rsplit("_", 1)[0]: lt.kind[o.results[0].value.name] for o in prog.ops}
+
+
+def compiled_total(compiled) -> int:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+
+
+def test_a_broadcast_feeding_a_multiply_is_no_buffer_and_a_dots_output_is():
+    _, k = kinds(lambda x, w, s: jnp.sum((x @ w) * s[None, :]), (64, 32), (32, 16), (16,))
+    assert k["broadcast_in_dim"] == FUSED and k["mul"] == FUSED
+    assert k["dot_general"] == BUFFER and k["reduce_sum"] == BUFFER
+
+
+def test_cheap_values_are_recomputed_by_each_reader_and_expensive_ones_stored():
+    def f(x, w):
+        a, e = x + 1.0, jnp.exp(x)
+        return (a * 2.0) @ w, (a * 3.0) @ w, (e * 2.0) @ w, (e * 3.0) @ w
+
+    _, k = kinds(f, (64, 32), (32, 16))
+    assert k["add"] == FUSED  # cheap: duplicated into both products' operands
+    assert k["exp"] == BUFFER  # expensive, two readers
+    assert k["mul"] == BUFFER  # a product's operand is in memory
+
+
+def test_reshapes_and_transposes_are_views_and_returned_values_buffers():
+    prog, k = kinds(lambda x: (x.T.reshape(-1) * 2.0, x.reshape(8, 8)), (16, 4))
+    assert k["transpose"] == VIEW and k["mul"] == BUFFER
+    lt = lifetimes(prog)
+    returned = [o for o in prog.ops if o.results[0].value in prog.outputs]
+    assert all(lt.kind[o.results[0].value.name] == BUFFER for o in returned)
+
+
+def test_an_elementwise_result_is_written_into_the_product_it_reads():
+    # tanh(x @ w): the product's buffer becomes the output; XLA needs no temporary either
+    args = [jax.ShapeDtypeStruct(s, F32) for s in ((512, 256), (256, 128))]
+    fn = lambda x, w: jnp.tanh(x @ w)  # noqa: E731
+    prog = planner.analyze(fn, *args)
+    pred = planner.simulate(prog, prog.schedule({}, {"a": 8}, default="replicate"))
+    assert pred.peak_bytes == (512 * 256 + 256 * 128 + 512 * 128) * 4
+    assert pred.peak_bytes == compiled_total(jax.jit(fn).lower(*args).compile())
+
+
+def test_batched_products_copy_operands_whose_batch_is_not_leading_on_cpu_only():
+    prog = planner.analyze(lambda q, k: jnp.einsum("bqhe,bkhe->bhqk", q, k),
+                           *[jax.ShapeDtypeStruct((2, 8, 4, 16), F32)] * 2)  # fmt: skip
+    op = next(o for o in prog.ops if o.primitive == "dot_general")
+    assert len(kernel_copies(op, "cpu")) == 2 and kernel_copies(op, "tpu") == ()
+    prog = planner.analyze(lambda q, k: jnp.einsum("bhqe,bhke->bhqk", q, k),
+                           *[jax.ShapeDtypeStruct((2, 4, 8, 16), F32)] * 2)  # fmt: skip
+    op = next(o for o in prog.ops if o.primitive == "dot_general")
+    assert kernel_copies(op, "cpu") == ()
+
+
+def _scanned_attention_step(batch=4, seq=32, heads=2, e=16, layers=3):
+    d = heads * e
+
+    def loss(ws, x):
+        mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+        big = jnp.broadcast_to(mask, (batch, heads, seq, seq))  # passed into the scan whole
+
+        def layer(h, w):
+            q = jnp.einsum("bsd,dhe->bhse", h, w)
+            s = jnp.where(big, jnp.einsum("bhqe,bhke->bhqk", q, q), -1e9)
+            return h + jnp.einsum("bhqk,bhke,dhe->bqd", jax.nn.softmax(s), q, w), None
+
+        h, _ = jax.lax.scan(layer, x, ws)
+        return jnp.mean(h**2)
+
+    shapes = [(layers, d, heads, e), (batch, seq, d)]
+    return jax.grad(loss), [jax.ShapeDtypeStruct(s, F32) for s in shapes]
+
+
+def test_a_constant_mask_sinks_into_the_scan_and_residuals_are_stacked():
+    from redist.calibration import Calibration
+
+    step, args = _scanned_attention_step()
+    prog = planner.analyze(step, *args)
+    sched = prog.schedule({}, {"a": 8}, default="replicate")
+    # The TPU compiler sinks the broadcast mask into the loop: no buffer of it, in or out.
+    peak = peak_buffers(prog, sched, Calibration.named("tpu_v5p"))
+    assert not any(b.dtype == "bool" for b in peak.buffers)
+    # The forward loop's stacked residuals (layers first) are live while the backward runs.
+    assert any(b.shape[:1] == (3,) and b.kind.startswith("from scan_ys") for b in peak.buffers)
+    # XLA:CPU keeps the broadcast mask that both loops read, as the model does for it.
+    peak = peak_buffers(prog, sched)
+    assert any(b.dtype == "bool" and b.shape == (4, 2, 32, 32) for b in peak.buffers)
+    compiled = compiled_total(jax.jit(step).lower(*args).compile())
+    assert 0.75 <= peak.bytes / compiled <= 1.25
+
+
+def test_remat_stores_less_and_the_prediction_follows_the_compiler():
+    def step(remat):
+        layer = lambda h, w: (jnp.tanh(jnp.tanh(h @ w) * 2.0), None)  # noqa: E731
+        body = jax.checkpoint(layer) if remat else layer
+        return jax.grad(lambda ws, x: jnp.mean(jax.lax.scan(body, x, ws)[0] ** 2))
+
+    args = [jax.ShapeDtypeStruct(s, F32) for s in ((6, 256, 256), (512, 256))]
+    got = {}
+    for remat in (False, True):
+        prog = planner.analyze(step(remat), *args)
+        pred = planner.simulate(prog, prog.schedule({}, {"a": 8}, default="replicate"))
+        compiled = compiled_total(jax.jit(step(remat)).lower(*args).compile())
+        assert 0.75 <= pred.peak_bytes / compiled <= 1.25
+        got[remat] = pred.peak_bytes
+    assert got[True] < 0.6 * got[False]
+
+
+def test_donated_inputs_hold_the_outputs(mesh):
+    from experiments.workloads import workload
+
+    fn, args = workload("mlp", [64, 256, 2], np.random.default_rng(0))
+    kept = planner.plan(fn, *args, mesh=mesh, memory_limit_bytes=None)
+    donated = planner.plan(fn, *args, mesh=mesh, memory_limit_bytes=None, donate_argnums=0)
+    assert donated.program.donated == {v.name for v in donated.program.inputs[:2]}
+    assert donated.donate_argnums == (0,)
+    weights = 2 * 256 * 256 * 4 // 8  # split over the 8 devices at rest and on return
+    assert donated.prediction.peak_bytes <= kept.prediction.peak_bytes - weights
+    c = donated.jit().lower(*args).compile()  # donates the weights by default
+    assert c.memory_analysis().alias_size_in_bytes > 0
+    assert 0.75 <= donated.prediction.peak_bytes / compiled_total(c) <= 1.25
+    with pytest.raises(ValueError, match="donate_argnums=5"):
+        planner.plan(fn, *args, mesh=mesh, donate_argnums=5)
+
+
+# Workloads of the planner benchmark (configs/planner_default.py)
+CPU_WORKLOADS = ["mlp:1024x64x2", "transformer:8x16x8x64x1", "moe:512x64x8x256",
+                 "lm_scan:8x32x64x4x2x256"]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", CPU_WORKLOADS)
+def test_predicted_peak_is_within_a_quarter_of_the_compiled_total_on_cpu(spec, mesh):
+    from experiments.workloads import workload
+
+    kind, sizes = spec.split(":")
+    fn, args = workload(kind, [int(n) for n in sizes.split("x")], np.random.default_rng(0))
+    p = planner.plan(fn, *args, mesh=mesh, memory_limit_bytes=None)
+    compiled = compiled_total(p.jit().lower(*args).compile())
+    assert 0.75 <= p.prediction.peak_bytes / compiled <= 1.25, (p.prediction, compiled)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"')  # fmt: skip
+def test_predicted_peak_is_within_a_quarter_of_the_tpu_compilers_total():
+    from experiments.language_model import lm_step
+    from redist.calibration import Calibration
+
+    step, args = lm_step(16, 128, 128, 4, 2, 512, True, np.random.default_rng(0))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    axes = {"data": 2, "tensor": 2}
+    p = planner.plan(step, *shapes, mesh=axes, calibration=Calibration.named("tpu_v5p"),
+                     memory_limit_bytes=None)  # fmt: skip
+    report = p.compiled_report(planner.topology_mesh("v5p:2x2x1", axes))
+    assert 0.75 <= p.prediction.peak_bytes / report.total_bytes <= 1.25, (p.prediction, report)
