@@ -11,12 +11,15 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 - each pending sum (or max, min, ...) costs an all-reduce, or a reduce-scatter when the
   dataflow scatters it;
 - memory, as the compiled program's total (arguments + outputs + temporaries - aliased): the
-  inputs it reads, its outputs (less those written into donated inputs) and constants are held
-  throughout; the buffers of :mod:`planner.buffers` (what XLA keeps after fusion: no fused
+  inputs it reads and its constants are held throughout, its outputs from the op that makes
+  them (their memory holds temporaries before; an output written into a donated input adds
+  nothing); the buffers of :mod:`planner.buffers` (what XLA keeps after fusion: no fused
   elementwise chain, broadcast, iota or bitcast is stored; a loop's operands and stacked outputs
-  for the whole loop) from their first to their last use; at each op, plus the copies its
-  operands were moved into (held while it runs, where its readers run if it is fused) and what a
-  redist plan holds beyond its final tile.
+  for the whole loop; an elementwise result written into a dying operand of its size) from
+  their first to their last use; the copy a value is moved into for its readers in another
+  layout (one per value and layout), while they run; and what the running op holds beyond its
+  results: a redist plan's steps, operand copies its kernel makes, a partial result beside its
+  all-reduce or reduce-scatter.
 
 Example:
     >>> pred = simulate(prog, sched)           # doctest: +SKIP
@@ -244,21 +247,23 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
     return Peak(pred.peak_bytes, found[0], tuple(found[1]))
 
 
-def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> dict[str, int]:
-    """Bytes per device of what the compiled program holds throughout: the inputs it reads, its
-    outputs (less those written into donated inputs of the same shape, dtype and layout, as
-    ``jax.jit(donate_argnums=...)`` aliases them) and its constants."""
-    out: dict[str, int] = {}
+def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[dict, dict]:
+    """Bytes per device of what the compiled program takes from its caller: the inputs it reads
+    and its constants (held throughout), and its outputs (held from where they are made; zero
+    for those written into a donated input of the same shape, dtype and layout, as
+    ``jax.jit(donate_argnums=...)`` aliases them)."""
+    held: dict[str, int] = {}
     specs: dict[str, Spec] = {}
     for v in prog.inputs:
         if v.name in lt.fixed:
             specs[v.name] = input_spec(prog, sched, v)
-            out[v.name] = _bytes(v.shape, specs[v.name], sizes, v.dtype)
+            held[v.name] = _bytes(v.shape, specs[v.name], sizes, v.dtype)
     for v, _ in prog.consts:
-        out[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
-    free = [v for v in prog.inputs if v.name in prog.donated and v.name in out]
+        held[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
+    free = [v for v in prog.inputs if v.name in prog.donated and v.name in held]
+    outputs: dict[str, int] = {}
     for v in prog.outputs:
-        if v.name in out:  # an input returned as it is, or a constant
+        if v.name in held or v.name in outputs:  # an input returned as it is, or a constant
             continue
         op = prog.producer[v.name]
         k = prog.index[op.name]
@@ -268,33 +273,33 @@ def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> dict[str
                       (v.shape, v.dtype, spec)), None)  # fmt: skip
         if donor is not None:
             free.remove(donor)
-            out[v.name] = 0
-        else:
-            out[v.name] = priced[k][5][r]
-    return out
+        outputs[v.name] = 0 if donor is not None else priced[k][5][r]
+    return held, outputs
 
 
-def _chains(prog: Program, lt, priced, fixed: dict[str, int]) -> list[tuple[int, int, int, tuple]]:
-    """The temporaries as ``(first op, last op, bytes, (op index, result index) of the first)``:
-    a result written in place into a buffer of its size that dies where it is made continues
-    that buffer's allocation (and one that is an output makes it the output's, held
-    throughout, unless the output is written into a donated input, which holds the input
-    until then)."""
-    after: dict[tuple, tuple] = {}
-    taken: set = set()
+def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[int, int, int, str]]:
+    """The temporaries and outputs as ``(first op, last op, bytes, name of the first value)``: a
+    result written in place into a buffer of its size that dies where it is made continues that
+    buffer's allocation; an output's lasts to the end (one written into a donated input adds
+    nothing: the input holds it)."""
+
+    def name(key: tuple[int, int]) -> str:
+        return prog.ops[key[0]].results[key[1]].value.name
+
+    after: dict[tuple, tuple] = {}  # a buffer -> the result written into it where it dies
     for k, results in enumerate(lt.reuse):
         for r, candidates in results:
             size = priced[k][5][r]
             for key in candidates:
-                if key not in taken and priced[key[0]][5][key[1]] == size:
-                    taken.add(key)
+                if key not in after and priced[key[0]][5][key[1]] == size:
                     after[key] = (k, r)
                     break
-    spans = {key: (begin, -1) for begin, keys in enumerate(lt.alloc) for key in keys}
+    spans = {key: [begin, begin] for begin, keys in enumerate(lt.alloc) for key in keys}
     for end, keys in enumerate(lt.free):
         for key in keys:
-            spans[key] = (spans[key][0], end)
+            spans[key][1] = end
     continuing = set(after.values())
+    last_op = len(prog.ops) - 1
     out = []
     for key, (begin, end) in spans.items():
         if key in continuing:
@@ -302,14 +307,15 @@ def _chains(prog: Program, lt, priced, fixed: dict[str, int]) -> list[tuple[int,
         last = key
         while last in after:
             last = after[last]
-        if last not in spans:  # an output
-            name = prog.ops[last[0]].results[last[1]].value.name
-            if fixed.get(name):
-                continue  # the buffer is the output's, held throughout
-            end = last[0]  # the output is written into a donated input, free only at the end
-        else:
+        if last in spans:
             end = spans[last][1]
-        out.append((begin, end, priced[key[0]][5][key[1]], key))
+        else:  # an output: to the end, unless a donated input holds it
+            end = last_op if outputs.get(name(last)) else last[0]
+        out.append((begin, end, priced[key[0]][5][key[1]], name(key)))
+    ended = {name(key) for key in continuing if key not in spans}
+    out += [
+        (lt.made[n], last_op, size, n) for n, size in outputs.items() if size and n not in ended
+    ]
     return out
 
 
@@ -322,11 +328,11 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)
     priced = [_priced(st, sched, sizes, m, cal, memo) for st in steps]
-    fixed = _fixed(prog, sched, steps, priced, sizes, lt)
+    fixed, outputs = _fixed(prog, sched, steps, priced, sizes, lt)
     base = sum(fixed.values())
     n = len(steps)
     grow, release = [0] * n, [0] * n
-    chains = _chains(prog, lt, priced, fixed)
+    chains = _chains(prog, lt, priced, outputs)
     for begin, end, size, _ in chains:
         grow[begin] += size
         release[end] += size
@@ -350,8 +356,8 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     if on_peak is not None:
         on_peak(None, fixed, {}, (), 0)
         starts: dict[int, list] = {}
-        for begin, end, size, (j, r) in chains:
-            starts.setdefault(begin, []).append((prog.ops[j].results[r].value.name, size, end))
+        for begin, end, size, name in chains:
+            starts.setdefault(begin, []).append((name, size, end))
         for begin, end, size, mv in copies.values():
             starts.setdefault(begin, []).append(((mv, steps[begin].op.name), size, end))
         names: dict = {}  # the live buffers (value names, or moves), with bytes and last op
