@@ -176,6 +176,7 @@ class Lifetimes:
         made: output name -> the op that makes it (a loop's stacked output: the loop's first
             op); an output is held from then to the end, and its memory serves temporaries
             before (XLA places them in the output's allocation).
+        first: op result name -> the first op that runs one of its readers.
         reuse: per op, its results (index, candidates) that may be written in place into a
             buffer that dies where the op runs and has the result's shape and dtype (an
             elementwise fusion's output, a scatter or dynamic_update_slice into its operand; a
@@ -190,6 +191,7 @@ class Lifetimes:
     fixed: frozenset[str]
     reuse: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
     made: dict[str, int]
+    first: dict[str, int]
 
 
 def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
@@ -273,13 +275,17 @@ def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
     kind = _kinds(prog, cats, unshared_reductions)
     # Where each op runs: itself if it makes a buffer, else where its readers run.
     when = list(range(n))
+    soonest = list(range(n))  # where an op runs first (a fused op: where its first reader does)
     last: dict[str, int] = {}
+    first: dict[str, int] = {}
     for k in range(n - 1, -1, -1):
         for r in ops[k].results:
-            last[r.value.name] = max((when[index[c.name]] for c, _ in uses.get(r.value.name, ())),
-                                     default=k)  # fmt: skip
+            readers = [index[c.name] for c, _ in uses.get(r.value.name, ())]
+            last[r.value.name] = max((when[c] for c in readers), default=k)
+            first[r.value.name] = min((soonest[c] for c in readers), default=k)
         if not any(kind[r.value.name] == BUFFER for r in ops[k].results):
             when[k] = max((last[r.value.name] for r in ops[k].results), default=k)
+            soonest[k] = min((first[r.value.name] for r in ops[k].results), default=k)
     read = {v.name for v in prog.inputs if v.name in uses}
     held = frozenset(read | {v.name for v in prog.outputs} | {v.name for v, _ in prog.consts})
     loops = sorted((r for r in prog.regions if r.kind in ("scan", "while")),
@@ -317,7 +323,7 @@ def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
             for i, r in enumerate(op.results) if kind[r.value.name] == BUFFER
         ))  # fmt: skip
     return Lifetimes(kind, tuple(map(tuple, alloc)), tuple(map(tuple, free)),
-                     tuple(end for _, end in hold), held, tuple(reuse), made)  # fmt: skip
+                     tuple(end for _, end in hold), held, tuple(reuse), made, first)  # fmt: skip
 
 
 def _same_size(a, b) -> bool:

@@ -19,7 +19,9 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
   their first to their last use; the copy a value is moved into for its readers in another
   layout (one per value and layout), while they run; and what the running op holds beyond its
   results: a redist plan's steps, operand copies its kernel makes, a partial result beside its
-  all-reduce or reduce-scatter.
+  all-reduce or reduce-scatter. Sums nothing reads before the program's last one (a step's
+  gradients) are combined into one collective, as XLA's combiners do: their partial results
+  wait for it.
 
 Example:
     >>> pred = simulate(prog, sched)           # doctest: +SKIP
@@ -147,17 +149,18 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     # What the kernel holds while it runs: operands it copies into another order, and a partial
     # result beside its sum (an all-reduce writes a new buffer; a reduce-scatter reads the partial
     # result at its whole size, and where the compiler all-reduces it then slices, writes one).
-    kernel = sum(
+    copies = sum(
         _bytes(a.value.shape, sp, sizes, a.value.dtype)
         for a, sp in zip(op.operands, st.in_specs)
         if a in kernel_copies(op, cal.backend)
     )
+    partial = 0
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
         whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
-        kernel += sum(size if st.scatter[k_res] is None else whole * size * n
+        partial = sum(size if st.scatter[k_res] is None else whole * size * n
                       for k_res, size in enumerate(outs))  # fmt: skip
-    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), kernel
+    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial)
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
@@ -233,12 +236,12 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
     kinds.update((v.name, "input") for v in prog.inputs)
     found: list = []
 
-    def record(op, fixed, live, held, scratch):
+    def record(op, fixed, live, others, scratch):
         bufs = [Buffer(n, values[n].shape, values[n].dtype, b,
                        kinds.get(n) or f"from {prog.producer[n].name}")
                 for n, b in [*fixed.items(), *live.items()] if b]  # fmt: skip
-        bufs += [Buffer(mv.value.name, mv.value.shape, mv.value.dtype, b, f"moved for {first}")
-                 for _, (mv, first), b in held if b]  # fmt: skip
+        bufs += [Buffer(name, shape, dtype, b, kind)
+                 for name, shape, dtype, kind, b in others if b]  # fmt: skip
         if scratch:
             bufs.append(Buffer(f"scratch of {op}", (), "uint8", scratch, "scratch"))
         found[:] = [op, sorted(bufs, key=lambda b: -b.bytes)]
@@ -319,9 +322,38 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
     return out
 
 
+def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[int], list]:
+    """The sums the compiler combines into one collective, and what they hold: those whose
+    results nothing reads before the last partial sum of the program is made (a step's gradients,
+    summed together before the update). Returns the ops whose partial results wait for the
+    combined collective (their own kernels hold nothing more) and ``(first op, last op, bytes)``
+    spans of what they hold: a partial result at its whole size from where it is made, and
+    beside the results where the combined collective runs (``whole``: 2 where a reduce-scatter
+    is an all-reduce and a slice, :data:`planner.buffers.ALL_REDUCE_THEN_SLICE`)."""
+    summed = [k for k, st in enumerate(steps) if st.pending]
+    if len(summed) < 2:
+        return set(), []
+    last = summed[-1]
+    members, spans = set(), []
+    for k in summed[:-1]:
+        st = steps[k]
+        if not all(lt.first[r.value.name] > last for r in st.op.results):
+            continue
+        members.add(k)
+        n = math.prod(sizes[a] for a in st.pending)
+        for size, scatter in zip(priced[k][5], st.scatter):
+            if scatter is None:  # the partial result is counted as the result until it is summed
+                spans.append((last, last, size))
+            else:  # the whole partial result until then, besides the scattered result
+                spans.append((k, last, size * n - size))
+                spans.append((last, last, size + (whole - 1) * size * n))
+    return members, spans
+
+
 def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) -> Prediction:
-    """:func:`simulate`; ``on_peak(op name, fixed, live values, held moved copies, scratch)`` is
-    called whenever the peak grows (first with what is held throughout, op None)."""
+    """:func:`simulate`; ``on_peak(op name, fixed, live values, others, scratch)`` is called
+    whenever the peak grows (first with what is held throughout, op None); ``others`` are moved
+    copies and waiting partial sums as ``(name, shape, dtype, kind, bytes)``."""
     sizes = sched.mesh
     m = redist.MeshShape.of(sizes)
     steps = dataflow(prog, sched)
@@ -350,6 +382,11 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     for begin, end, size, _ in copies.values():
         grow[begin] += size
         release[end] += size
+    whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
+    members, waiting = _combined(prog, lt, steps, priced, sizes, whole)
+    for begin, end, size in waiting:
+        grow[begin] += size
+        release[end] += size
     live = 0
     peak = base
     costs = []
@@ -359,20 +396,29 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         for begin, end, size, name in chains:
             starts.setdefault(begin, []).append((name, size, end))
         for begin, end, size, mv in copies.values():
-            starts.setdefault(begin, []).append(((mv, steps[begin].op.name), size, end))
-        names: dict = {}  # the live buffers (value names, or moves), with bytes and last op
+            v = mv.value
+            other = (v.name, v.shape, v.dtype, f"moved for {steps[begin].op.name}")
+            starts.setdefault(begin, []).append((other, size, end))
+        for begin, end, size in waiting:
+            other = (f"partial sums for the collective at {steps[end].op.name}", (), "uint8",
+                     "scratch")  # fmt: skip
+            starts.setdefault(begin, []).append((other, size, end))
+        names: dict = {}  # the live buffers (value names, or others), with bytes and last op
     for k, st in enumerate(steps):
         compute, comm_t, wire, transient, moved, outs, kernel = priced[k]
         live += grow[k]
-        scratch = max(0, transient - max(moved, default=0)) + kernel
+        copies_k, partial = kernel
+        scratch = max(0, transient - max(moved, default=0)) + copies_k
+        scratch += 0 if k in members else partial
         now = base + live + scratch
         if on_peak is not None:
-            names.update((key, (size, end)) for key, size, end in starts.get(k, ()))
+            for key, size, end in starts.get(k, ()):
+                b, e = names.get(key, (0, end))
+                names[key] = (b + size, max(e, end))
             if now > peak:
                 values = {key: b for key, (b, _) in names.items() if isinstance(key, str)}
-                held = [(st.op.name, key, b) for key, (b, _) in names.items()
-                        if not isinstance(key, str)]  # fmt: skip
-                on_peak(st.op.name, fixed, values, held, scratch)
+                others = [(*key, b) for key, (b, _) in names.items() if not isinstance(key, str)]
+                on_peak(st.op.name, fixed, values, others, scratch)
             names = {key: (b, end) for key, (b, end) in names.items() if end > k}
         peak = max(peak, now)
         costs.append(OpCost(st.op.name, compute * st.op.trips, comm_t * st.op.trips,
