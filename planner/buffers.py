@@ -87,9 +87,9 @@ CHEAP = frozenset(
 )
 FUSIBLE = CHEAP | EXPENSIVE
 FUSING = frozenset(
-    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
-    scan_ys""".split()
-)  # materialize their result, fuse what they read
+    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax
+    argmin""".split()
+)  # materialize their result, fuse what they read (scan_ys too)
 
 
 IN_PLACE = frozenset("dynamic_update_slice scatter scatter-add scatter_add scatter-mul scatter_mul "
@@ -166,7 +166,7 @@ class Lifetimes:
     Attributes:
         kind: op result name -> ``"buffer"``, ``"fused"`` or ``"view"``.
         alloc: per op, the buffers ``(op index, result index)`` allocated when it runs (not
-            inputs, outputs or constants: those are held throughout).
+            inputs, outputs or constants: see ``fixed`` and ``made``).
         free: per op, the buffers released after it runs.
         hold: per op, the last op during which copies of its operands moved to another layout
             are held (itself if it materializes its result, else where its readers run; a loop's
