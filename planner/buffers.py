@@ -39,8 +39,9 @@ Lifetimes: a buffer lives from the op that makes it (a loop's stacked output: fr
 first op) to the last op that runs a reader of it; a buffer made before a loop's body and read
 inside it lives to the loop's end (every iteration reads it). A fused or view op "runs" where its
 last reader runs, so a copy an op's operand was moved into lives that long (see
-:attr:`Lifetimes.hold`). Inputs, outputs and constants are held for the whole program and left to
-the caller.
+:attr:`Lifetimes.hold`). Inputs and constants are held for the whole program, outputs from the op
+that makes them to the end (before, their memory holds temporaries, as XLA's buffer assignment
+places temporaries in the outputs' allocations); the caller sizes them.
 
 Backends differ (a calibration's ``backend``): XLA:CPU's reductions do not recompute a value
 that other ops also read, nor a broadcast that several ops read (:data:`UNSHARED_REDUCTIONS`);
@@ -86,9 +87,9 @@ CHEAP = frozenset(
 )
 FUSIBLE = CHEAP | EXPENSIVE
 FUSING = frozenset(
-    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
-    scan_ys""".split()
-)  # materialize their result, fuse what they read
+    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax
+    argmin""".split()
+)  # materialize their result, fuse what they read (scan_ys too)
 
 
 IN_PLACE = frozenset("dynamic_update_slice scatter scatter-add scatter_add scatter-mul scatter_mul "
@@ -165,13 +166,17 @@ class Lifetimes:
     Attributes:
         kind: op result name -> ``"buffer"``, ``"fused"`` or ``"view"``.
         alloc: per op, the buffers ``(op index, result index)`` allocated when it runs (not
-            inputs, outputs or constants: those are held throughout).
+            inputs, outputs or constants: see ``fixed`` and ``made``).
         free: per op, the buffers released after it runs.
         hold: per op, the last op during which copies of its operands moved to another layout
             are held (itself if it materializes its result, else where its readers run; a loop's
             end for a loop's entry).
-        fixed: names of the values held for the whole program: inputs that are read or
-            returned, outputs, constants.
+        fixed: names of the values left to the caller: inputs that are read or returned,
+            outputs, constants.
+        made: output name -> the op that makes it (a loop's stacked output: the loop's first
+            op); an output is held from then to the end, and its memory serves temporaries
+            before (XLA places them in the output's allocation).
+        first: op result name -> the first op that runs one of its readers.
         reuse: per op, its results (index, candidates) that may be written in place into a
             buffer that dies where the op runs and has the result's shape and dtype (an
             elementwise fusion's output, a scatter or dynamic_update_slice into its operand; a
@@ -185,6 +190,8 @@ class Lifetimes:
     hold: tuple[int, ...]
     fixed: frozenset[str]
     reuse: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
+    made: dict[str, int]
+    first: dict[str, int]
 
 
 def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
@@ -268,13 +275,17 @@ def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
     kind = _kinds(prog, cats, unshared_reductions)
     # Where each op runs: itself if it makes a buffer, else where its readers run.
     when = list(range(n))
+    soonest = list(range(n))  # where an op runs first (a fused op: where its first reader does)
     last: dict[str, int] = {}
+    first: dict[str, int] = {}
     for k in range(n - 1, -1, -1):
         for r in ops[k].results:
-            last[r.value.name] = max((when[index[c.name]] for c, _ in uses.get(r.value.name, ())),
-                                     default=k)  # fmt: skip
+            readers = [index[c.name] for c, _ in uses.get(r.value.name, ())]
+            last[r.value.name] = max((when[c] for c in readers), default=k)
+            first[r.value.name] = min((soonest[c] for c in readers), default=k)
         if not any(kind[r.value.name] == BUFFER for r in ops[k].results):
             when[k] = max((last[r.value.name] for r in ops[k].results), default=k)
+            soonest[k] = min((first[r.value.name] for r in ops[k].results), default=k)
     read = {v.name for v in prog.inputs if v.name in uses}
     held = frozenset(read | {v.name for v in prog.outputs} | {v.name for v, _ in prog.consts})
     loops = sorted((r for r in prog.regions if r.kind in ("scan", "while")),
@@ -283,9 +294,12 @@ def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
     for r in reversed(loops):
         stack_start.update((k, r.start) for k in range(r.body, r.stop) if cats[k] == "stack")
     spans: dict[tuple[int, int], list[int]] = {}
+    made: dict[str, int] = {}
     for k, op in enumerate(ops):
         for i, r in enumerate(op.results):
-            if kind[r.value.name] == BUFFER and r.value.name not in held:
+            if r.value.name in held:
+                made.setdefault(r.value.name, stack_start.get(k, k))
+            elif kind[r.value.name] == BUFFER:
                 begin = stack_start.get(k, k)
                 spans[(k, i)] = [begin, max(last[r.value.name], begin)]
     hold = [[k, when[k]] for k in range(n)]
@@ -309,7 +323,7 @@ def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
             for i, r in enumerate(op.results) if kind[r.value.name] == BUFFER
         ))  # fmt: skip
     return Lifetimes(kind, tuple(map(tuple, alloc)), tuple(map(tuple, free)),
-                     tuple(end for _, end in hold), held, tuple(reuse))  # fmt: skip
+                     tuple(end for _, end in hold), held, tuple(reuse), made, first)  # fmt: skip
 
 
 def _same_size(a, b) -> bool:

@@ -26,9 +26,11 @@ from redist.calibration import Calibration
 
 MEMORY_RESERVE = 0.10
 """Fraction of a device's memory that the default limit leaves free. The simulator predicts the
-buffers of the jaxpr; the compiled program also holds what it does not model: padding of arrays to
-the TPU's tiles, the scratch of collectives and fusions, generated code, and on GPUs what the CUDA
-runtime and NCCL keep (the TPU files already give the memory the compiler lets a program use)."""
+buffers the compiler keeps (:mod:`planner.buffers`), within about a quarter of the compiled total;
+the compiled program also holds what it does not model: padding of arrays to the TPU's tiles, the
+scratch of collectives and fusions, what imperfect packing of buffers wastes, generated code, and
+on GPUs what the CUDA runtime and NCCL keep (the TPU files already give the memory the compiler
+lets a program use)."""
 
 AUTO = "auto"
 

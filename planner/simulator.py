@@ -11,12 +11,17 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 - each pending sum (or max, min, ...) costs an all-reduce, or a reduce-scatter when the
   dataflow scatters it;
 - memory, as the compiled program's total (arguments + outputs + temporaries - aliased): the
-  inputs it reads, its outputs (less those written into donated inputs) and constants are held
-  throughout; the buffers of :mod:`planner.buffers` (what XLA keeps after fusion: no fused
+  inputs it reads and its constants are held throughout, its outputs from the op that makes
+  them (their memory holds temporaries before; an output written into a donated input adds
+  nothing); the buffers of :mod:`planner.buffers` (what XLA keeps after fusion: no fused
   elementwise chain, broadcast, iota or bitcast is stored; a loop's operands and stacked outputs
-  for the whole loop) from their first to their last use; at each op, plus the copies its
-  operands were moved into (held while it runs, where its readers run if it is fused) and what a
-  redist plan holds beyond its final tile.
+  for the whole loop; an elementwise result written into a dying operand of its size) from
+  their first to their last use; the copy a value is moved into for its readers in another
+  layout (one per value and layout), while they run; and what the running op holds beyond its
+  results: a redist plan's steps, operand copies its kernel makes, a partial result beside its
+  all-reduce or reduce-scatter. Sums nothing reads before the program's last one (a step's
+  gradients) are combined into one collective, as XLA's combiners do: their partial results
+  wait for it.
 
 Example:
     >>> pred = simulate(prog, sched)           # doctest: +SKIP
@@ -144,17 +149,18 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     # What the kernel holds while it runs: operands it copies into another order, and a partial
     # result beside its sum (an all-reduce writes a new buffer; a reduce-scatter reads the partial
     # result at its whole size, and where the compiler all-reduces it then slices, writes one).
-    kernel = sum(
+    copies = sum(
         _bytes(a.value.shape, sp, sizes, a.value.dtype)
         for a, sp in zip(op.operands, st.in_specs)
         if a in kernel_copies(op, cal.backend)
     )
+    partial = 0
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
         whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
-        kernel += sum(size if st.scatter[k_res] is None else whole * size * n
+        partial = sum(size if st.scatter[k_res] is None else whole * size * n
                       for k_res, size in enumerate(outs))  # fmt: skip
-    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), kernel
+    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial)
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
@@ -230,12 +236,12 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
     kinds.update((v.name, "input") for v in prog.inputs)
     found: list = []
 
-    def record(op, fixed, live, held, scratch):
+    def record(op, fixed, live, others, scratch):
         bufs = [Buffer(n, values[n].shape, values[n].dtype, b,
                        kinds.get(n) or f"from {prog.producer[n].name}")
                 for n, b in [*fixed.items(), *live.items()] if b]  # fmt: skip
-        bufs += [Buffer(mv.value.name, mv.value.shape, mv.value.dtype, b, f"moved for {first}")
-                 for _, (mv, first), b in held if b]  # fmt: skip
+        bufs += [Buffer(name, shape, dtype, b, kind)
+                 for name, shape, dtype, kind, b in others if b]  # fmt: skip
         if scratch:
             bufs.append(Buffer(f"scratch of {op}", (), "uint8", scratch, "scratch"))
         found[:] = [op, sorted(bufs, key=lambda b: -b.bytes)]
@@ -244,21 +250,23 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
     return Peak(pred.peak_bytes, found[0], tuple(found[1]))
 
 
-def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> dict[str, int]:
-    """Bytes per device of what the compiled program holds throughout: the inputs it reads, its
-    outputs (less those written into donated inputs of the same shape, dtype and layout, as
-    ``jax.jit(donate_argnums=...)`` aliases them) and its constants."""
-    out: dict[str, int] = {}
+def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[dict, dict]:
+    """Bytes per device of what the compiled program takes from its caller: the inputs it reads
+    and its constants (held throughout), and its outputs (held from where they are made; zero
+    for those written into a donated input of the same shape, dtype and layout, as
+    ``jax.jit(donate_argnums=...)`` aliases them)."""
+    held: dict[str, int] = {}
     specs: dict[str, Spec] = {}
     for v in prog.inputs:
         if v.name in lt.fixed:
             specs[v.name] = input_spec(prog, sched, v)
-            out[v.name] = _bytes(v.shape, specs[v.name], sizes, v.dtype)
+            held[v.name] = _bytes(v.shape, specs[v.name], sizes, v.dtype)
     for v, _ in prog.consts:
-        out[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
-    free = [v for v in prog.inputs if v.name in prog.donated and v.name in out]
+        held[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
+    free = [v for v in prog.inputs if v.name in prog.donated and v.name in held]
+    outputs: dict[str, int] = {}
     for v in prog.outputs:
-        if v.name in out:  # an input returned as it is, or a constant
+        if v.name in held or v.name in outputs:  # an input returned as it is, or a constant
             continue
         op = prog.producer[v.name]
         k = prog.index[op.name]
@@ -268,33 +276,33 @@ def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> dict[str
                       (v.shape, v.dtype, spec)), None)  # fmt: skip
         if donor is not None:
             free.remove(donor)
-            out[v.name] = 0
-        else:
-            out[v.name] = priced[k][5][r]
-    return out
+        outputs[v.name] = 0 if donor is not None else priced[k][5][r]
+    return held, outputs
 
 
-def _chains(prog: Program, lt, priced, fixed: dict[str, int]) -> list[tuple[int, int, int, tuple]]:
-    """The temporaries as ``(first op, last op, bytes, (op index, result index) of the first)``:
-    a result written in place into a buffer of its size that dies where it is made continues
-    that buffer's allocation (and one that is an output makes it the output's, held
-    throughout, unless the output is written into a donated input, which holds the input
-    until then)."""
-    after: dict[tuple, tuple] = {}
-    taken: set = set()
+def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[int, int, int, str]]:
+    """The temporaries and outputs as ``(first op, last op, bytes, name of the first value)``: a
+    result written in place into a buffer of its size that dies where it is made continues that
+    buffer's allocation; an output's lasts to the end (one written into a donated input adds
+    nothing: the input holds it)."""
+
+    def name(key: tuple[int, int]) -> str:
+        return prog.ops[key[0]].results[key[1]].value.name
+
+    after: dict[tuple, tuple] = {}  # a buffer -> the result written into it where it dies
     for k, results in enumerate(lt.reuse):
         for r, candidates in results:
             size = priced[k][5][r]
             for key in candidates:
-                if key not in taken and priced[key[0]][5][key[1]] == size:
-                    taken.add(key)
+                if key not in after and priced[key[0]][5][key[1]] == size:
                     after[key] = (k, r)
                     break
-    spans = {key: (begin, -1) for begin, keys in enumerate(lt.alloc) for key in keys}
+    spans = {key: [begin, begin] for begin, keys in enumerate(lt.alloc) for key in keys}
     for end, keys in enumerate(lt.free):
         for key in keys:
-            spans[key] = (spans[key][0], end)
+            spans[key][1] = end
     continuing = set(after.values())
+    last_op = len(prog.ops) - 1
     out = []
     for key, (begin, end) in spans.items():
         if key in continuing:
@@ -302,31 +310,61 @@ def _chains(prog: Program, lt, priced, fixed: dict[str, int]) -> list[tuple[int,
         last = key
         while last in after:
             last = after[last]
-        if last not in spans:  # an output
-            name = prog.ops[last[0]].results[last[1]].value.name
-            if fixed.get(name):
-                continue  # the buffer is the output's, held throughout
-            end = last[0]  # the output is written into a donated input, free only at the end
-        else:
+        if last in spans:
             end = spans[last][1]
-        out.append((begin, end, priced[key[0]][5][key[1]], key))
+        else:  # an output: to the end, unless a donated input holds it
+            end = last_op if outputs.get(name(last)) else last[0]
+        out.append((begin, end, priced[key[0]][5][key[1]], name(key)))
+    ended = {name(key) for key in continuing if key not in spans}
+    out += [
+        (lt.made[n], last_op, size, n) for n, size in outputs.items() if size and n not in ended
+    ]
     return out
 
 
+def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[int], list]:
+    """The sums the compiler combines into one collective, and what they hold: those whose
+    results nothing reads before the last partial sum of the program is made (a step's gradients,
+    summed together before the update). Returns the ops whose partial results wait for the
+    combined collective (their own kernels hold nothing more) and ``(first op, last op, bytes)``
+    spans of what they hold: a partial result at its whole size from where it is made, and
+    beside the results where the combined collective runs (``whole``: 2 where a reduce-scatter
+    is an all-reduce and a slice, :data:`planner.buffers.ALL_REDUCE_THEN_SLICE`)."""
+    summed = [k for k, st in enumerate(steps) if st.pending]
+    if len(summed) < 2:
+        return set(), []
+    last = summed[-1]
+    members, spans = set(), []
+    for k in summed[:-1]:
+        st = steps[k]
+        if not all(lt.first[r.value.name] > last for r in st.op.results):
+            continue
+        members.add(k)
+        n = math.prod(sizes[a] for a in st.pending)
+        for size, scatter in zip(priced[k][5], st.scatter):
+            if scatter is None:  # the partial result is counted as the result until it is summed
+                spans.append((last, last, size))
+            else:  # the whole partial result until then, besides the scattered result
+                spans.append((k, last, size * n - size))
+                spans.append((last, last, size + (whole - 1) * size * n))
+    return members, spans
+
+
 def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) -> Prediction:
-    """:func:`simulate`; ``on_peak(op name, fixed, live values, held moved copies, scratch)`` is
-    called whenever the peak grows (first with what is held throughout, op None)."""
+    """:func:`simulate`; ``on_peak(op name, fixed, live values, others, scratch)`` is called
+    whenever the peak grows (first with what is held throughout, op None); ``others`` are moved
+    copies and waiting partial sums as ``(name, shape, dtype, kind, bytes)``."""
     sizes = sched.mesh
     m = redist.MeshShape.of(sizes)
     steps = dataflow(prog, sched)
     lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)
     priced = [_priced(st, sched, sizes, m, cal, memo) for st in steps]
-    fixed = _fixed(prog, sched, steps, priced, sizes, lt)
+    fixed, outputs = _fixed(prog, sched, steps, priced, sizes, lt)
     base = sum(fixed.values())
     n = len(steps)
     grow, release = [0] * n, [0] * n
-    chains = _chains(prog, lt, priced, fixed)
+    chains = _chains(prog, lt, priced, outputs)
     for begin, end, size, _ in chains:
         grow[begin] += size
         release[end] += size
@@ -344,29 +382,43 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     for begin, end, size, _ in copies.values():
         grow[begin] += size
         release[end] += size
+    whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
+    members, waiting = _combined(prog, lt, steps, priced, sizes, whole)
+    for begin, end, size in waiting:
+        grow[begin] += size
+        release[end] += size
     live = 0
     peak = base
     costs = []
     if on_peak is not None:
         on_peak(None, fixed, {}, (), 0)
         starts: dict[int, list] = {}
-        for begin, end, size, (j, r) in chains:
-            starts.setdefault(begin, []).append((prog.ops[j].results[r].value.name, size, end))
+        for begin, end, size, name in chains:
+            starts.setdefault(begin, []).append((name, size, end))
         for begin, end, size, mv in copies.values():
-            starts.setdefault(begin, []).append(((mv, steps[begin].op.name), size, end))
-        names: dict = {}  # the live buffers (value names, or moves), with bytes and last op
+            v = mv.value
+            other = (v.name, v.shape, v.dtype, f"moved for {steps[begin].op.name}")
+            starts.setdefault(begin, []).append((other, size, end))
+        for begin, end, size in waiting:
+            other = (f"partial sums for the collective at {steps[end].op.name}", (), "uint8",
+                     "scratch")  # fmt: skip
+            starts.setdefault(begin, []).append((other, size, end))
+        names: dict = {}  # the live buffers (value names, or others), with bytes and last op
     for k, st in enumerate(steps):
         compute, comm_t, wire, transient, moved, outs, kernel = priced[k]
         live += grow[k]
-        scratch = max(0, transient - max(moved, default=0)) + kernel
+        copies_k, partial = kernel
+        scratch = max(0, transient - max(moved, default=0)) + copies_k
+        scratch += 0 if k in members else partial
         now = base + live + scratch
         if on_peak is not None:
-            names.update((key, (size, end)) for key, size, end in starts.get(k, ()))
+            for key, size, end in starts.get(k, ()):
+                b, e = names.get(key, (0, end))
+                names[key] = (b + size, max(e, end))
             if now > peak:
                 values = {key: b for key, (b, _) in names.items() if isinstance(key, str)}
-                held = [(st.op.name, key, b) for key, (b, _) in names.items()
-                        if not isinstance(key, str)]  # fmt: skip
-                on_peak(st.op.name, fixed, values, held, scratch)
+                others = [(*key, b) for key, (b, _) in names.items() if not isinstance(key, str)]
+                on_peak(st.op.name, fixed, values, others, scratch)
             names = {key: (b, end) for key, (b, end) in names.items() if end > k}
         peak = max(peak, now)
         costs.append(OpCost(st.op.name, compute * st.op.trips, comm_t * st.op.trips,

@@ -54,6 +54,26 @@ def test_planner_benchmark_smoke(tmp_path):
     assert "| mm | auto |" in (tmp_path / "report.md").read_text()
 
 
+def test_memory_check_smoke(tmp_path):
+    from configs import memory_check_smoke
+    from experiments import memory_check
+
+    config = memory_check_smoke.get_config()
+    config.tpu = False  # the TPU case has its own test (tests/test_planner_buffers.py)
+    summary = memory_check.run(config, str(tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert [(r["workload"], r["strategy"]) for r in rows] == [
+        ("mlp", "auto"), ("mlp", "auto_donated"), ("mlp", "data"),
+        ("lm", "auto"), ("lm", "auto_donated"), ("lm", "data"),
+    ]  # fmt: skip
+    assert all(r["compiled_bytes"] > 0 and r["ratio"] > 0 for r in rows)
+    assert rows[1]["alias_bytes"] > 0  # the returned weights are written into the donated ones
+    assert summary["cpu"]["all"]["cases"] == 6
+    assert summary["cpu"]["planned"]["within_tolerance"] == 4
+    report = (tmp_path / "report.md").read_text()
+    assert "| cpu | lm | 8x16x32x2x2x64 | a:2,b:2,c:2 | auto |" in report
+
+
 def test_search_scaling_smoke(tmp_path):
     from experiments import search_scaling
 

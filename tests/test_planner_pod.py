@@ -162,6 +162,7 @@ def test_zero_update_runs_on_shards_with_reduce_scattered_gradients():
     from planner import baselines
     from planner.dataflow import dataflow
     from planner.schedule_search import zero_layouts
+    from redist.calibration import Calibration
     from redist.types import MeshShape
 
     mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
@@ -175,9 +176,11 @@ def test_zero_update_runs_on_shards_with_reduce_scattered_gradients():
     assert sum(any(k is not None for k in st.scatter) for st in steps) == 2  # both gradients
     updates = [st for st in steps if st.op.results[0].value in prog.outputs]
     assert updates and all(any(st.out_specs[0]) for st in updates)  # new weights stay split
-    # the weights rest and return split; each reduce-scatter still reads a whole partial
-    # gradient, which the peak holds while it runs
-    assert planner.simulate(prog, zero).peak_bytes < 0.75 * planner.simulate(prog, dp).peak_bytes
+    # Priced for a TPU, whose compiler reduce-scatters (XLA:CPU all-reduces the whole gradient,
+    # then slices it: there ZeRO holds 0.75x data parallelism's, predicted as compiled)
+    tpu = Calibration.named("tpu_v5p")
+    zero_peak, dp_peak = (planner.simulate(prog, s, tpu).peak_bytes for s in (zero, dp))
+    assert zero_peak < dp_peak / 2
     for g, w in zip(jax.tree.leaves(planner.lower(prog, zero, mesh)(*args)),
                     jax.tree.leaves(jax.jit(fn)(*args))):  # fmt: skip
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

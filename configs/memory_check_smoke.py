@@ -1,0 +1,15 @@
+"""Two tiny workloads, two strategies, and a small scanned LM on TPU v5p:2x2x1 when the TPU
+compiler is installed: what the tests run."""
+
+import importlib.util
+
+from configs import memory_check
+
+
+def get_config():
+    c = memory_check.get_config()
+    c.workloads = "mlp=mlp:64x32x2;lm=lm_scan:8x16x32x2x2x64"
+    c.strategies = "auto,auto_donated,data"
+    c.tpu = importlib.util.find_spec("libtpu") is not None
+    c.tpu_cases = "lm=lm_scan:16x128x128x4x2x512@v5p:2x2x1=data:2,tensor:2"
+    return c
