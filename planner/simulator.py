@@ -2,9 +2,11 @@
 
 Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 
-- each op's kernel costs the roofline of its local flops (``2 * prod(extents)`` for dot_general and
-  convolutions, one per loop point otherwise) and the bytes it touches; a region boundary op
-  (a value passing into or out of a scan body) costs nothing but its moves;
+- each op's kernel costs the roofline of its local flops and the bytes it reads and writes in
+  memory, both as the XLA compiler counts them (:mod:`planner.costs`: ``2 M N K`` for products,
+  one per element of arithmetic, none for data movement; a value fused into the kernel that
+  consumes it costs no bytes); a region boundary op (a value passing into or out of a scan
+  body) costs nothing but its moves;
 - an op inside a scan body costs its trip count times its one run (``op.trips``);
 - each layout change costs its ``redist`` plan, step by step (dynslice: a local copy; collectives:
   latency + wire bytes / bandwidth of their kind and group size);
@@ -25,6 +27,7 @@ import dataclasses
 import math
 
 import redist
+from planner.costs import fusion, op_bytes, op_flops
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program, itemsize
 from planner.schedule import Schedule, Spec, local_shape
@@ -38,6 +41,8 @@ class OpCost:
     comm_s: float
     comm_bytes: float  # wire bytes per device
     memory_bytes: int  # live bytes per device while the op runs
+    flops: float = 0.0  # per device, as the compiler counts them (planner.costs)
+    bytes_accessed: float = 0.0  # per device: kernel reads and writes, collectives' in and out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,9 @@ class Prediction:
     comm_bytes: float
     peak_bytes: int
     ops: tuple[OpCost, ...]
+    flops: float = 0.0  # per device, all ops and their trips (compiled.cost_analysis()'s count)
+    bytes_accessed: float = 0.0  # per device, likewise ("bytes accessed")
+    transcendentals: float = 0.0  # per device, likewise
 
     def __str__(self) -> str:
         return (
@@ -120,24 +128,35 @@ def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
 
 def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
-    operand in its new layout, bytes of each result), per trip."""
+    operand in its new layout, bytes of each result, (flops, transcendentals, bytes accessed)),
+    per trip."""
     comm_t = wire = 0.0
     transient = 0
     moved = []
+    accessed = 0.0  # bytes the collectives read and write
     for mv in st.moves:
         plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
         t, w = plan_cost(plan, cal)
         comm_t, wire = comm_t + t, wire + w
         transient = max(transient, plan.peak_bytes)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
-    parts = math.prod(math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops)
+        accessed += sum(s.before.local_size + s.after.local_size for s in plan.steps) * (
+            plan.itemsize
+        )
     outs = [
         _bytes(r.value.shape, sp, sizes, r.value.dtype) for r, sp in zip(op.results, st.out_specs)
     ]
-    ins = sum(
-        _bytes(a.value.shape, sp, sizes, a.value.dtype) for a, sp in zip(op.operands, st.in_specs)
-    )
-    compute = 0.0 if op.how == "region" else cal.compute_time(op.flops / parts, ins, sum(outs))
+    ins = [_bytes(a.value.shape, sp, sizes, a.value.dtype)
+           for a, sp in zip(op.operands, st.in_specs)]  # fmt: skip
+    local = {lp.name: lp.extent // math.prod(sizes[a] for a in sched.axes_of(op, lp.name))
+             for lp in op.loops}  # fmt: skip
+    fused = fusion(sched.program)
+    runs = fused.runs[op.name]
+    flops, transcendentals = (runs * x for x in op_flops(op, local))
+    was_moved = {mv.value.name for mv in st.moves}
+    read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
+    compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written)
+    accessed += read + written
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
         crosses = cal.crosses(m, st.pending)
@@ -145,10 +164,15 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             if st.scatter[k_res] is None:
                 comm_t += cal.collective_time("all-reduce", size, n, crosses)
                 wire += wire_bytes("all-reduce", size, n)
+                accessed += 2 * size
+                flops += size / itemsize(op.results[k_res].value.dtype)
             else:
                 comm_t += cal.collective_time("reduce-scatter", size * n, n, crosses)
                 wire += wire_bytes("reduce-scatter", size * n, n)
-    return compute, comm_t, wire, transient, tuple(moved), tuple(outs)
+                accessed += size * n + size
+                flops += size * n / itemsize(op.results[k_res].value.dtype)
+    counts = (flops, transcendentals, accessed)
+    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), counts
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
@@ -156,7 +180,7 @@ def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tupl
     op = st.op
     key = (op.signature, tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves),
            tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
-           st.pending, st.scatter)  # fmt: skip
+           st.pending, st.scatter, fusion(sched.program).key(op))  # fmt: skip
     priced = memo.get(key)
     if priced is None:
         priced = memo[key] = _price(op, st, sched, sizes, m, cal)
@@ -253,13 +277,16 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     for v, _ in prog.consts:
         live[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     costs = []
+    transcendentals = 0.0
     peak = live.total
     if on_peak is not None:
         on_peak(None, live, (), (), 0)
     memo = _memo(prog, cal, sizes)
     for k, st in enumerate(steps):
         op = st.op
-        compute, comm_t, wire, transient, moved, outs = _priced(st, sched, sizes, m, cal, memo)
+        compute, comm_t, wire, transient, moved, outs, counts = _priced(
+            st, sched, sizes, m, cal, memo
+        )
         for r, size in zip(op.results, outs):
             live[r.value.name] = size
         # A moved copy serves this op alone; the value stays live in its own layout until its
@@ -270,10 +297,14 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         if on_peak is not None and now > peak:
             on_peak(op.name, live, st.moves, moved, scratch)
         peak = max(peak, now)
-        costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now))
+        costs.append(OpCost(op.name, compute * op.trips, comm_t * op.trips, wire * op.trips, now,
+                            counts[0] * op.trips, counts[2] * op.trips))  # fmt: skip
+        transcendentals += counts[1] * op.trips
         for acc in op.operands:
             name = acc.value.name
             if last_use.get(name) == k and name not in keep:
                 live.pop(name)
     total = sum(c.compute_s + c.comm_s for c in costs)
-    return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs))
+    return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
+                      sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),
+                      transcendentals)  # fmt: skip
