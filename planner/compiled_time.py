@@ -26,6 +26,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLEES = re.compile(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_BOUND = re.compile(r"s32\[\]\S*\s+constant\((\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +54,24 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
+def _trips(line: str, comps: dict[str, list[str]]) -> int:
+    """A ``while``'s trip count: its ``known_trip_count``, else a condition that compares the loop
+    counter with a constant (``i < N``, the counter starting at 0 as JAX's scans do), else 1."""
+    m = _TRIPS.search(line)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", line)
+    body = comps.get(cond.group(1), ()) if cond else ()
+    bounds = [int(c) for ln in body for c in _BOUND.findall(ln)]
+    if len(bounds) == 1 and any("direction=LT" in ln for ln in body):
+        return bounds[0]
+    return 1
+
+
 def counted_collectives(hlo_text: str) -> tuple[CountedCollective, ...]:
     """The collectives of an optimized HLO module, each with how often it runs: a collective in
-    a ``while`` body runs the loop's ``known_trip_count`` times (loops within loops multiply);
-    one in a loop of unknown trip count is counted once."""
+    a ``while`` body runs the loop's trip count times (loops within loops multiply; see
+    :func:`_trips`); one in a loop of unknown trip count is counted once."""
     comps, entry = _computations(hlo_text)
     if entry is None:
         return tuple(CountedCollective(c, 1) for c in hlo_collectives(hlo_text))
@@ -71,8 +86,7 @@ def counted_collectives(hlo_text: str) -> tuple[CountedCollective, ...]:
                 callees += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
             if not callees:
                 continue
-            trips = _TRIPS.search(line)
-            times = int(trips.group(1)) if trips and " while(" in line else 1
+            times = _trips(line, comps) if " while(" in line else 1
             for callee in callees:
                 if callee in comps and callee not in runs:
                     runs[callee] = runs[name] * times

@@ -185,7 +185,11 @@ def fusion(prog: Program) -> Fusion:
             elif not consumers:
                 continue
             elif k in ("movement", "elementwise"):
-                if any(kinds[c] == "other" for c in consumers):
+                # a broadcast or iota fuses into any consumer (it reads next to nothing)
+                spread = o.primitive in ("broadcast_in_dim", "iota") and all(
+                    math.prod(a.value.shape) <= 1 for a in o.operands
+                )
+                if not spread and any(kinds[c] == "other" for c in consumers):
                     materialized.add(name)
             elif k == "dense" and len(consumers) == 1:
                 dense_out.append((name, next(iter(consumers))))
@@ -202,6 +206,7 @@ def fusion(prog: Program) -> Fusion:
     producer = prog.producer
     reads: dict[str, list[int]] = {o.name: [0] * len(o.operands) for o in prog.ops}
     runs = dict.fromkeys((o.name for o in prog.ops), 0)
+    shared: set[str] = set()  # values read by some kernel that is not a product's
     for root in prog.ops:
         if not any(r.value.name in materialized for r in root.results):
             continue
@@ -214,7 +219,9 @@ def fusion(prog: Program) -> Fusion:
                 if p is not None and acc.value.name not in materialized and p.name not in members:
                     members.add(p.name)
                     stack.append(p)
-        seen: set[str] = set()
+        # A product's kernel reads its inputs itself; the other kernels reading one value are
+        # siblings the compiler fuses into one kernel with several outputs: read once for all.
+        seen: set[str] = set() if kinds[root.name] == "dense" else shared
         for o in sorted((prog.op(n) for n in members), key=lambda o: prog.index[o.name]):
             runs[o.name] += 1
             for k, acc in enumerate(o.operands):

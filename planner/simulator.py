@@ -151,8 +151,10 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     local = {lp.name: lp.extent // math.prod(sizes[a] for a in sched.axes_of(op, lp.name))
              for lp in op.loops}  # fmt: skip
     fused = fusion(sched.program)
-    runs = fused.runs[op.name]
-    flops, transcendentals = (runs * x for x in op_flops(op, local))
+    # once per op (the compiler also counts a cheap op it copies into several kernels each time:
+    # a few percent more on elementwise-heavy programs); none for an op no kernel needs
+    ran = 1 if fused.runs[op.name] else 0
+    flops, transcendentals = (ran * x for x in op_flops(op, local))
     was_moved = {mv.value.name for mv in st.moves}
     read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
     compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written)

@@ -86,16 +86,28 @@ def test_fusion_writes_kernel_results_only():
 
 
 def test_fusion_copies_a_cheap_op_into_each_consumer_and_writes_for_a_scatter():
-    def fn(a, i):
+    def fn(a, i, v):
         b = a * 2.0  # two consumers: computed in both kernels
-        return jnp.sum(b, axis=0), jnp.max(b, axis=1), jnp.zeros_like(a).at[i].add(a * 3.0)
+        c = v * 2.0  # read by two products: each product's kernel computes and reads it
+        return (jnp.sum(b, axis=0), jnp.max(b, axis=1), jnp.zeros_like(a).at[i].add(a * 3.0),
+                c @ w, c @ w.T[:, :K].T)  # fmt: skip
 
-    prog = planner.analyze(fn, y, np.arange(M, dtype=np.int32))
+    prog = planner.analyze(fn, y, np.arange(M, dtype=np.int32), x)
     f = fusion(prog)
-    mul2, mul3 = [o for o in prog.ops if o.primitive == "mul"]
+    a, _, v = prog.inputs
+    muls = [o for o in prog.ops if o.primitive == "mul"]
+    (mulc,) = [o for o in muls if o.operands[0].value == v]
+    (mul3,) = [o for o in muls if any(c.primitive == "scatter-add"
+                                      for c, _ in prog.uses[o.results[0].value.name])]  # fmt: skip
+    (mul2,) = [o for o in muls if o not in (mulc, mul3)]
     assert f.runs[mul2.name] == 2 and mul2.results[0].value.name not in f.materialized
-    assert f.reads[mul2.name][0] == 2  # each kernel reads a
+    # the two reductions reading a are siblings: one kernel with two outputs reads it once
+    assert f.reads[mul2.name][0] == 1
     assert mul3.results[0].value.name in f.materialized  # a scatter's updates are written
+    # zeros broadcast into the scatter are not written: the scatter writes its result
+    zeros = next(o for o in prog.ops if o.primitive == "broadcast_in_dim")
+    assert zeros.results[0].value.name not in f.materialized
+    assert f.runs[mulc.name] == 2 and f.reads[mulc.name][0] == 2  # products read for themselves
 
 
 def test_prediction_sums_flops_bytes_and_trips():
@@ -138,9 +150,23 @@ HLO = """HloModule m
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }
 
+%body2 (q: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %q = (s32[], f32[8]) parameter(0)
+  %y = f32[8]{0} get-tuple-element(%q), index=1
+  %collective-permute = f32[8]{0} collective-permute(%y), source_target_pairs={{0,1},{1,0}}
+}
+
+%cond2 (q: (s32[], f32[8])) -> pred[] {
+  %c = s32[]{:T(128)} constant(3)
+  %q = (s32[], f32[8]) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT
+}
+
 ENTRY %main (a: f32[8]) -> f32[32] {
   %a = f32[8]{0} parameter(0)
   %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %v = (s32[], f32[8]) while(%init), condition=%cond2, body=%body2
   %all-gather = f32[32]{0} all-gather(%a), replica_groups=[1,4]<=[4], dimensions={0}
 }
 """  # fmt: skip
@@ -150,9 +176,11 @@ def test_collectives_in_a_loop_count_its_trips():
     counted = counted_collectives(HLO)
     by = {c.collective.kind: c for c in counted}
     assert by["all-reduce"].runs == 5 and by["all-gather"].runs == 1
+    assert by["collective-permute"].runs == 3  # i < 3 in the loop's condition
     assert by["all-reduce"].collective == Collective("all-reduce", 32, 2)
     cal = Calibration.named("tpu_v5p")
-    want = 5 * cal.collective_time("all-reduce", 32, 2) + cal.collective_time("all-gather", 128, 4)
+    want = (5 * cal.collective_time("all-reduce", 32, 2) + cal.collective_time("all-gather", 128, 4)
+            + 3 * cal.collective_time("collective-permute", 32, 4))  # fmt: skip
     assert collective_seconds(counted, cal, 4) == pytest.approx(want)
     # a reduce-scatter is priced by its input: the result times the group
     rs = CountedCollective(Collective("reduce-scatter", 64, 4), 2)
