@@ -20,10 +20,21 @@ from collections.abc import Callable
 
 
 def lm_step(
-    batch: int, seq: int, d: int, heads: int, layers: int, vocab: int, scan: bool, rng, seed=0
+    batch: int,
+    seq: int,
+    d: int,
+    heads: int,
+    layers: int,
+    vocab: int,
+    scan: bool,
+    rng,
+    seed=0,
+    unroll: int | bool = 1,
 ) -> tuple[Callable, tuple]:
     """``(step, (params, opt_state, tokens, labels))``; ``step`` returns the new parameters,
-    optimizer state and the loss. Parameters are an ``nnx.State`` pytree."""
+    optimizer state and the loss. Parameters are an ``nnx.State`` pytree. ``unroll`` goes to
+    ``jax.lax.scan`` (``True``: the compiled program has no loop, the same ops and names
+    otherwise)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -69,7 +80,7 @@ def lm_step(
                 def body(h, layer):
                     return nnx.merge(graph, layer)(h, mask), None
 
-                h, _ = jax.lax.scan(body, h, state)
+                h, _ = jax.lax.scan(body, h, state, unroll=unroll)
             else:
                 for block in self.blocks:
                     h = block(h, mask)

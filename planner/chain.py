@@ -39,6 +39,7 @@ import collections
 import math
 from collections.abc import Sequence
 
+from planner.costs import fusion
 from planner.ir import Op, Program, Value
 from planner.schedule import Schedule, make_schedule
 from planner.simulator import op_seconds, simulate
@@ -122,24 +123,28 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     outputs = [r.value for o in ops for r in o.results if r.value.name in read_outside]
     ties = tuple(t for t in prog.ties if t[0] in inside and t[1] in inside)
     sub = Program(tuple(ops), tuple(inputs.values()), tuple(outputs), ties=ties)
-    # An op's price depends on its own layouts and moves only, all in the memo's key: windows
-    # share the whole program's memo.
+    # An op's price depends on its own layouts and moves only, all in the memo's key, and on
+    # where the compiler's kernels end, which the whole program decides: windows share the
+    # whole program's memo and fusion.
     sub.__dict__["_price_memo"] = prog.__dict__.setdefault("_price_memo", {})
+    sub.__dict__["_fusion"] = fusion(prog)
     return sub
 
 
 def structure(prog: Program) -> tuple:
-    """A key equal for programs that differ only in names (and so cost the same)."""
+    """A key equal for programs that differ only in names (and so cost the same): their ops'
+    kernels included (:func:`planner.costs.fusion`)."""
     ids: dict[str, int] = {}
 
     def vid(v: Value) -> tuple:
         return (ids.setdefault(v.name, len(ids)), v.shape, v.dtype)
 
     ins = tuple(vid(v) for v in prog.inputs)
+    fused = fusion(prog)
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
-         tuple((vid(r.value), r.dims, r.halo) for r in o.results))
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results), fused.key(o))
         for o in prog.ops
     )  # fmt: skip
     return ins, ops, tuple(vid(v) for v in prog.outputs)

@@ -2,9 +2,11 @@
 
 Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 
-- each op's kernel costs the roofline of its local flops (``2 * prod(extents)`` for dot_general and
-  convolutions, one per loop point otherwise) and the bytes it touches; a region boundary op
-  (a value passing into or out of a scan body) costs nothing but its moves;
+- each op's kernel costs the roofline of its local flops and the bytes it reads and writes in
+  memory, both as the XLA compiler counts them (:mod:`planner.costs`: ``2 M N K`` for products,
+  one per element of arithmetic, none for data movement; a value fused into the kernel that
+  consumes it costs no bytes); a region boundary op (a value passing into or out of a scan
+  body) costs nothing but its moves;
 - an op inside a scan body costs its trip count times its one run (``op.trips``);
 - each layout change costs its ``redist`` plan, step by step (dynslice: a local copy; collectives:
   latency + wire bytes / bandwidth of their kind and group size);
@@ -35,6 +37,7 @@ import math
 
 import redist
 from planner.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
+from planner.costs import fusion, op_bytes, op_flops
 from planner.dataflow import dataflow, input_spec
 from planner.ir import Program, itemsize
 from planner.schedule import Schedule, Spec, local_shape
@@ -48,6 +51,8 @@ class OpCost:
     comm_s: float
     comm_bytes: float  # wire bytes per device
     memory_bytes: int  # live bytes per device while the op runs
+    flops: float = 0.0  # per device, as the compiler counts them (planner.costs)
+    bytes_accessed: float = 0.0  # per device: kernel reads and writes, collectives' in and out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,9 @@ class Prediction:
     comm_bytes: float
     peak_bytes: int
     ops: tuple[OpCost, ...]
+    flops: float = 0.0  # per device, all ops and their trips (compiled.cost_analysis()'s count)
+    bytes_accessed: float = 0.0  # per device, likewise ("bytes accessed")
+    transcendentals: float = 0.0  # per device, likewise
 
     def __str__(self) -> str:
         return (
@@ -117,25 +125,37 @@ def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
 
 def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
-    operand in its new layout, bytes of each result, bytes its kernel holds while it runs), per
-    trip."""
+    operand in its new layout, bytes of each result, bytes its kernel holds while it runs,
+    (flops, transcendentals, bytes accessed)), per trip."""
     comm_t = wire = 0.0
     transient = 0
     moved = []
+    accessed = 0.0  # bytes the collectives read and write
     for mv in st.moves:
         plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
         t, w = plan_cost(plan, cal)
         comm_t, wire = comm_t + t, wire + w
         transient = max(transient, plan.peak_bytes)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
-    parts = math.prod(math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops)
+        accessed += sum(s.before.local_size + s.after.local_size for s in plan.steps) * (
+            plan.itemsize
+        )
     outs = [
         _bytes(r.value.shape, sp, sizes, r.value.dtype) for r, sp in zip(op.results, st.out_specs)
     ]
-    ins = sum(
-        _bytes(a.value.shape, sp, sizes, a.value.dtype) for a, sp in zip(op.operands, st.in_specs)
-    )
-    compute = 0.0 if op.how == "region" else cal.compute_time(op.flops / parts, ins, sum(outs))
+    ins = [_bytes(a.value.shape, sp, sizes, a.value.dtype)
+           for a, sp in zip(op.operands, st.in_specs)]  # fmt: skip
+    local = {lp.name: lp.extent // math.prod(sizes[a] for a in sched.axes_of(op, lp.name))
+             for lp in op.loops}  # fmt: skip
+    fused = fusion(sched.program)
+    # once per op (the compiler also counts a cheap op it copies into several kernels each time:
+    # a few percent more on elementwise-heavy programs); none for an op no kernel needs
+    ran = 1 if fused.runs[op.name] else 0
+    flops, transcendentals = (ran * x for x in op_flops(op, local))
+    was_moved = {mv.value.name for mv in st.moves}
+    read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
+    compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written)
+    accessed += read + written
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
         crosses = cal.crosses(m, st.pending)
@@ -143,9 +163,13 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             if st.scatter[k_res] is None:
                 comm_t += cal.collective_time("all-reduce", size, n, crosses)
                 wire += wire_bytes("all-reduce", size, n)
+                accessed += 2 * size
+                flops += size / itemsize(op.results[k_res].value.dtype)
             else:
                 comm_t += cal.collective_time("reduce-scatter", size * n, n, crosses)
                 wire += wire_bytes("reduce-scatter", size * n, n)
+                accessed += size * n + size
+                flops += size * n / itemsize(op.results[k_res].value.dtype)
     # What the kernel holds while it runs: operands it copies into another order, and a partial
     # result beside its sum (an all-reduce writes a new buffer; a reduce-scatter reads the partial
     # result at its whole size, and where the compiler all-reduces it then slices, writes one).
@@ -160,7 +184,8 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
         whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
         partial = sum(size if st.scatter[k_res] is None else whole * size * n
                       for k_res, size in enumerate(outs))  # fmt: skip
-    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial)
+    counts = (flops, transcendentals, accessed)
+    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial), counts
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
@@ -168,7 +193,7 @@ def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tupl
     op = st.op
     key = (op.signature, tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves),
            tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
-           st.pending, st.scatter)  # fmt: skip
+           st.pending, st.scatter, fusion(sched.program).key(op))  # fmt: skip
     priced = memo.get(key)
     if priced is None:
         priced = memo[key] = _price(op, st, sched, sizes, m, cal)
@@ -390,6 +415,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     live = 0
     peak = base
     costs = []
+    transcendentals = 0.0
     if on_peak is not None:
         on_peak(None, fixed, {}, (), 0)
         starts: dict[int, list] = {}
@@ -405,7 +431,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
             starts.setdefault(begin, []).append((other, size, end))
         names: dict = {}  # the live buffers (value names, or others), with bytes and last op
     for k, st in enumerate(steps):
-        compute, comm_t, wire, transient, moved, outs, kernel = priced[k]
+        compute, comm_t, wire, transient, moved, outs, kernel, counts = priced[k]
         live += grow[k]
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
@@ -422,7 +448,11 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
             names = {key: (b, end) for key, (b, end) in names.items() if end > k}
         peak = max(peak, now)
         costs.append(OpCost(st.op.name, compute * st.op.trips, comm_t * st.op.trips,
-                            wire * st.op.trips, now))  # fmt: skip
+                            wire * st.op.trips, now, counts[0] * st.op.trips,
+                            counts[2] * st.op.trips))  # fmt: skip
+        transcendentals += counts[1] * st.op.trips
         live -= release[k]
     total = sum(c.compute_s + c.comm_s for c in costs)
-    return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs))
+    return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
+                      sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),
+                      transcendentals)  # fmt: skip

@@ -68,6 +68,7 @@ class Calibration:
     latency_s: dict[str, float]
     bytes_per_s: dict[str, float]
     read_bytes_per_s: float | None = None  # streaming a resident operand; None: copy's rate
+    write_bytes_per_s: float | None = None  # a kernel writing its result; None: copy's rate
     domain_devices: int | None = None  # devices on the fast network; None: all of them
     cross_latency_s: dict[str, float] | None = None  # the slower network between domains
     cross_bytes_per_s: dict[str, float] | None = None
@@ -100,9 +101,10 @@ class Calibration:
 
     def compute_time(self, flops: float, read_bytes: float, written_bytes: float = 0.0) -> float:
         """Roofline: the slower of arithmetic and memory traffic (operands read at the streaming
-        rate, results written at the copy rate)."""
+        rate, results written at the write rate, by default the copy rate)."""
         read_rate = self.read_bytes_per_s or self.copy_bytes_per_s
-        traffic = read_bytes / read_rate + written_bytes / self.copy_bytes_per_s
+        write_rate = self.write_bytes_per_s or self.copy_bytes_per_s
+        traffic = read_bytes / read_rate + written_bytes / write_rate
         return max(flops / self.flops_per_s, traffic)
 
     def device_memory_bytes(self, devices_per_host: int = 1) -> float | None:

@@ -143,3 +143,27 @@ def test_random_benchmark_compiles_for_a_tpu_topology(tmp_path):
     assert row["ours"]["temp_bytes"] < row["xla"]["temp_bytes"]
     assert row["ours"]["collectives"] and row["xla"]["collectives"]
     assert "TPU compiler" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"',
+)
+def test_time_check_compiles_plans_and_ranks_them(tmp_path):
+    """A tiny language model on v5p:2x2x1: the searched plan, replication and a random plan,
+    compiled and ranked; a rerun compiles nothing new."""
+    from configs import time_check as time_check_config
+    from experiments import time_check
+
+    config = time_check_config.get_config()
+    config.topology, config.mesh, config.lm = "v5p:2x2x1", "data:2,tensor:2", "8x32x64x4x2x128"
+    config.baselines, config.random_anchors, config.random_ops = "replicated", 1, 0
+    summary = time_check.run(config, str(tmp_path))
+    assert summary["plans"] == 3 and summary["flops_within_10pct"] == 3
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert {r["kind"] for r in rows} == {"searched", "baseline", "random_anchors"}
+    assert all(r["compiled_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+    assert "Spearman" in (tmp_path / "report.md").read_text()
+    start = os.path.getmtime(tmp_path / "compiled.jsonl")
+    assert time_check.run(config, str(tmp_path))["plans"] == 3
+    assert os.path.getmtime(tmp_path / "compiled.jsonl") == start  # nothing compiled again

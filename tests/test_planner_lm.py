@@ -58,9 +58,11 @@ def test_flax_lm_training_step_is_planned_exactly_and_fits(scan, mesh):
     limit = int(0.7 * replicated.peak_bytes)
     p = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit)
     want = jax.jit(step)(*args)
-    assert_step_equal(jax.tree.unflatten(p.out_tree, list(p.lowered(*args))), want)
-    # Through plan.jit XLA orders the sums its own way; adam's update divides by sqrt(nu), so an
-    # element with a tiny second moment moves by a few percent of the learning rate.
+    # A split contraction sums in another order than the whole one; adam's update divides by
+    # sqrt(nu), so an element with a tiny second moment moves by a few percent of the learning
+    # rate (through the explicit lowering and through plan.jit, where XLA orders the sums).
+    assert_step_equal(jax.tree.unflatten(p.out_tree, list(p.lowered(*args))), want,
+                      param_atol=0.05 * LR)  # fmt: skip
     assert_step_equal(p(*args), want, param_atol=0.05 * LR)
     # the heavy products are split ...
     dense = sorted((o for o in prog.ops if o.dense), key=lambda o: -o.flops * o.trips)

@@ -1,0 +1,159 @@
+"""A compiled program's step time as the calibration prices it: the compiler's own estimate of its
+kernels (``cost_analysis()["optimal_seconds"]``) plus every collective of its optimized HLO at
+the calibration's latency + wire bytes / bandwidth, counted as often as it runs (a collective in a
+loop body times the loop's trip count). This is the reference the simulator's predicted time is
+checked against (``experiments/time_check.py``).
+
+The compiler's ``optimal_seconds`` (and its ``flops`` and ``bytes accessed``) count a loop's body
+once whatever its trip count: compile a scanned program with the scan unrolled (``unroll=True``)
+to have every layer counted.
+
+Example:
+    >>> compiled = jax.jit(f).lower(*structs).compile()                    # doctest: +SKIP
+    >>> compiled_seconds(compiled, Calibration.named("tpu_v5p"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from redist.calibration import Calibration
+from redist.hlo import KINDS, Collective, hlo_collectives
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLEES = re.compile(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_BOUND = re.compile(r"s32\[\]\S*\s+constant\((\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedCollective:
+    """A collective of the optimized HLO and how often it runs per call of the program."""
+
+    collective: Collective
+    runs: int
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "\t", "}")) and line.rstrip().endswith("{"):
+            m = _COMPUTATION.match(line)
+            if m:
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+                continue
+        if current is not None and line.startswith((" ", "\t")):
+            comps[current].append(line)
+    return comps, entry
+
+
+def _trips(line: str, comps: dict[str, list[str]]) -> int:
+    """A ``while``'s trip count: its ``known_trip_count``, else a condition that compares the loop
+    counter with a constant (``i < N``, the counter starting at 0 as JAX's scans do), else 1."""
+    m = _TRIPS.search(line)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", line)
+    body = comps.get(cond.group(1), ()) if cond else ()
+    bounds = [int(c) for ln in body for c in _BOUND.findall(ln)]
+    if len(bounds) == 1 and any("direction=LT" in ln for ln in body):
+        return bounds[0]
+    return 1
+
+
+def counted_collectives(hlo_text: str) -> tuple[CountedCollective, ...]:
+    """The collectives of an optimized HLO module, each with how often it runs: a collective in
+    a ``while`` body runs the loop's trip count times (loops within loops multiply; see
+    :func:`_trips`); one in a loop of unknown trip count is counted once."""
+    comps, entry = _computations(hlo_text)
+    if entry is None:
+        return tuple(CountedCollective(c, 1) for c in hlo_collectives(hlo_text))
+    runs: dict[str, int] = {entry: 1}
+    stack = [entry]
+    while stack:
+        name = stack.pop()
+        for line in comps.get(name, ()):
+            callees = _CALLEES.findall(line)
+            m = _BRANCHES.search(line)
+            if m:
+                callees += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+            if not callees:
+                continue
+            times = _trips(line, comps) if " while(" in line else 1
+            for callee in callees:
+                if callee in comps and callee not in runs:
+                    runs[callee] = runs[name] * times
+                    stack.append(callee)
+    out = []
+    for name, lines in comps.items():
+        for c in hlo_collectives("\n".join(lines)):
+            out.append(CountedCollective(c, runs.get(name, 1)))
+    return tuple(out)
+
+
+def collective_seconds(
+    collectives, calibration: Calibration, num_devices: int, crosses: bool = False
+) -> float:
+    """Seconds of ``collectives`` (:class:`CountedCollective`\\ s, or :class:`redist.hlo.Collective`\\ s
+    counted once) at the calibration's prices; a group of unstated size is all ``num_devices``.
+    The HLO states each collective's result per device; the calibration prices a reduce-scatter
+    by its input (the result times the group)."""
+    total = 0.0
+    for c in collectives:
+        coll, runs = (c.collective, c.runs) if isinstance(c, CountedCollective) else (c, 1)
+        if coll.kind not in KINDS:
+            continue
+        n = coll.group_size or num_devices
+        nbytes = coll.bytes * n if coll.kind == "reduce-scatter" else coll.bytes
+        total += runs * calibration.collective_time(coll.kind, nbytes, n, crosses)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledTime:
+    """The compiler's per-device counts of one compiled program and the step time they price to:
+    ``seconds = optimal_seconds + collective_s``."""
+
+    flops: float
+    bytes_accessed: float
+    transcendentals: float
+    optimal_seconds: float
+    collective_s: float
+    collectives: int  # collective instructions run per call
+
+    @property
+    def seconds(self) -> float:
+        return self.optimal_seconds + self.collective_s
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "seconds": self.seconds})
+
+
+def compiled_time(
+    compiled, calibration: Calibration, num_devices: int | None = None
+) -> CompiledTime:
+    """:class:`CompiledTime` of a ``jax`` ``Compiled`` (``jit(f).lower(...).compile()``)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    if num_devices is None:
+        from planner.compiled import _devices_of
+
+        num_devices = len(_devices_of(compiled, ())) or 1
+    counted = counted_collectives(compiled.as_text())
+    return CompiledTime(
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        transcendentals=float(cost.get("transcendentals", 0.0)),
+        optimal_seconds=float(cost.get("optimal_seconds", 0.0)),
+        collective_s=collective_seconds(counted, calibration, num_devices),
+        collectives=sum(c.runs for c in counted),
+    )
