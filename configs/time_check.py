@@ -14,8 +14,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.lm = "256x512x512x8x4x8192"
     c.unroll = True  # compile with the layer scan unrolled: cost_analysis counts a loop body once
     c.searched = True
-    c.baselines = "replicated,data,data_major,data_first,megatron,data_and_model"
-    c.random_anchors = 24  # random points of the search's space (anchors' axes, propagated)
-    c.random_ops = 2  # every op split at random (slow to compile: 10+ minutes each)
+    c.baselines = "data_parallel,fsdp,fsdp_tensor,replicated,data,data_major,data_first"
+    c.random_anchors = 30  # random points of the search's space (anchors' axes, propagated)
+    c.random_ops = 0  # every op split at random (slow to compile: 10+ minutes each)
     c.seed = 0
     return c

@@ -27,14 +27,16 @@ def lm_step(
     layers: int,
     vocab: int,
     scan: bool,
-    rng,
+    rng=None,
     seed=0,
     unroll: int | bool = 1,
+    shapes_only: bool = False,
 ) -> tuple[Callable, tuple]:
     """``(step, (params, opt_state, tokens, labels))``; ``step`` returns the new parameters,
     optimizer state and the loss. Parameters are an ``nnx.State`` pytree. ``unroll`` goes to
     ``jax.lax.scan`` (``True``: the compiled program has no loop, the same ops and names
-    otherwise)."""
+    otherwise). ``shapes_only``: the arguments as ``jax.ShapeDtypeStruct``s (nothing is
+    allocated)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,7 +88,8 @@ def lm_step(
                     h = block(h, mask)
             return self.embed.attend(self.norm(h))
 
-    graph, params, rest = nnx.split(LanguageModel(nnx.Rngs(seed)), nnx.Param, ...)
+    make = lambda: nnx.split(LanguageModel(nnx.Rngs(seed)), nnx.Param, ...)  # noqa: E731
+    graph, params, rest = nnx.eval_shape(make) if shapes_only else make()
     tx = optax.adamw(1e-3)
 
     def step(params, opt_state, tokens, labels):
@@ -98,6 +101,11 @@ def lm_step(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    if shapes_only:
+        structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+        return step, (structs, jax.eval_shape(tx.init, structs), ids, ids)
+    rng = rng if rng is not None else np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, (batch, seq)).astype(np.int32)
     labels = np.roll(tokens, -1, axis=1)
     return step, (params, tx.init(params), tokens, labels)
@@ -116,6 +124,7 @@ def llama_step(
     param_dtype: str = "bfloat16",
     shapes_only: bool = False,
     seed: int = 0,
+    unroll: int | bool = 1,
 ) -> tuple[Callable, tuple]:
     """A Llama-like training step: ``(step, (params, opt_state, tokens, labels))``.
 
@@ -125,7 +134,8 @@ def llama_step(
     default), attention softmax and the loss in fp32, and AdamW on fp32 copies of the
     parameters and gradients (fp32 moments), cast back after the update, as mixed-precision
     training does. ``shapes_only``: the arguments as ``jax.ShapeDtypeStruct``s (nothing is
-    allocated: plan a model of billions of parameters from its shapes).
+    allocated: plan a model of billions of parameters from its shapes). ``unroll`` goes to
+    ``jax.lax.scan``.
 
     Example:
         >>> step, args = llama_step(8, 16, 32, 4, 2, 64, 96, rng=np.random.default_rng(0))
@@ -191,7 +201,7 @@ def llama_step(
             def body(h, layer):
                 return nnx.merge(graph, layer)(h), None
 
-            h, _ = jax.lax.scan(body, self.embed(tokens), state)
+            h, _ = jax.lax.scan(body, self.embed(tokens), state, unroll=unroll)
             return self.unembed(self.norm(h)).astype(jnp.float32)
 
     make = lambda: nnx.split(Llama(nnx.Rngs(seed)), nnx.Param, ...)  # noqa: E731

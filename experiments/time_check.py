@@ -123,10 +123,13 @@ def plans(prog, sizes: dict[str, int], config, cal) -> list[tuple[str, str, obje
         "data_and_model": lambda: make_schedule(
             prog, baselines.data_and_model(prog, axes[:-1], axes[-1:]), sizes),
     }  # fmt: skip
+    for name in baselines.STRATEGIES:  # the expert strategies, on (data-like..., tensor) axes
+        hand[name] = lambda name=name: baselines.expert_schedules(
+            prog, sizes, axes[:-1], axes[-1])[name]  # fmt: skip
     for name in [n for n in config.baselines.split(",") if n]:
         try:
             out.append((name, "baseline", hand[name]()))
-        except ValueError as e:
+        except (ValueError, KeyError) as e:
             print(f"baseline {name}: not applicable ({e})", flush=True)
     for kind, count, make, default in (
         ("random_anchors", config.random_anchors, random_anchor_plan, "propagate"),

@@ -350,6 +350,7 @@ def expert_plans(
     data_axes: Sequence[str] = ("data", "fsdp"),
     tensor_axis: str | None = "tensor",
     calibration=None,
+    donate_argnums: int | Sequence[int] = (),
 ) -> dict:
     """The hand strategies an expert writes, as plans of ``fn`` on ``args`` that run and compile
     exactly as a searched :func:`planner.plan` does (``plan(*args)`` / ``plan.jit()``,
@@ -373,7 +374,8 @@ def expert_plans(
     Layouts follow the program's logical axes (see :func:`expert_schedules`), found from its data
     flow: scanned layers (flax ``nn.scan``, nnx with ``lax.scan``, ``hk.layer_stack``) and Python
     loops of layers are treated alike. ``calibration`` prices the predictions (default: as
-    :func:`planner.plan` does for ``mesh``).
+    :func:`planner.plan` does for ``mesh``). ``donate_argnums`` as :func:`planner.plan`'s: the
+    predictions count on the donated buffers, and ``plan.jit()`` donates them.
 
     Example:
         >>> plans = expert_plans(step, params, opt_state, batch, mesh=mesh,
@@ -384,12 +386,13 @@ def expert_plans(
     import jax
 
     from planner.analysis import analyze
-    from planner.auto import AutoPlan
+    from planner.auto import AutoPlan, _argnums, donating
     from planner.memory import default_calibration
     from planner.simulator import simulate
     from redist.specs import mesh_shape
 
-    prog = analyze(fn, *args)
+    prog = donating(analyze(fn, *args), args, donate_argnums)
+    donated = _argnums(donate_argnums, len(args))
     sizes = mesh_shape(mesh).sizes
     cal = calibration or default_calibration(mesh)
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), cal)
@@ -397,7 +400,8 @@ def expert_plans(
     out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
     return {
         name: AutoPlan(
-            prog, sched, simulate(prog, sched, cal), mesh, 0.0, in_tree, out_tree, replicated, cal
+            prog, sched, simulate(prog, sched, cal), mesh, 0.0, in_tree, out_tree, replicated, cal,
+            donate_argnums=donated,
         )  # fmt: skip
         for name, sched in expert_schedules(prog, sizes, data_axes, tensor_axis).items()
     }

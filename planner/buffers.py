@@ -47,7 +47,10 @@ Backends differ (a calibration's ``backend``): XLA:CPU's reductions do not recom
 that other ops also read, nor a broadcast that several ops read (:data:`UNSHARED_REDUCTIONS`);
 XLA:CPU and XLA:GPU copy a batched product's operands whose batch dimensions are not leading
 (:func:`kernel_copies`); XLA:CPU makes a reduce-scatter as an all-reduce and a slice
-(:data:`ALL_REDUCE_THEN_SLICE`). The TPU compiler does none of these.
+(:data:`ALL_REDUCE_THEN_SLICE`). The TPU compiler does none of these, but keeps a float32
+stacked output that only default-precision products read in bfloat16
+(:data:`NARROW_DOT_OPERANDS`: measured on a 6.6 B-parameter language model on 256 v5p chips, the
+prediction went from 102 GB to 84.8 GB per device against 85.1 GB compiled).
 
 Remat (``jax.checkpoint``) needs no rule: the jaxpr recomputes what it does not save, so the
 forward's values die at their last forward use.
@@ -105,6 +108,13 @@ statistics of a layer norm, kept for its gradient."""
 ALL_REDUCE_THEN_SLICE = frozenset({"cpu"})
 """Backends whose compiler makes a reduce-scatter as an all-reduce of the whole partial result
 followed by a slice (XLA:CPU): both whole buffers exist while it runs."""
+
+NARROW_DOT_OPERANDS = frozenset({"tpu"})
+"""Backends whose products of float32 operands at default precision read them as bfloat16 (the
+TPU's one-pass matrix unit): the compiler keeps a loop's float32 stacked output that only such
+products read (through the backward loop's slices and views) in bfloat16, half its size, as
+the TPU compiler does with the residuals of attention probabilities and layer inputs kept for
+the weights' gradients."""
 
 BATCH_LEADING = frozenset({"cpu", "gpu"})
 """Backends whose batched products want the batch dimensions of each operand leading (XLA:CPU
@@ -177,6 +187,8 @@ class Lifetimes:
             op); an output is held from then to the end, and its memory serves temporaries
             before (XLA places them in the output's allocation).
         first: op result name -> the first op that runs one of its readers.
+        narrowed: the stacked outputs ``(op index, result index)`` kept at half their size
+            (:data:`NARROW_DOT_OPERANDS`).
         reuse: per op, its results (index, candidates) that may be written in place into a
             buffer that dies where the op runs and has the result's shape and dtype (an
             elementwise fusion's output, a scatter or dynamic_update_slice into its operand; a
@@ -192,6 +204,7 @@ class Lifetimes:
     reuse: tuple[tuple[tuple[int, tuple[tuple[int, int], ...]], ...], ...]
     made: dict[str, int]
     first: dict[str, int]
+    narrowed: frozenset[tuple[int, int]] = frozenset()
 
 
 def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
@@ -200,8 +213,59 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
     program and backend."""
     cache = prog.__dict__.setdefault("_lifetimes", {})
     if backend not in cache:
-        cache[backend] = _lifetimes(prog, backend in UNSHARED_REDUCTIONS)
+        lt = _lifetimes(prog, backend in UNSHARED_REDUCTIONS)
+        if backend in NARROW_DOT_OPERANDS:
+            lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(prog))
+        cache[backend] = lt
     return cache[backend]
+
+
+def _default_precision(op: Op) -> bool:
+    """Whether a product runs at the backend's default precision (no ``precision`` asked)."""
+    params = getattr(op.eqn, "params", None) or {}
+    precision = params.get("precision")
+    if precision is None:
+        return True
+    names = precision if isinstance(precision, (tuple, list)) else (precision,)
+    return all(p is None or "DEFAULT" in str(p) for p in names)
+
+
+def _dot_only_stacks(prog: Program) -> frozenset[tuple[int, int]]:
+    """Float32 stacked outputs that only products at default precision read (through slices
+    of a loop and views), and that the program does not return."""
+    uses = prog.uses
+    outputs = {v.name for v in prog.outputs}
+    passing = VIEWS | {"scan_xs", "scan_const", "convert_element_type"}
+
+    def dot_only(name: str, seen: set) -> bool:
+        if name in outputs or name in seen:
+            return name not in outputs
+        seen.add(name)
+        readers = uses.get(name, ())
+        for op, _ in readers:
+            if op.primitive in ("dot_general", "conv_general_dilated"):
+                if not _default_precision(op):
+                    return False
+            elif op.primitive in passing:
+                if (
+                    op.primitive == "convert_element_type"
+                    and op.results[0].value.dtype != "bfloat16"
+                ):
+                    return False
+                if not all(dot_only(r.value.name, seen) for r in op.results):
+                    return False
+            else:
+                return False
+        return bool(readers)
+
+    out = set()
+    for k, op in enumerate(prog.ops):
+        if category(op) != "stack":
+            continue
+        for i, r in enumerate(op.results):
+            if r.value.dtype == "float32" and dot_only(r.value.name, set()):
+                out.add((k, i))
+    return frozenset(out)
 
 
 def _constant_like(prog: Program, cats: list[str]) -> set[str]:

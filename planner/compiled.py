@@ -236,6 +236,14 @@ def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> Compil
     (jitted here), a ``Lowered`` or a ``Compiled``. ``hbm_bytes`` overrides the device's memory.
     A ``RESOURCE_EXHAUSTED`` compile error gives a report with ``fits=False``; other errors raise.
     """
+    return compile_and_report(fn, *args, hbm_bytes=hbm_bytes, **kwargs)[1]
+
+
+def compile_and_report(
+    fn, *args, hbm_bytes: int | None = None, **kwargs
+) -> tuple[object | None, CompiledReport]:
+    """``(compiled, report)``: :func:`compiled_report` and the ``Compiled`` it read (None when the
+    program does not fit), for callers that read more of it (:mod:`planner.compiled_time`)."""
     if hasattr(fn, "memory_analysis"):  # Compiled
         stage, compiled = fn, fn
     else:
@@ -251,7 +259,7 @@ def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> Compil
             devices = _devices_of(stage, args)
             capacity = hbm_bytes or (device_memory_bytes(devices[0]) if devices else None)
             capacity = capacity or _parse_bytes(_AVAILABLE, str(e))  # rounded to 0.01 GiB
-            return CompiledReport(
+            return None, CompiledReport(
                 device_kind=devices[0].device_kind if devices else "unknown",
                 num_devices=len(devices),
                 fits=False,
@@ -277,7 +285,7 @@ def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> Compil
                         tuple(sorted({c.group_size for c in cs if c.group_size})))
         for kind, cs in sorted(by_kind.items())
     )  # fmt: skip
-    return CompiledReport(
+    return compiled, CompiledReport(
         device_kind=devices[0].device_kind if devices else "unknown",
         num_devices=len(devices),
         fits=capacity is None or total <= capacity,

@@ -108,14 +108,17 @@ class _Evaluator:
             except ValueError:
                 self.cache[key] = (math.inf, math.inf, None, None)
                 return self.cache[key]
-            pred = simulate(self.prog, sched, self.cal)
-            if pred.peak_bytes < self.best_peak:
-                self.best_peak, self.best_peak_schedule = pred.peak_bytes, sched
-            if self.limit is not None and pred.peak_bytes > self.limit:
-                self.cache[key] = (math.inf, pred.peak_bytes, sched, pred)
-            else:
-                self.cache[key] = (pred.time_s, pred.peak_bytes, sched, pred)
+            self.cache[key] = self.schedule(sched)
         return self.cache[key]
+
+    def schedule(self, sched: Schedule) -> tuple[float, int, Schedule, Prediction]:
+        """A complete schedule (one made elsewhere too, an expert strategy's), scored."""
+        pred = simulate(self.prog, sched, self.cal)
+        if pred.peak_bytes < self.best_peak:
+            self.best_peak, self.best_peak_schedule = pred.peak_bytes, sched
+        if self.limit is not None and pred.peak_bytes > self.limit:
+            return (math.inf, pred.peak_bytes, sched, pred)
+        return (pred.time_s, pred.peak_bytes, sched, pred)
 
 
 def interchangeable(shape: MeshShape, cal: Calibration) -> list[tuple[str, ...]]:
@@ -357,7 +360,10 @@ def _descend(assign: Assignment, opts, ops, factor: tuple[str, ...], evaluate) -
 def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
     """The hand-written strategies over the whole mesh, simulated as starting points that the
     searched plans must beat (Megatron's q/k/v-by-heads split, for one, is a joint choice of
-    several groups that a per-segment search can miss)."""
+    several groups that a per-segment search can miss), and the expert strategies of
+    :func:`planner.baselines.expert_schedules` (data parallelism and FSDP over every axis; FSDP
+    over all but the last axis with tensor parallelism over the last), so that the plan is never
+    predicted slower than what an expert writes, nor over the memory limit where theirs fits."""
     from planner import baselines
 
     axes = shape.axis_names
@@ -372,6 +378,13 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
             out.append(evaluate(make()))
         except ValueError:  # not applicable to this program
             continue
+    layouts = [(axes, None)] + ([(axes[:-1], axes[-1])] if len(axes) > 1 else [])
+    for data_axes, tensor_axis in layouts:
+        try:
+            experts = baselines.expert_schedules(prog, shape.sizes, data_axes, tensor_axis)
+        except ValueError:  # no product with a batch loop, or heads linked to the batch
+            continue
+        out += [evaluate.schedule(sched) for sched in experts.values()]
     return out
 
 

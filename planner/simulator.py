@@ -314,12 +314,16 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
     def name(key: tuple[int, int]) -> str:
         return prog.ops[key[0]].results[key[1]].value.name
 
+    def size_of(key: tuple[int, int]) -> int:
+        size = priced[key[0]][5][key[1]]
+        return size // 2 if key in lt.narrowed else size
+
     after: dict[tuple, tuple] = {}  # a buffer -> the result written into it where it dies
     for k, results in enumerate(lt.reuse):
         for r, candidates in results:
             size = priced[k][5][r]
             for key in candidates:
-                if key not in after and priced[key[0]][5][key[1]] == size:
+                if key not in after and size_of(key) == size:
                     after[key] = (k, r)
                     break
     spans = {key: [begin, begin] for begin, keys in enumerate(lt.alloc) for key in keys}
@@ -339,7 +343,7 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
             end = spans[last][1]
         else:  # an output: to the end, unless a donated input holds it
             end = last_op if outputs.get(name(last)) else last[0]
-        out.append((begin, end, priced[key[0]][5][key[1]], name(key)))
+        out.append((begin, end, size_of(key), name(key)))
     ended = {name(key) for key in continuing if key not in spans}
     out += [
         (lt.made[n], last_op, size, n) for n, size in outputs.items() if size and n not in ended

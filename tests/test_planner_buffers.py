@@ -197,3 +197,27 @@ def test_predicted_peak_is_within_a_quarter_of_the_tpu_compilers_total():
                      memory_limit_bytes=None)  # fmt: skip
     report = p.compiled_report(planner.topology_mesh("v5p:2x2x1", axes))
     assert 0.75 <= p.prediction.peak_bytes / report.total_bytes <= 1.25, (p.prediction, report)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"')  # fmt: skip
+def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
+    """Linear layers in a scan: each layer's input is kept for its weight's gradient, a product
+    alone reads it, and the TPU compiler stores it in bfloat16 (XLA:CPU in float32)."""
+    from redist.calibration import Calibration
+
+    def step(ws, x):
+        return jax.grad(lambda ws: jnp.sum(jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]))(ws)
+
+    args = [jax.ShapeDtypeStruct((8, 256, 256), F32), jax.ShapeDtypeStruct((8192, 256), F32)]
+    prog = planner.analyze(step, *args)
+    assert lifetimes(prog, "tpu").narrowed and not lifetimes(prog, "cpu").narrowed
+    sched = prog.schedule({}, {"data": 4}, default="replicate")
+    pred = planner.simulate(prog, sched, Calibration.named("tpu_v5p"))
+    mesh = planner.topology_mesh("v5p:2x2x1", {"data": 4})
+    p = planner.AutoPlan(prog, sched, pred, mesh, 0.0, jax.tree.structure(tuple(args)),
+                         jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
+    report = p.compiled_report()
+    residuals = 8 * 8192 * 256 * 2  # the stacked layer inputs, in bfloat16
+    assert report.temp_bytes >= residuals
+    assert 0.9 <= pred.peak_bytes / report.total_bytes <= 1.1, (pred.peak_bytes, report)

@@ -1,0 +1,332 @@
+"""Planning a pod from a laptop: the planner's plans of language-model training steps against the
+strategies experts write, each compiled by the TPU compiler for the pod it is meant for.
+
+Usage:
+    python -m experiments.pod_plans --config=configs/pod_plans.py --workdir=workdir/pod_plans
+
+For every model x topology (``config.models``, ``config.topologies``): the step is built from
+shapes only (nothing allocated), planned by ``planner.plan`` (``searched``; parameters and
+optimizer state donated, memory bounded by the chip's HBM as by default) and laid out by the
+expert strategies of ``planner.expert_plans`` (``data_parallel``, ``fsdp``, ``fsdp_tensor``:
+data-like axes ``data`` and ``fsdp``, tensor axis ``tensor``). Each plan is compiled for the
+topology (``planner.topology_mesh``) and read:
+
+- memory: the compiled total per device (arguments + outputs + temporaries - aliased), whether it
+  fits HBM (the compiler refuses a program that does not), against the planner's prediction;
+- time: the compiled-program estimate, the compiler's ``optimal_seconds`` for the kernels plus
+  the HLO's collectives priced by the calibration, each as often as it runs
+  (:mod:`planner.compiled_time`). The compiler counts a loop's body once in ``optimal_seconds``,
+  so the kernels' time of an ``L``-layer scanned model is taken from the same plan compiled with
+  1 and 2 layers, unrolled: ``t1 + (L - 1) (t2 - t1)`` (every layer costs the same; parameters,
+  gradients and optimizer updates of stacked layers grow linearly with ``L``). A plan whose
+  layouts split the layer dimension cannot be carried to 1 and 2 layers: its estimate is n/a.
+
+Rows are appended to ``results.jsonl`` as they are measured, and a rerun measures only the
+missing (model, topology, strategy) rows. ``summary.json`` states per model x topology whether
+the searched plan fits and its estimate against the best expert strategy's; ``report.md`` has
+the table, ``pod_plans.png`` the figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+STRATEGIES = ("searched", "data_parallel", "fsdp", "fsdp_tensor")
+
+MODELS = {
+    # name: (builder, keyword arguments; ``layers`` is the scanned depth)
+    "lm_134m": ("lm", dict(batch=256, seq=1024, d=1024, heads=16, layers=8, vocab=32768)),
+    "lm_6.6b": ("lm", dict(batch=256, seq=2048, d=4096, heads=32, layers=32, vocab=32768)),
+    "llama_1b": (
+        "llama",
+        dict(batch=256, seq=2048, d=2048, heads=32, layers=22, vocab=32000, ffn=5632),
+    ),  # fmt: skip
+    "llama_8b": (
+        "llama",
+        dict(batch=256, seq=2048, d=4096, heads=32, layers=32, vocab=32000, ffn=14336),
+    ),  # fmt: skip
+    "lm_tiny": ("lm", dict(batch=8, seq=32, d=64, heads=4, layers=2, vocab=128)),
+}
+"""The language-model family: flax nnx + optax adamw, fp32 (``lm``, experiments.language_model
+``lm_step``), and Llama-like (``llama``: RMSNorm, rotary, SwiGLU, bf16 parameters with fp32
+AdamW; ``llama_step``); layers scanned."""
+
+
+def build(model: str, layers: int | None = None, unroll: int | bool = 1):
+    """``(step, args)`` of ``model`` from shapes only, optionally with another depth."""
+    from experiments.language_model import llama_step, lm_step
+
+    if model not in MODELS:
+        raise ValueError(f"model {model!r} is not one of {sorted(MODELS)}")
+    kind, kw = MODELS[model]
+    kw = {**kw, **({"layers": layers} if layers is not None else {})}
+    if kind == "lm":
+        b, s, d, h, n, v = (kw[k] for k in ("batch", "seq", "d", "heads", "layers", "vocab"))
+        return lm_step(b, s, d, h, n, v, True, shapes_only=True, unroll=unroll)
+    b, s, d, h, n, v, f = (kw[k] for k in ("batch", "seq", "d", "heads", "layers", "vocab", "ffn"))
+    return llama_step(b, s, d, h, n, v, f, shapes_only=True, unroll=unroll)
+
+
+def parameters(args) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(args[0])))
+
+
+def parse_topology(text: str) -> tuple[str, dict[str, int]]:
+    """``"v5p:4x4x4@data:4,fsdp:4,tensor:4"`` -> ``("v5p:4x4x4", {"data": 4, ...})``."""
+    from experiments.measure import parse_mesh
+
+    topology, _, axes = text.partition("@")
+    if not axes:
+        raise ValueError(f"topology {text!r}: write it as topology@axis:size,... ")
+    return topology, parse_mesh(axes)
+
+
+def _compiled(plan, cal, n: int) -> dict:
+    """The compiler's verdict on ``plan`` (bound to its topology mesh)."""
+    from planner.compiled import compile_and_report, input_structs
+    from planner.compiled_time import compiled_time
+
+    start = time.perf_counter()
+    compiled, report = compile_and_report(plan.jit().lower(*input_structs(plan)))
+    row = {"compile_s": time.perf_counter() - start, "fits": report.fits,
+           "compiled_bytes": report.total_bytes, "hbm_bytes": report.hbm_bytes,
+           "temp_bytes": report.temp_bytes}  # fmt: skip
+    if compiled is not None:
+        ct = compiled_time(compiled, cal, n)
+        row.update(compiled_optimal_s=ct.optimal_seconds, compiled_collective_s=ct.collective_s,
+                   compiled_flops=ct.flops, collectives=ct.collectives)  # fmt: skip
+    return row
+
+
+def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
+    """The kernels' seconds of ``plan`` at depth ``layers``, from its schedule carried onto the
+    same model at 1 and 2 layers, unrolled, and compiled: ``t1 + (layers - 1) (t2 - t1)``; None
+    when its layouts do not carry (a split layer dimension)."""
+    import jax
+
+    from planner.analysis import analyze
+    from planner.auto import AutoPlan
+    from planner.calls import Signature
+    from planner.compiled import input_structs
+    from planner.schedule import Schedule
+
+    times = []
+    for depth in (1, 2):
+        step, args = build(model, depth, unroll=True)
+        sig = Signature.of(args, {})
+        traced, values = sig.traced(step, args, {})
+        prog = analyze(traced, *values)
+        if [o.name for o in prog.ops] != [o.name for o in plan.program.ops]:
+            return None
+        out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
+        sched = plan.schedule
+        try:
+            target = Schedule(prog, sched.mesh, sched.assign, sched.stored)
+            small = AutoPlan(prog, target, None, mesh, 0.0, sig.in_tree, out_tree, None, cal, sig)
+            compiled = small.jit().lower(*input_structs(small)).compile()
+        except Exception as e:  # noqa: BLE001  (layouts that do not carry: reported as n/a)
+            logging.warning("%s at %d layers: %s", model, depth, str(e)[:200])
+            return None
+        cost = compiled.cost_analysis()
+        times.append(
+            float((cost[0] if isinstance(cost, (list, tuple)) else cost)["optimal_seconds"])
+        )
+    return times[0] + (layers - 1) * (times[1] - times[0])
+
+
+def measure(model: str, topology: str, axes: dict, strategies, done: set, config) -> list[dict]:
+    """Rows of the strategies of ``model`` on ``topology`` not yet in ``done``."""
+    import planner
+    from planner.baselines import expert_plans
+    from planner.memory import MemoryLimitError, default_calibration
+
+    todo = [s for s in strategies if (model, topology, s) not in done]
+    if not todo:
+        return []
+    step, args = build(model)
+    layers = MODELS[model][1]["layers"]
+    mesh = planner.topology_mesh(topology, axes)
+    cal = default_calibration(mesh)
+    base = {"model": model, "parameters": parameters(args), "topology": topology,
+            "mesh": ",".join(f"{k}:{v}" for k, v in axes.items()), "devices": mesh.size,
+            "device_kind": mesh.devices.flat[0].device_kind}  # fmt: skip
+    plans, rows = {}, []
+    if "searched" in todo:
+        start = time.perf_counter()
+        try:
+            plans["searched"] = planner.plan(step, *args, mesh=mesh, donate_argnums=(0, 1))
+        except MemoryLimitError as e:
+            rows.append({**base, "strategy": "searched", "search_s": time.perf_counter() - start,
+                         "fits": False, "error": str(e)[:500]})  # fmt: skip
+    experts = [s for s in todo if s != "searched"]
+    if experts:
+        made = expert_plans(step, *args, mesh=mesh, calibration=cal, donate_argnums=(0, 1))
+        plans.update({s: made[s] for s in experts if s in made})
+    for strategy, p in plans.items():
+        row = {**base, "strategy": strategy, "search_s": p.search_s,
+               "predicted_s": p.prediction.time_s,
+               "predicted_peak_bytes": p.prediction.peak_bytes}  # fmt: skip
+        row.update(_compiled(p, cal, mesh.size))
+        if config.layer_estimate and "compiled_optimal_s" in row:
+            optimal = _layer_optimal(p, model, layers, mesh, cal)
+            if optimal is not None:
+                row["layer_optimal_s"] = optimal
+                row["estimate_s"] = optimal + row["compiled_collective_s"]
+        elif "compiled_optimal_s" in row:
+            row["estimate_s"] = row["compiled_optimal_s"] + row["compiled_collective_s"]
+        rows.append(row)
+        _say(row)
+    return rows
+
+
+def _say(row: dict) -> None:
+    gb = lambda b: "?" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
+    est = row.get("estimate_s")
+    print(f"{row['model']} on {row['topology']} ({row['mesh']}) {row['strategy']}: "
+          f"{'fits' if row.get('fits') else 'does NOT fit'}, compiled {gb(row.get('compiled_bytes'))}"
+          f" vs predicted {gb(row.get('predicted_peak_bytes'))}; estimate "
+          f"{'n/a' if est is None else f'{est * 1e3:.1f} ms'} vs predicted "
+          f"{row.get('predicted_s', float('nan')) * 1e3:.1f} ms; search {row['search_s']:.0f} s, "
+          f"compile {row.get('compile_s', 0):.0f} s", flush=True)  # fmt: skip
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per model x topology: the searched plan against the best expert strategy."""
+    cases: dict = {}
+    for r in rows:
+        cases.setdefault(f"{r['model']} @ {r['topology']}", {})[r["strategy"]] = r
+    out = {}
+    for case, by in cases.items():
+        s = by.get("searched", {})
+        experts = {k: v for k, v in by.items() if k != "searched"}
+        fitting = {k: v["estimate_s"] for k, v in experts.items()
+                   if v.get("fits") and v.get("estimate_s") is not None}  # fmt: skip
+        best = min(fitting, key=fitting.get) if fitting else None
+        entry = {"searched_fits": bool(s.get("fits")), "search_s": s.get("search_s"),
+                 "searched_estimate_s": s.get("estimate_s"), "best_expert": best,
+                 "best_expert_estimate_s": fitting.get(best)}  # fmt: skip
+        if s.get("estimate_s") and best:
+            entry["searched_over_best_expert"] = s["estimate_s"] / fitting[best]
+        if s.get("compiled_bytes") and s.get("predicted_peak_bytes"):
+            entry["searched_memory_ratio"] = s["predicted_peak_bytes"] / s["compiled_bytes"]
+        out[case] = entry
+    return out
+
+
+def report(rows: list[dict], summary: dict) -> str:
+    lines = [
+        "# Planning a pod from a laptop",
+        "",
+        "Each plan compiled by the TPU compiler for its topology on a 2-core CPU host. Memory: "
+        "the compiled total per device (arguments + outputs + temporaries - aliased) and the "
+        "planner's prediction. Estimate: the compiled program's kernels (optimal_seconds, per "
+        "layer from 1- and 2-layer compiles) plus its collectives priced by the calibration.",
+        "",
+        "| model | params | topology | mesh | strategy | fits | compiled GB/dev | predicted GB/dev "
+        "| mem ratio | estimate ms | predicted ms | time ratio | vs best expert | search s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        case = summary.get(f"{r['model']} @ {r['topology']}", {})
+        best = case.get("best_expert_estimate_s")
+        est, pred = r.get("estimate_s"), r.get("predicted_s")
+        cb, pb = r.get("compiled_bytes"), r.get("predicted_peak_bytes")
+        cells = [
+            r["model"], f"{r['parameters'] / 1e9:.2f} B", r["topology"], r["mesh"], r["strategy"],
+            "yes" if r.get("fits") else "**no**",
+            "?" if cb is None else f"{cb / 1e9:.1f}", "-" if pb is None else f"{pb / 1e9:.1f}",
+            f"{pb / cb:.2f}" if cb and pb else "-",
+            "n/a" if est is None else f"{est * 1e3:.1f}",
+            "-" if pred is None else f"{pred * 1e3:.1f}",
+            f"{pred / est:.2f}" if est and pred else "-",
+            f"{est / best:.2f}" if est and best else "-",
+            f"{r['search_s']:.0f}" if r["strategy"] == "searched" else "",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[dict], path: str) -> None:
+    """Bars: each strategy's estimate over the best expert's, per model x topology."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(f"{r['model']}\n{r['topology']}" for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4))
+    width = 0.8 / len(STRATEGIES)
+    for k, strategy in enumerate(STRATEGIES):
+        xs, ys, marks = [], [], []
+        for i, case in enumerate(cases):
+            by = {r["strategy"]: r for r in rows if f"{r['model']}\n{r['topology']}" == case}
+            fitting = [v["estimate_s"] for s, v in by.items()
+                       if s != "searched" and v.get("fits") and v.get("estimate_s")]  # fmt: skip
+            r = by.get(strategy)
+            if r is None or not fitting:
+                continue
+            xs.append(i + (k - 1.5) * width)
+            ok = r.get("fits") and r.get("estimate_s")
+            ys.append(r["estimate_s"] / min(fitting) if ok else 0.0)
+            marks.append(not ok)
+        bars = ax.bar(xs, ys, width, label=strategy)
+        for b, missing in zip(bars, marks):
+            if missing:
+                ax.annotate("x", (b.get_x() + b.get_width() / 2, 0.02), ha="center")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(cases)), cases, fontsize=8)
+    ax.set_ylabel("compiled estimate / best expert's")
+    ax.set_title("Step time on TPU pods (compiled), x: does not fit")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(config, workdir: str) -> dict:
+    """Measure the missing rows, then write the summary, report and figure; return the summary."""
+    from experiments.measure import force_host_devices
+
+    force_host_devices(8)
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    path = os.path.join(workdir, "results.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    done = {(r["model"], r["topology"], r["strategy"]) for r in rows}
+    strategies = [s for s in config.strategies.split(",") if s]
+    for model in [m for m in config.models.split(",") if m]:
+        for text in [t for t in config.topologies.split(";") if t]:
+            topology, axes = parse_topology(text)
+            for row in measure(model, topology, axes, strategies, done, config):
+                rows.append(row)
+                with open(path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    summary = summarize(rows)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(report(rows, summary))
+    if rows:
+        figure(rows, os.path.join(workdir, "pod_plans.png"))
+    return summary
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    print(json.dumps(run(flags.FLAGS.config, flags.FLAGS.workdir), indent=2))
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", "configs/pod_plans.py", "Config file.")
+    flags.DEFINE_string("workdir", "workdir/pod_plans", "Where outputs go.")
+    app.run(main)
