@@ -400,7 +400,15 @@ def expert_plans(
     out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
     return {
         name: AutoPlan(
-            prog, sched, simulate(prog, sched, cal), mesh, 0.0, in_tree, out_tree, replicated, cal,
+            prog,
+            sched,
+            simulate(prog, sched, cal),
+            mesh,
+            0.0,
+            in_tree,
+            out_tree,
+            replicated,
+            cal,
             donate_argnums=donated,
         )  # fmt: skip
         for name, sched in expert_schedules(prog, sizes, data_axes, tensor_axis).items()
