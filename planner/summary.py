@@ -404,26 +404,30 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
 
 
 def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, object]:
-    """Name -> Prediction, or a short reason why the strategy does not apply."""
+    """Label -> Prediction, or a short reason why the strategy does not apply: the expert
+    strategies of :func:`planner.baselines.expert_schedules` (data parallelism and FSDP over
+    every axis; FSDP over the others with tensor parallelism over the last axis)."""
     axes = tuple(a for a, n in mesh.axes if n > 1)
-    sizes = mesh.sizes
+    ways = mesh.num_devices
+    labels = {"data_parallel": f"data parallelism ({ways}-way batch)",
+              "fsdp": f"FSDP ({ways}-way, weights split)"}  # fmt: skip
     out: dict[str, object] = {}
     try:
-        dp = baselines.data_parallel(prog, axes)
-        out["data parallelism"] = simulate(prog, make_schedule(prog, dp, sizes), cal)
+        dense = baselines._dense(prog)
+        if dense and dense[0].loop[baselines._batch_loop(dense[0])].extent % ways:
+            return {label: _reason(ValueError("not divisible"), mesh) for label in labels.values()}
+        found = baselines.expert_schedules(prog, mesh.sizes, axes, None) if axes else {}
     except (ValueError, KeyError, AttributeError) as e:
-        out["data parallelism"] = _reason(e, mesh)
-        out["FSDP"] = "n/a: needs data parallelism"
-        return out
-    try:
-        stored = baselines.fsdp_stored(prog, axes, sizes)
-        if not stored:
-            out["FSDP"] = "n/a: no weight splits evenly"
-        else:
-            sched = make_schedule(prog, dp, sizes, stored=stored)
-            out["FSDP"] = simulate(prog, sched, cal)
-    except (ValueError, KeyError, AttributeError) as e:
-        out["FSDP"] = _reason(e, mesh)
+        return {label: _reason(e, mesh) for label in labels.values()}
+    for name, label in labels.items():
+        out[label] = simulate(prog, found[name], cal) if name in found else "n/a"
+    if len(axes) > 1:
+        label = f"FSDP x tensor ({'x'.join(axes[:-1])} x {axes[-1]})"
+        try:
+            sched = baselines.expert_schedules(prog, mesh.sizes, axes[:-1], axes[-1])
+            out[label] = simulate(prog, sched["fsdp_tensor"], cal)
+        except (ValueError, KeyError, AttributeError) as e:
+            out[label] = _reason(e, mesh)
     return out
 
 
@@ -431,7 +435,7 @@ def _reason(e: Exception, mesh: MeshShape) -> str:
     text = str(e)
     if "not divisible" in text:
         return f"n/a: the batch does not split {mesh.num_devices} ways"
-    if "needs a dot_general" in text:
+    if "a dot_general or convolution" in text:
         return "n/a: no matrix product"
     if "batch-like loop" in text:
         return "n/a: no batch loop"
@@ -572,10 +576,7 @@ def summarize(plan) -> Summary:
     rows = [{"name": "this plan", "time_s": pred.time_s, "peak_bytes": pred.peak_bytes}]
     rows.append({"name": "full replication (whole step each)", "time_s": replicated.time_s,
                  "peak_bytes": replicated.peak_bytes})  # fmt: skip
-    ways = mesh.num_devices
-    for name, result in _baselines(prog, mesh, cal).items():
-        label = {"data parallelism": f"data parallelism ({ways}-way batch)",
-                 "FSDP": f"FSDP ({ways}-way, weights split)"}[name]  # fmt: skip
+    for label, result in _baselines(prog, mesh, cal).items():
         if isinstance(result, Prediction):
             rows.append({"name": label, "time_s": result.time_s, "peak_bytes": result.peak_bytes})
         else:

@@ -106,7 +106,7 @@ def test_summary_numbers_add_up(plan):
     assert mem["optimizer state"] == 2 * mem["parameters"] + 4  # mu, nu and the count
     data = json.loads(json.dumps(s.as_dict()))
     assert {r["name"].split(" (")[0] for r in data["prediction"]} == {
-        "this plan", "full replication", "data parallelism", "FSDP"}  # fmt: skip
+        "this plan", "full replication", "data parallelism", "FSDP", "FSDP x tensor"}  # fmt: skip
     assert plan.explain(verbose=True).startswith(plan.explain())
     assert "grid" in plan.explain(verbose=True)
 
