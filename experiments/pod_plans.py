@@ -22,7 +22,8 @@ topology (``planner.topology_mesh``) and read:
   layouts split the layer dimension cannot be carried to 1 and 2 layers: its estimate is n/a.
 
 Rows are appended to ``results.jsonl`` as they are measured, and a rerun measures only the
-missing (model, topology, strategy) rows. ``summary.json`` states per model x topology whether
+missing (model, topology, strategy) rows. Each searched plan is kept in ``plans/`` (``plan.save``
+JSON, to load onto the pod with ``planner.load``, and its ``explain()``). ``summary.json`` states per model x topology whether
 the searched plan fits and its estimate against the best expert strategy's; ``report.md`` has
 the table, ``pod_plans.png`` the figure.
 """
@@ -142,8 +143,11 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
     return times[0] + (layers - 1) * (times[1] - times[0])
 
 
-def measure(model: str, topology: str, axes: dict, strategies, done: set, config) -> list[dict]:
-    """Rows of the strategies of ``model`` on ``topology`` not yet in ``done``."""
+def measure(
+    model: str, topology: str, axes: dict, strategies, done: set, config, workdir: str
+) -> list[dict]:
+    """Rows of the strategies of ``model`` on ``topology`` not yet in ``done``; the searched plan
+    is saved under ``workdir/plans`` (``plan.save``) with its ``explain()``."""
     import planner
     from planner.baselines import expert_plans
     from planner.memory import MemoryLimitError, default_calibration
@@ -170,6 +174,12 @@ def measure(model: str, topology: str, axes: dict, strategies, done: set, config
     if experts:
         made = expert_plans(step, *args, mesh=mesh, calibration=cal, donate_argnums=(0, 1))
         plans.update({s: made[s] for s in experts if s in made})
+    if "searched" in plans and config.get("save_plans", True):
+        stem = os.path.join(workdir, "plans", f"{model}@{topology.replace(':', '_')}")
+        os.makedirs(os.path.dirname(stem), exist_ok=True)
+        plans["searched"].save(stem + ".plan.json")
+        with open(stem + ".txt", "w") as f:
+            f.write(plans["searched"].explain() + "\n")
     for strategy, p in plans.items():
         row = {**base, "strategy": strategy, "search_s": p.search_s,
                "predicted_s": p.prediction.time_s,
@@ -306,7 +316,7 @@ def run(config, workdir: str) -> dict:
     for model in [m for m in config.models.split(",") if m]:
         for text in [t for t in config.topologies.split(";") if t]:
             topology, axes = parse_topology(text)
-            for row in measure(model, topology, axes, strategies, done, config):
+            for row in measure(model, topology, axes, strategies, done, config, workdir):
                 rows.append(row)
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
