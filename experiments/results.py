@@ -13,6 +13,7 @@ figures. About twenty minutes on 2 CPU cores.
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import app, flags, logging
@@ -106,10 +107,47 @@ def run(workdir: str) -> str:
             for name, r in lowered.items()
         ),
     ]
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines + tpu_sections(workdir)) + "\n"
     with open(os.path.join(workdir, "README.md"), "w") as f:
         f.write(text)
     return text
+
+
+def tpu_sections(workdir: str) -> list[str]:
+    """Markdown on the TPU-compiler runs found under ``workdir`` (``pod_plans/``,
+    ``time_check/``): they take hours on 2 cores and are run on their own (their modules say
+    how), so this reads their summaries rather than running them."""
+    lines = []
+    path = os.path.join(workdir, "pod_plans", "summary.json")
+    if os.path.exists(path):
+        summary = json.load(open(path))
+        lines += ["", "## Planning TPU pods (`pod_plans/`)", "",
+                  "Searched plan against the best expert strategy that fits, both compiled by the "
+                  "TPU compiler for the pod (`python -m experiments.pod_plans`); estimate: "
+                  "compiled kernels + the HLO's collectives priced by the calibration.", "",
+                  "| model @ topology | searched fits | search s | searched / best expert | "
+                  "best expert | predicted / compiled memory |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for case, c in summary.items():
+            ratio = c.get("searched_over_best_expert")
+            mem = c.get("searched_memory_ratio")
+            search = c.get("search_s")
+            lines.append(
+                f"| {case} | {'yes' if c['searched_fits'] else 'no'} | "
+                f"{'-' if search is None else f'{search:.0f}'} | "
+                f"{'-' if ratio is None else f'{ratio:.3f}'} | {c.get('best_expert') or 'none fits'}"
+                f" | {'-' if mem is None else f'{mem:.2f}'} |"
+            )
+    path = os.path.join(workdir, "time_check", "summary.json")
+    if os.path.exists(path):
+        s = json.load(open(path))
+        lines += ["", "## Time against the TPU compiler (`time_check/`)", "",
+                  f"{s['plans']} plans of the flax LM on 256 v5p chips "
+                  "(`python -m experiments.time_check`): Spearman of predicted and compiled step "
+                  f"time {s['spearman_time']:.3f}; predicted / compiled time geomean "
+                  f"{s['time_ratio']['geomean']:.2f} (range {s['time_ratio']['min']:.2f}-"
+                  f"{s['time_ratio']['max']:.2f}); flops within 10% on {s['flops_within_10pct']} "
+                  f"of {s['plans']}, bytes accessed on {s['bytes_within_10pct']}."]  # fmt: skip
+    return lines
 
 
 PLANNER_MESHES = "a:2,b:2,c:2;a:4,b:4,c:4;data:16,fsdp:4,tensor:4;data:32,fsdp:16,tensor:8"

@@ -234,3 +234,20 @@ def test_expert_plan_compiles_for_a_tpu_topology():
     report = plans["fsdp_tensor"].compiled_report(planner.topology_mesh("v5p:2x2x2", axes))
     assert report.fits and report.device_kind.startswith("TPU v5")
     assert "all-gather" in report.collectives_by_kind  # FSDP's gathers
+
+
+def test_the_search_is_never_predicted_slower_than_an_expert_strategy():
+    """The expert strategies seed the search: on the scanned flax LM planned for TPU v5p on
+    (data 2, fsdp 2, tensor 2) under a memory limit that only some of them meet, the plan fits
+    and is predicted at least as fast as those."""
+    from redist.calibration import Calibration
+
+    step, args = lm_step(16, 64, 128, 4, 2, 512, True, shapes_only=True)
+    cal, axes = Calibration.named("tpu_v5p"), {"data": 2, "fsdp": 2, "tensor": 2}
+    experts = baselines.expert_plans(step, *args, mesh=axes, calibration=cal)
+    peaks = sorted(e.prediction.peak_bytes for e in experts.values())
+    bound = (peaks[0] + peaks[-1]) // 2
+    p = planner.plan(step, *args, mesh=axes, calibration=cal, memory_limit_bytes=bound)
+    fitting = [e.prediction.time_s for e in experts.values() if e.prediction.peak_bytes <= bound]
+    assert fitting and p.prediction.time_s <= min(fitting) * (1 + 1e-9)
+    assert p.prediction.peak_bytes <= bound
