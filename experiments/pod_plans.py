@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -145,16 +146,17 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
 
 def measure(
     model: str, topology: str, axes: dict, strategies, done: set, config, workdir: str
-) -> list[dict]:
-    """Rows of the strategies of ``model`` on ``topology`` not yet in ``done``; the searched plan
-    is saved under ``workdir/plans`` (``plan.save``) with its ``explain()``."""
+) -> Iterator[dict]:
+    """Rows of the strategies of ``model`` on ``topology`` not yet in ``done``, each as soon as
+    it is measured; the searched plan is saved under ``workdir/plans`` (``plan.save``) with its
+    ``explain()``."""
     import planner
     from planner.baselines import expert_plans
     from planner.memory import MemoryLimitError, default_calibration
 
     todo = [s for s in strategies if (model, topology, s) not in done]
     if not todo:
-        return []
+        return
     step, args = build(model)
     layers = MODELS[model][1]["layers"]
     mesh = planner.topology_mesh(topology, axes)
@@ -162,14 +164,14 @@ def measure(
     base = {"model": model, "parameters": parameters(args), "topology": topology,
             "mesh": ",".join(f"{k}:{v}" for k, v in axes.items()), "devices": mesh.size,
             "device_kind": mesh.devices.flat[0].device_kind}  # fmt: skip
-    plans, rows = {}, []
+    plans = {}
     if "searched" in todo:
         start = time.perf_counter()
         try:
             plans["searched"] = planner.plan(step, *args, mesh=mesh, donate_argnums=(0, 1))
         except MemoryLimitError as e:
-            rows.append({**base, "strategy": "searched", "search_s": time.perf_counter() - start,
-                         "fits": False, "error": str(e)[:500]})  # fmt: skip
+            yield {**base, "strategy": "searched", "search_s": time.perf_counter() - start,
+                   "fits": False, "error": str(e)[:500]}  # fmt: skip
     experts = [s for s in todo if s != "searched"]
     if experts:
         made = expert_plans(step, *args, mesh=mesh, calibration=cal, donate_argnums=(0, 1))
@@ -192,9 +194,8 @@ def measure(
                 row["estimate_s"] = optimal + row["compiled_collective_s"]
         elif "compiled_optimal_s" in row:
             row["estimate_s"] = row["compiled_optimal_s"] + row["compiled_collective_s"]
-        rows.append(row)
         _say(row)
-    return rows
+        yield row
 
 
 def _say(row: dict) -> None:
@@ -231,9 +232,43 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def compact_table(rows: list[dict], summary: dict) -> list[str]:
+    """One line per model x topology: the searched plan and the best expert strategy."""
+    lines = [
+        "| model | pod (mesh) | plan: fits, GB/device compiled (predicted) | plan: estimate ms "
+        "(predicted) | best expert: estimate ms | plan / best expert | search s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case, c in summary.items():
+        by = {r["strategy"]: r for r in rows if f"{r['model']} @ {r['topology']}" == case}
+        s = by.get("searched")
+        if s is None:
+            continue
+        first = next(iter(by.values()))
+        fits = "yes" if s.get("fits") else "**no**"
+        gb = (f"{s['compiled_bytes'] / 1e9:.1f} ({s['predicted_peak_bytes'] / 1e9:.1f})"
+              if s.get("compiled_bytes") and s.get("predicted_peak_bytes") else "-")  # fmt: skip
+        est = (f"{s['estimate_s'] * 1e3:.1f} ({s['predicted_s'] * 1e3:.1f})"
+               if s.get("estimate_s") else "-")  # fmt: skip
+        best = c.get("best_expert")
+        best_text = (f"{best} {c['best_expert_estimate_s'] * 1e3:.1f}" if best
+                     else "none fits")  # fmt: skip
+        ratio = c.get("searched_over_best_expert")
+        lines.append(
+            f"| {first['model']} ({first['parameters'] / 1e9:.2f} B) | {first['topology']} "
+            f"({first['mesh']}) | {fits}, {gb} | {est} | {best_text} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}'} | {s['search_s']:.0f} |"
+        )
+    return lines
+
+
 def report(rows: list[dict], summary: dict) -> str:
     lines = [
         "# Planning a pod from a laptop",
+        "",
+        *compact_table(rows, summary),
+        "",
+        "Every plan:",
         "",
         "Each plan compiled by the TPU compiler for its topology on a 2-core CPU host. Memory: "
         "the compiled total per device (arguments + outputs + temporaries - aliased) and the "
