@@ -143,7 +143,8 @@ def tpu_sections(workdir: str) -> list[str]:
         lines += ["", "## Time against the TPU compiler (`time_check/`)", "",
                   f"{s['plans']} plans of the flax LM on 256 v5p chips "
                   "(`python -m experiments.time_check`): Spearman of predicted and compiled step "
-                  f"time {s['spearman_time']:.3f}; predicted / compiled time geomean "
+                  f"time {s['spearman_time']:.3f} ({s['spearman_time_random']:.3f} over the "
+                  f"{s['random_plans']} random plans); predicted / compiled time geomean "
                   f"{s['time_ratio']['geomean']:.2f} (range {s['time_ratio']['min']:.2f}-"
                   f"{s['time_ratio']['max']:.2f}); flops within 10% on {s['flops_within_10pct']} "
                   f"of {s['plans']}, bytes accessed on {s['bytes_within_10pct']}."]  # fmt: skip

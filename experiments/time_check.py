@@ -278,8 +278,12 @@ def summarize(results: list[dict]) -> dict:
     flops = [_ratio(r, "flops") for r in results]
     nbytes = [_ratio(r, "bytes") for r in results]
     times = [_ratio(r, "s") for r in results]
+    random_plans = [r for r in results if r["kind"].startswith("random")]
     return {
         "plans": len(results),
+        "random_plans": len(random_plans),
+        "spearman_time_random": spearman([r["predicted_s"] for r in random_plans],
+                                         [r["compiled_s"] for r in random_plans]),
         "spearman_time": spearman([r["predicted_s"] for r in results],
                                   [r["compiled_s"] for r in results]),
         "spearman_flops": spearman([r["predicted_flops"] for r in results],
@@ -312,7 +316,8 @@ def report(results: list[dict], summary: dict, config) -> str:
         + "; compiled time = optimal_seconds + the HLO's collectives priced by the calibration.",
         "",
         f"- plans: {summary['plans']}",
-        f"- Spearman (predicted vs compiled time): {summary['spearman_time']:.3f}",
+        f"- Spearman (predicted vs compiled time): {summary['spearman_time']:.3f}; over the "
+        f"{summary['random_plans']} random plans alone: {summary['spearman_time_random']:.3f}",
         f"- predicted / compiled flops: {_fmt(summary['flops_ratio'])} "
         f"({summary['flops_within_10pct']} of {summary['plans']} within 10%)",
         f"- predicted / compiled bytes accessed: {_fmt(summary['bytes_ratio'])} "
