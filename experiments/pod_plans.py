@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -248,11 +249,17 @@ def compact_table(rows: list[dict], summary: dict) -> list[str]:
         fits = "yes" if s.get("fits") else "**no**"
         gb = (f"{s['compiled_bytes'] / 1e9:.1f} ({s['predicted_peak_bytes'] / 1e9:.1f})"
               if s.get("compiled_bytes") and s.get("predicted_peak_bytes") else "-")  # fmt: skip
+        smallest = re.search(r"smallest predicted peak seen is (\d+) bytes", s.get("error", ""))
+        if smallest:
+            gb = f"none under the HBM limit (smallest predicted {int(smallest[1]) / 1e9:.1f})"
         est = (f"{s['estimate_s'] * 1e3:.1f} ({s['predicted_s'] * 1e3:.1f})"
                if s.get("estimate_s") else "-")  # fmt: skip
         best = c.get("best_expert")
+        least = min((r for k, r in by.items() if k != "searched" and r.get("compiled_bytes")),
+                    key=lambda r: r["compiled_bytes"], default=None)  # fmt: skip
         best_text = (f"{best} {c['best_expert_estimate_s'] * 1e3:.1f}" if best
-                     else "none fits")  # fmt: skip
+                     else "none fits" + (f" ({least['strategy']}: {least['compiled_bytes'] / 1e9:.1f}"
+                                         " GB compiled)" if least else ""))  # fmt: skip
         ratio = c.get("searched_over_best_expert")
         lines.append(
             f"| {first['model']} ({first['parameters'] / 1e9:.2f} B) | {first['topology']} "
