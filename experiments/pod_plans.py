@@ -30,6 +30,7 @@ the table, ``pod_plans.png`` the figure.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -367,7 +368,7 @@ def run(config, workdir: str) -> dict:
         json.dump(summary, f, indent=2)
     with open(os.path.join(workdir, "report.md"), "w") as f:
         f.write(report(rows, summary))
-    if rows:
+    if rows and importlib.util.find_spec("matplotlib") is not None:  # the figures extra
         figure(rows, os.path.join(workdir, "pod_plans.png"))
     return summary
 

@@ -192,7 +192,8 @@ def test_pod_plans_compares_the_plan_with_experts_on_a_topology(tmp_path):
         assert r["fits"] and r["compiled_bytes"] > 0 and r["predicted_peak_bytes"] > 0
         assert r["estimate_s"] == r["compiled_optimal_s"] + r["compiled_collective_s"] > 0
     assert "| lm_tiny |" in (tmp_path / "report.md").read_text()
-    assert os.path.getsize(tmp_path / "pod_plans.png") > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # (the figures extra)
+        assert os.path.getsize(tmp_path / "pod_plans.png") > 0
     saved = tmp_path / "plans" / "lm_tiny@v5p_2x2x1.plan.json"
     assert json.loads(saved.read_text())["schedule"]
     assert "Plan for step" in (tmp_path / "plans" / "lm_tiny@v5p_2x2x1.txt").read_text()
