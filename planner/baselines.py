@@ -54,6 +54,13 @@ def _batch_loop(op: Op) -> str:
     raise ValueError(f"op {op.name!r} has no batch-like loop among {[lp.name for lp in op.loops]}")
 
 
+def batch_extent(prog: Program) -> int | None:
+    """The batch size the expert strategies split: the first product's batch loop's extent (None
+    without a product). Raises ``ValueError`` if that product has no batch-like loop."""
+    dense = _dense(prog)
+    return dense[0].loop[_batch_loop(dense[0])].extent if dense else None
+
+
 def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
     """Split the batch loop of the first dense op over ``axes``."""
     dense = _dense(prog)

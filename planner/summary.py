@@ -413,8 +413,8 @@ def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, ob
               "fsdp": f"FSDP ({ways}-way, weights split)"}  # fmt: skip
     out: dict[str, object] = {}
     try:
-        dense = baselines._dense(prog)
-        if dense and dense[0].loop[baselines._batch_loop(dense[0])].extent % ways:
+        batch = baselines.batch_extent(prog)
+        if batch is not None and batch % ways:
             return {label: _reason(ValueError("not divisible"), mesh) for label in labels.values()}
         found = baselines.expert_schedules(prog, mesh.sizes, axes, None) if axes else {}
     except (ValueError, KeyError, AttributeError) as e:
