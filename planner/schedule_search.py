@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import networkx as nx
 
 from planner.chain import ChainDP, with_siblings
+from planner.donation import keep_state_layouts
 from planner.ir import Op, Program
 from planner.memory import MemoryLimitError
 from planner.schedule import Schedule, make_schedule
@@ -112,7 +113,9 @@ class _Evaluator:
         return self.cache[key]
 
     def schedule(self, sched: Schedule) -> tuple[float, int, Schedule, Prediction]:
-        """A complete schedule (one made elsewhere too, an expert strategy's), scored."""
+        """A complete schedule (one made elsewhere too, an expert strategy's), scored; its donated
+        state stored as the step leaves it (:func:`planner.donation.keep_state_layouts`)."""
+        sched = keep_state_layouts(self.prog, sched)
         pred = simulate(self.prog, sched, self.cal)
         if pred.peak_bytes < self.best_peak:
             self.best_peak, self.best_peak_schedule = pred.peak_bytes, sched

@@ -1,0 +1,58 @@
+"""Donated state keeps its layout: a training step's parameters and optimizer state come back in
+the layout they went in, so the next step takes them as they are and their buffers are reused.
+
+``jax.jit(donate_argnums=...)`` writes an output into a donated input's buffer when both have the
+same shape, dtype and sharding, pairing them in order (the first donated input of a shape and
+dtype with the first output of that shape and dtype, and so on). A plan whose update leaves a
+parameter in another layout than the one it was stored in would lose that reuse and hand the
+caller a state that must be moved before the next step. :func:`keep_state_layouts` stores each
+donated input in the layout its paired output is made in (the ops are unchanged; the data flow
+moves the input to what its first consumer needs, and the simulator prices that move).
+
+Example:
+    >>> sched = keep_state_layouts(prog, sched)  # doctest: +SKIP
+    >>> # every donated input with a paired output: stored as that output leaves the step
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from planner.dataflow import dataflow, input_spec
+from planner.ir import Program, Value
+from planner.schedule import Schedule
+
+
+def donated_pairs(prog: Program) -> list[tuple[Value, Value]]:
+    """``(donated input, output)`` pairs as ``jax.jit`` aliases them: in order, per shape and dtype;
+    an output that is an input returned as it is pairs with nothing."""
+    free: dict[tuple, deque] = defaultdict(deque)
+    for v in prog.inputs:
+        if v.name in prog.donated:
+            free[(tuple(v.shape), v.dtype)].append(v)
+    inputs = {v.name for v in prog.inputs}
+    pairs = []
+    for v in prog.outputs:
+        if v.name in inputs or v.name not in prog.producer:
+            continue
+        donors = free.get((tuple(v.shape), v.dtype))
+        if donors:
+            pairs.append((donors.popleft(), v))
+    return pairs
+
+
+def keep_state_layouts(prog: Program, sched: Schedule) -> Schedule:
+    """``sched`` with every donated input stored in the layout its paired output is left in
+    (:func:`donated_pairs`); ``sched`` itself when they already agree."""
+    pairs = donated_pairs(prog)
+    if not pairs:
+        return sched
+    producers = {prog.producer[out.name].name for _, out in pairs}
+    steps = dataflow(prog, sched, only=producers)
+    made = dict(zip((r.value.name for st in steps for r in st.op.results),
+                    (s for st in steps for s in st.out_specs)))  # fmt: skip
+    moved = {inp.name: made[out.name] for inp, out in pairs
+             if made[out.name] != input_spec(prog, sched, inp)}  # fmt: skip
+    if not moved:
+        return sched
+    return Schedule(prog, sched.mesh, sched.assign, {**sched.stored, **moved})
