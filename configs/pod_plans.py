@@ -14,5 +14,6 @@ def get_config() -> ml_collections.ConfigDict:
         "v6e:16x16@data:4,fsdp:16,tensor:4;v5p:16x16x16@data:16,fsdp:16,tensor:16"
     )
     c.strategies = "searched,data_parallel,fsdp,fsdp_tensor"
+    c.remat_fallback = True  # where nothing fits: the model again, layers under jax.checkpoint
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
     return c

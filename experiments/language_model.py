@@ -19,6 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def _layer(body: Callable, remat: bool) -> Callable:
+    """The scanned layer ``body``, under ``jax.checkpoint`` when ``remat`` (``prevent_cse=False``:
+    inside a scan the loop already keeps XLA from merging the recomputation away)."""
+    import jax
+
+    return jax.checkpoint(body, prevent_cse=False) if remat else body
+
+
 def lm_step(
     batch: int,
     seq: int,
@@ -31,12 +39,14 @@ def lm_step(
     seed=0,
     unroll: int | bool = 1,
     shapes_only: bool = False,
+    remat: bool = False,
 ) -> tuple[Callable, tuple]:
     """``(step, (params, opt_state, tokens, labels))``; ``step`` returns the new parameters,
     optimizer state and the loss. Parameters are an ``nnx.State`` pytree. ``unroll`` goes to
     ``jax.lax.scan`` (``True``: the compiled program has no loop, the same ops and names
     otherwise). ``shapes_only``: the arguments as ``jax.ShapeDtypeStruct``s (nothing is
-    allocated)."""
+    allocated). ``remat``: each scanned layer under ``jax.checkpoint`` (the backward pass
+    recomputes a layer's activations from its input, as MaxText's ``remat_policy="full"``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -82,7 +92,7 @@ def lm_step(
                 def body(h, layer):
                     return nnx.merge(graph, layer)(h, mask), None
 
-                h, _ = jax.lax.scan(body, h, state, unroll=unroll)
+                h, _ = jax.lax.scan(_layer(body, remat), h, state, unroll=unroll)
             else:
                 for block in self.blocks:
                     h = block(h, mask)
@@ -125,6 +135,7 @@ def llama_step(
     shapes_only: bool = False,
     seed: int = 0,
     unroll: int | bool = 1,
+    remat: bool = False,
 ) -> tuple[Callable, tuple]:
     """A Llama-like training step: ``(step, (params, opt_state, tokens, labels))``.
 
@@ -135,7 +146,7 @@ def llama_step(
     parameters and gradients (fp32 moments), cast back after the update, as mixed-precision
     training does. ``shapes_only``: the arguments as ``jax.ShapeDtypeStruct``s (nothing is
     allocated: plan a model of billions of parameters from its shapes). ``unroll`` goes to
-    ``jax.lax.scan``.
+    ``jax.lax.scan``; ``remat`` puts each layer under ``jax.checkpoint``, as :func:`lm_step`.
 
     Example:
         >>> step, args = llama_step(8, 16, 32, 4, 2, 64, 96, rng=np.random.default_rng(0))
@@ -201,7 +212,7 @@ def llama_step(
             def body(h, layer):
                 return nnx.merge(graph, layer)(h), None
 
-            h, _ = jax.lax.scan(body, self.embed(tokens), state, unroll=unroll)
+            h, _ = jax.lax.scan(_layer(body, remat), self.embed(tokens), state, unroll=unroll)
             return self.unembed(self.norm(h)).astype(jnp.float32)
 
     make = lambda: nnx.split(Llama(nnx.Rngs(seed)), nnx.Param, ...)  # noqa: E731

@@ -21,6 +21,10 @@ topology (``planner.topology_mesh``) and read:
   gradients and optimizer updates of stacked layers grow linearly with ``L``). A plan whose
   layouts split the layer dimension cannot be carried to 1 and 2 layers: its estimate is n/a.
 
+Where no plan of a model fits a topology and ``config.remat_fallback``, the same model with
+every layer under ``jax.checkpoint`` (``<model>+remat``, as MaxText's ``remat_policy="full"``) is
+measured there too, with every strategy.
+
 Rows are appended to ``results.jsonl`` as they are measured, and a rerun measures only the
 missing (model, topology, strategy) rows. Each searched plan is kept in ``plans/`` (``plan.save``
 JSON, to load onto the pod with ``planner.load``, and its ``explain()``). ``summary.json`` states per model x topology whether
@@ -61,19 +65,32 @@ MODELS = {
 AdamW; ``llama_step``); layers scanned."""
 
 
+REMAT = "+remat"
+"""A model name ending so (``llama_1b+remat``): its layers under ``jax.checkpoint``. Measured
+when ``config.remat_fallback`` and no plan of the model itself fits."""
+
+
+def model_config(model: str) -> tuple[str, dict, bool]:
+    """``(builder, keyword arguments, remat)`` of ``model`` (a name of ``MODELS``, with
+    ``REMAT`` or not)."""
+    name = model.removesuffix(REMAT)
+    if name not in MODELS:
+        raise ValueError(f"model {model!r} is not one of {sorted(MODELS)} (optionally +remat)")
+    kind, kw = MODELS[name]
+    return kind, kw, model.endswith(REMAT)
+
+
 def build(model: str, layers: int | None = None, unroll: int | bool = 1):
     """``(step, args)`` of ``model`` from shapes only, optionally with another depth."""
     from experiments.language_model import llama_step, lm_step
 
-    if model not in MODELS:
-        raise ValueError(f"model {model!r} is not one of {sorted(MODELS)}")
-    kind, kw = MODELS[model]
+    kind, kw, remat = model_config(model)
     kw = {**kw, **({"layers": layers} if layers is not None else {})}
     if kind == "lm":
         b, s, d, h, n, v = (kw[k] for k in ("batch", "seq", "d", "heads", "layers", "vocab"))
-        return lm_step(b, s, d, h, n, v, True, shapes_only=True, unroll=unroll)
+        return lm_step(b, s, d, h, n, v, True, shapes_only=True, unroll=unroll, remat=remat)
     b, s, d, h, n, v, f = (kw[k] for k in ("batch", "seq", "d", "heads", "layers", "vocab", "ffn"))
-    return llama_step(b, s, d, h, n, v, f, shapes_only=True, unroll=unroll)
+    return llama_step(b, s, d, h, n, v, f, shapes_only=True, unroll=unroll, remat=remat)
 
 
 def parameters(args) -> int:
@@ -160,7 +177,7 @@ def measure(
     if not todo:
         return
     step, args = build(model)
-    layers = MODELS[model][1]["layers"]
+    layers = model_config(model)[1]["layers"]
     mesh = planner.topology_mesh(topology, axes)
     cal = default_calibration(mesh)
     base = {"model": model, "parameters": parameters(args), "topology": topology,
@@ -356,13 +373,21 @@ def run(config, workdir: str) -> dict:
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     done = {(r["model"], r["topology"], r["strategy"]) for r in rows}
     strategies = [s for s in config.strategies.split(",") if s]
+
+    def measure_and_keep(model: str, topology: str, axes: dict) -> None:
+        for row in measure(model, topology, axes, strategies, done, config, workdir):
+            rows.append(row)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     for model in [m for m in config.models.split(",") if m]:
         for text in [t for t in config.topologies.split(";") if t]:
             topology, axes = parse_topology(text)
-            for row in measure(model, topology, axes, strategies, done, config, workdir):
-                rows.append(row)
-                with open(path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            measure_and_keep(model, topology, axes)
+            searched = [r for r in rows if (r["model"], r["topology"], r["strategy"])
+                        == (model, topology, "searched")]  # fmt: skip
+            if config.get("remat_fallback") and searched and not searched[0].get("fits"):
+                measure_and_keep(model + REMAT, topology, axes)  # the layers recomputed
     summary = summarize(rows)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

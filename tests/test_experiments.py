@@ -220,3 +220,39 @@ def test_per_layer_estimate_extrapolates_to_a_deeper_model():
     whole = compiled.cost_analysis()["optimal_seconds"]
     estimate = pod_plans._layer_optimal(plan, "lm_tiny", 3, mesh, plan.calibration)
     assert estimate is not None and 0.9 <= estimate / whole <= 1.1
+
+
+def test_pod_plans_measures_the_model_with_remat_where_nothing_fits(tmp_path, monkeypatch):
+    """``+remat`` builds the model with its scanned layers under ``jax.checkpoint``; where the
+    searched plan does not fit, ``remat_fallback`` measures that model on the topology too."""
+    import jax
+
+    from configs import pod_plans_smoke
+    from experiments import pod_plans
+
+    def forward_outputs(model):  # the forward scan's carry and the residuals it stacks
+        step, args = pod_plans.build(model)
+        jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+        return len(next(e for e in jaxpr.eqns if e.primitive.name == "scan").outvars)
+
+    assert forward_outputs("lm_tiny+remat") < forward_outputs("lm_tiny") // 4
+    with pytest.raises(ValueError, match="optionally \\+remat"):
+        pod_plans.build("lm_huge")
+
+    asked = []
+
+    def measure(model, topology, axes, strategies, done, config, workdir):
+        asked.append(model)
+        yield {"model": model, "topology": topology, "strategy": "searched", "search_s": 1.0,
+               "fits": model.endswith("+remat"), "parameters": 1, "mesh": "", "devices": 4}  # fmt: skip
+
+    monkeypatch.setattr(pod_plans, "measure", measure)
+    monkeypatch.setattr(pod_plans, "figure", lambda rows, path: None)
+    config = pod_plans_smoke.get_config()
+    summary = pod_plans.run(config, str(tmp_path))
+    assert asked == ["lm_tiny", "lm_tiny+remat"]
+    assert summary["lm_tiny+remat @ v5p:2x2x1"]["searched_fits"]
+    config.remat_fallback = False
+    asked.clear()
+    pod_plans.run(config, str(tmp_path / "off"))
+    assert asked == ["lm_tiny"]
