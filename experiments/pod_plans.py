@@ -15,7 +15,8 @@ topology (``planner.topology_mesh``) and read:
   fits HBM (the compiler refuses a program that does not), against the planner's prediction;
 - time: the compiled-program estimate, the compiler's ``optimal_seconds`` for the kernels plus
   the HLO's collectives priced by the calibration, each as often as it runs
-  (:mod:`planner.compiled_time`). The compiler counts a loop's body once in ``optimal_seconds``,
+  (:mod:`planner.compiled_time`; where libtpu's ``optimal_seconds`` is not positive, as it is
+  on v6e, the calibration's roofline of the compiler's flops and bytes). The compiler counts a loop's body once in ``optimal_seconds``,
   so the kernels' time of an ``L``-layer scanned model is taken from the same plan compiled with
   1 and 2 layers, unrolled: ``t1 + (L - 1) (t2 - t1)`` (every layer costs the same; parameters,
   gradients and optimizer updates of stacked layers grow linearly with ``L``). A plan whose
@@ -123,7 +124,8 @@ def _compiled(plan, cal, n: int) -> dict:
     if compiled is not None:
         ct = compiled_time(compiled, cal, n)
         row.update(compiled_optimal_s=ct.optimal_seconds, compiled_collective_s=ct.collective_s,
-                   compiled_flops=ct.flops, collectives=ct.collectives)  # fmt: skip
+                   compiled_flops=ct.flops, collectives=ct.collectives,
+                   kernel_source=ct.kernel_source)  # fmt: skip
     return row
 
 
@@ -137,6 +139,7 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
     from planner.auto import AutoPlan
     from planner.calls import Signature
     from planner.compiled import input_structs
+    from planner.compiled_time import compiled_time
     from planner.schedule import Schedule
 
     times = []
@@ -156,10 +159,7 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
         except Exception as e:  # noqa: BLE001  (layouts that do not carry: reported as n/a)
             logging.warning("%s at %d layers: %s", model, depth, str(e)[:200])
             return None
-        cost = compiled.cost_analysis()
-        times.append(
-            float((cost[0] if isinstance(cost, (list, tuple)) else cost)["optimal_seconds"])
-        )
+        times.append(compiled_time(compiled, cal).optimal_seconds)
     return times[0] + (layers - 1) * (times[1] - times[0])
 
 
@@ -298,7 +298,9 @@ def report(rows: list[dict], summary: dict) -> str:
         "Each plan compiled by the TPU compiler for its topology on a 2-core CPU host. Memory: "
         "the compiled total per device (arguments + outputs + temporaries - aliased) and the "
         "planner's prediction. Estimate: the compiled program's kernels (optimal_seconds, per "
-        "layer from 1- and 2-layer compiles) plus its collectives priced by the calibration.",
+        "layer from 1- and 2-layer compiles; where libtpu's optimal_seconds is not positive, as "
+        "on v6e, the calibration's roofline of the compiler's flops and bytes) plus its "
+        "collectives priced by the calibration.",
         "",
         "| model | params | topology | mesh | strategy | fits | compiled GB/dev | predicted GB/dev "
         "| mem ratio | estimate ms | predicted ms | time ratio | vs best expert | search s |",

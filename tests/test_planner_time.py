@@ -112,3 +112,14 @@ def test_a_collective_in_a_scan_counts_once_per_trip():
     t = compiled_time(compiled, CAL, 4)
     assert t.collectives == sum(c.runs for c in counted) and t.collective_s > 0
     assert t.seconds == t.optimal_seconds + t.collective_s
+    assert t.kernel_source == "compiler"
+
+
+def test_kernels_priced_by_the_roofline_where_the_compilers_estimate_is_not_positive():
+    from planner.compiled_time import kernel_seconds
+
+    cost = {"optimal_seconds": 2e-3, "flops": 4e12, "bytes accessed": 1e9}
+    assert kernel_seconds(cost, CAL) == (2e-3, "compiler")
+    seconds, source = kernel_seconds({**cost, "optimal_seconds": -20.0}, CAL)
+    assert source == "roofline" and seconds == CAL.compute_time(4e12, 1e9) > 0
+    assert kernel_seconds({}, CAL) == (0.0, "roofline")
