@@ -249,8 +249,7 @@ class _Builder:
                 op = discovery.discover(name, eqn, ins, outs)
             if op is None:
                 op = _replicated(name, eqn, ins, outs)
-        return Op(op.name, op.primitive, op.loops, op.operands, op.results, op.reductions, op.how,
-                  eqn, trips, self.where)  # fmt: skip
+        return dataclasses.replace(op, eqn=eqn, trips=trips, source=self.where)
 
 
 def _replicated(name, eqn, ins, outs) -> Op:

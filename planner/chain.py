@@ -144,7 +144,7 @@ def structure(prog: Program) -> tuple:
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
-         tuple((vid(r.value), r.dims, r.halo) for r in o.results), fused.key(o))
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results), fused.key(o), o.windows)
         for o in prog.ops
     )  # fmt: skip
     return ins, ops, tuple(vid(v) for v in prog.outputs)

@@ -21,6 +21,8 @@ import re
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import numpy as np
 
+from planner.halo import Window
+
 Dims = tuple[tuple[str, ...], ...]
 
 DENSE = frozenset({"dot_general", "conv_general_dilated"})  # ops costing 2 flops per loop point
@@ -99,6 +101,8 @@ class Op:
             scan body: an identity that moves values in or out, see :class:`Region`).
         eqn: the jaxpr equation, for execution.
         trips: how often the op runs per call (the product of the enclosing scans' lengths).
+        windows: the spatial dimensions of a convolution a split of their owner loop splits
+            with a halo (:mod:`planner.halo`).
         source: where the user's code made it, ``(file, line, library)``: the innermost frame
             of the equation's traceback outside JAX and installed packages; ``library`` names
             the package (e.g. ``"optax"``) whose code the user's line called, or is ``None``.
@@ -115,6 +119,7 @@ class Op:
     eqn: object = dataclasses.field(default=None, compare=False, repr=False)
     trips: int = 1
     source: tuple[str, int, str | None] | None = dataclasses.field(default=None, compare=False)
+    windows: tuple[Window, ...] = ()
 
     @property
     def loop(self) -> dict[str, Loop]:
@@ -133,7 +138,8 @@ class Op:
             return a.value.shape, a.value.dtype, a.dims, a.halo
 
         return (self.primitive, self.how, self.loops, self.reductions,
-                tuple(map(access, self.operands)), tuple(map(access, self.results)))  # fmt: skip
+                tuple(map(access, self.operands)), tuple(map(access, self.results)),
+                self.windows)  # fmt: skip
 
     @property
     def flops(self) -> int:

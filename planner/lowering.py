@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 
 import jax
@@ -38,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import redist
 from planner.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
+from planner.halo import split
 from planner.ir import Op, Program, Region
 from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
@@ -250,7 +252,7 @@ class Lowered:
             args.append(env[acc.value.name] if mv is None else self._move(env[acc.value.name], mv))
         if op.how == "region":  # a boundary op: the value passes into or out of a region
             outs = args
-        elif self.xla or not step.partitioned:
+        elif not step.partitioned or (self.xla and not _spatially_split(step)):
             outs = _bind(op, *args)
         else:
             local_out = [
@@ -333,6 +335,8 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
         if key in params:
             params[key] = None
     args = list(args)
+    if local_out is not None and op.windows:
+        _with_halos(op, args, params, step)
     if pending and op.primitive in SCATTER_ADD:  # the operand is added once, not once per part
         args[0] = jnp.where(_first_device(pending), args[0], jnp.zeros_like(args[0]))
     it = iter(args)
@@ -348,6 +352,62 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
             else:
                 outs[k] = _combine(x, step.combine, pending)
     return tuple(outs)
+
+
+def _spatially_split(step: OpStep) -> bool:
+    """Whether ``step`` splits a window of its op: such an op runs on local tiles with the halo
+    exchange of :func:`_with_halos` under every backend (XLA's SPMD partitioner, as of jaxlib
+    0.10, computes a kernel's gradient wrongly when its input and the output gradient are both
+    split along a spatial dimension)."""
+    return any(step.in_specs[0][w.dim] for w in step.op.windows)
+
+
+def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
+    """``ppermute`` pairs sending each tile of a dimension split over ``axes`` (major first) to
+    the tile ``shift`` further on. ``ppermute`` numbers the devices of several axes in the
+    mesh's axis order, whatever order ``axes`` come in, so the pairs are written in that one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    size = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    in_mesh_order = [a for a in mesh.axis_names if a in axes]
+    coords = list(itertools.product(*(range(size[a]) for a in axes)))  # in tile order
+
+    def device(c: tuple[int, ...]) -> int:
+        at = dict(zip(axes, c))
+        index = 0
+        for a in in_mesh_order:
+            index = index * size[a] + at[a]
+        return index
+
+    return [(device(coords[t]), device(coords[t + shift]))
+            for t in range(len(coords)) if 0 <= t + shift < len(coords)]  # fmt: skip
+
+
+def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> None:
+    """A convolution on local tiles: each split spatial dimension of its input extended by the
+    halo its neighbours send (``ppermute``; zeros at the ends, the zero padding) and padded as
+    :func:`planner.halo.split` says; a grouped one's group count is that of the local tile."""
+    padding = list(params["padding"])
+    for k, w in enumerate(op.windows):
+        x, tile = args[0], args[0].shape[w.dim]
+        parts = w.size // tile
+        if parts == 1:
+            continue
+        cut = split(w, parts)
+        axes = step.in_specs[0][w.dim]
+        pieces = [x]
+        if cut.left:
+            border = lax.slice_in_dim(x, tile - cut.left, tile, axis=w.dim)
+            pieces.insert(0, lax.ppermute(border, axes, _to_neighbour(axes, +1)))
+        if cut.right:
+            border = lax.slice_in_dim(x, 0, cut.right, axis=w.dim)
+            pieces.append(lax.ppermute(border, axes, _to_neighbour(axes, -1)))
+        args[0] = jnp.concatenate(pieces, axis=w.dim)
+        padding[k] = cut.pad
+    params["padding"] = tuple(padding)
+    if params.get("feature_group_count", 1) > 1:
+        dn = params["dimension_numbers"]
+        per_group = args[1].shape[dn.rhs_spec[1]]
+        params["feature_group_count"] = args[0].shape[dn.lhs_spec[1]] // per_group
 
 
 def lower(prog: Program, sched: Schedule, mesh, backend: str = "explicit", moves: str = "auto",

@@ -20,8 +20,8 @@
 |                                 | a sum, the operand added once)         |                                  |
 | iota                            | one per result dim (counted one: not)  |                                  |
 | random ops, PRNG key values     | whole (a split would draw other bits)  | read whole                       |
-| conv_general_dilated            | n, o (features), i (in features, sum), | spatial with halo (kernel - 1),  |
-|                                 | spatial s* (not partitionable yet)     |                                  |
+| conv_general_dilated            | n, g (groups), o (features), i (in     | the input's spatial dims split   |
+|                                 | features, sum), spatial s*, windows w* | by s* (or w*) with a halo        |
 
 A rule returns ``None`` when it does not apply; the analysis then tries generic discovery.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from planner.halo import Window
 from planner.ir import Access, Loop, Op, Value
 
 ELEMENTWISE = frozenset(
@@ -428,36 +429,58 @@ def read_whole(name, eqn, ins, outs):
 
 
 def conv_general_dilated(name, eqn, ins, outs):
+    """Batch ``n``, output features ``o``, input features ``i`` (a sum), and per spatial dimension
+    an output loop ``s*`` and a window loop ``w*`` (a sum). The larger of the two owns the input's
+    spatial dimension: split, it splits the input with a halo (:mod:`planner.halo`); the other
+    stays whole. Grouped convolutions (``feature_group_count`` ``G > 1``, depthwise ones too) add
+    a group loop ``g``, major in the input's and output's features."""
     p = eqn.params
-    if p.get("feature_group_count", 1) != 1 or p.get("batch_group_count", 1) != 1:
+    if p.get("batch_group_count", 1) != 1:
         return None
+    groups = p.get("feature_group_count", 1)
     lhs, rhs = ins
     out = outs[0]
     dn = p["dimension_numbers"]
     lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     nsp = len(lspec) - 2
-    loops = [Loop("n", lhs.shape[lspec[0]]), Loop("o", rhs.shape[rspec[0]])]
-    loops += [Loop(f"s{k}", out.shape[ospec[2 + k]], False) for k in range(nsp)]
-    loops += [Loop("i", lhs.shape[lspec[1]])]
-    loops += [Loop(f"w{k}", rhs.shape[rspec[2 + k]], False) for k in range(nsp)]
+    feats = ("g",) if groups > 1 else ()
+    loops = [Loop("n", lhs.shape[lspec[0]]), *(Loop("g", groups) for _ in feats),
+             Loop("o", rhs.shape[rspec[0]] // groups)]  # fmt: skip
+    windows, spatial = [], []
+    for k in range(nsp):
+        size, o_ext, w_ext = (
+            lhs.shape[lspec[2 + k]],
+            out.shape[ospec[2 + k]],
+            rhs.shape[rspec[2 + k]],
+        )
+        by_output = o_ext >= w_ext
+        spatial += [Loop(f"s{k}", o_ext, by_output), Loop(f"w{k}", w_ext, not by_output)]
+        windows.append(Window(
+            lspec[2 + k], f"s{k}" if by_output else f"w{k}", by_output, size, o_ext, w_ext,
+            p["window_strides"][k], p["lhs_dilation"][k], p["rhs_dilation"][k],
+            tuple(p["padding"][k]),
+        ))  # fmt: skip
+    loops += [lp for lp in spatial if lp.name.startswith("s")]
+    loops += [Loop("i", rhs.shape[rspec[1]])]
+    loops += [lp for lp in spatial if lp.name.startswith("w")]
     ldims: list = [()] * len(lhs.shape)
     rdims: list = [()] * len(rhs.shape)
     odims: list = [()] * len(out.shape)
-    ldims[lspec[0]], ldims[lspec[1]] = ("n",), ("i",)
-    rdims[rspec[0]], rdims[rspec[1]] = ("o",), ("i",)
-    odims[ospec[0]], odims[ospec[1]] = ("n",), ("o",)
+    ldims[lspec[0]], ldims[lspec[1]] = ("n",), (*feats, "i")
+    rdims[rspec[0]], rdims[rspec[1]] = (*feats, "o"), ("i",)
+    odims[ospec[0]], odims[ospec[1]] = ("n",), (*feats, "o")
     halo = [(0, 0)] * len(lhs.shape)
-    for k in range(nsp):
-        ldims[lspec[2 + k]] = (f"s{k}",)
+    for k, w in enumerate(windows):
+        ldims[w.dim] = (w.owner,)
         rdims[rspec[2 + k]] = (f"w{k}",)
         odims[ospec[2 + k]] = (f"s{k}",)
-        size = rhs.shape[rspec[2 + k]] - 1
-        halo[lspec[2 + k]] = (size // 2, size - size // 2)
+        reach = (w.window - 1) * w.rhs_dilation if w.by_output else (w.out - 1) * w.stride
+        halo[w.dim] = (reach // 2, reach - reach // 2)
     reds = (("i", "sum"),) + tuple((f"w{k}", "sum") for k in range(nsp))
     return Op(
         name, "conv_general_dilated", tuple(loops),
         (Access(lhs, tuple(ldims), tuple(halo)), _acc(rhs, rdims)), (_acc(out, odims),),
-        reductions=reds,
+        reductions=reds, windows=tuple(windows),
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from planner.halo import split
 from planner.ir import Access, Op, Program
 from planner.rules import COMBINABLE
 from redist.types import MeshShape
@@ -125,6 +126,15 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping) -> dict:
             )
         if axes:
             out[loop] = axes
+    for w in op.windows:
+        parts = math.prod(mesh[a] for a in out.get(w.owner, ()))
+        if split(w, parts) is None:
+            raise ValueError(
+                f"op {op.name!r}, loop {w.owner!r}: its input dimension {w.dim} of size {w.size} "
+                f"cannot be split in {parts} tiles with a halo (the tiles must divide it, line up "
+                f"with the {'output' if w.by_output else 'window'}'s tiles, as 'SAME' padding "
+                "does, and be at least as wide as the halo)"
+            )
     kinds = {kind for lp, kind in op.reductions if out.get(lp)}
     if kinds - COMBINABLE or len(kinds) > 1:
         raise ValueError(

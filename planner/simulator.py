@@ -39,6 +39,7 @@ import redist
 from planner.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
 from planner.costs import fusion, op_bytes, op_flops
 from planner.dataflow import dataflow, input_spec
+from planner.halo import halo_bytes
 from planner.ir import Program, itemsize
 from planner.schedule import Schedule, Spec, local_shape
 from redist.calibration import Calibration, wire_bytes
@@ -170,10 +171,20 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
                 wire += wire_bytes("reduce-scatter", size * n, n)
                 accessed += size * n + size
                 flops += size * n / itemsize(op.results[k_res].value.dtype)
+    extended = 0  # a convolution's input tile with its halo, made before the kernel runs
+    for w in op.windows:
+        axes = sched.axes_of(op, w.owner)
+        borders = halo_bytes(w, math.prod(sizes[a] for a in axes), ins[0])
+        for border in borders:
+            if border:
+                comm_t += cal.collective_time("collective-permute", border, 2, cal.crosses(m, axes))
+                wire += border
+                accessed += 2 * border
+        extended = max(extended, ins[0] + sum(borders) if any(borders) else 0)
     # What the kernel holds while it runs: operands it copies into another order, and a partial
     # result beside its sum (an all-reduce writes a new buffer; a reduce-scatter reads the partial
     # result at its whole size, and where the compiler all-reduces it then slices, writes one).
-    copies = sum(
+    copies = extended + sum(
         _bytes(a.value.shape, sp, sizes, a.value.dtype)
         for a, sp in zip(op.operands, st.in_specs)
         if a in kernel_copies(op, cal.backend)

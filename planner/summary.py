@@ -39,6 +39,7 @@ import jax
 import redist
 from planner import baselines
 from planner.dataflow import dataflow, input_spec, output_specs
+from planner.halo import halo_bytes, split
 from planner.ir import Op, Program, is_key, itemsize
 from planner.schedule import Schedule, Spec, local_shape, make_schedule
 from planner.simulator import Prediction, simulate, step_costs
@@ -52,8 +53,8 @@ OPTIMIZER_KEYS = ("opt_state", "optimizer")
 _FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}
 _ROLE = {  # loop name prefixes of products and convolutions -> words
     "dot_general": {"b": "batched dim", "m": "rows", "n": "columns", "k": "contraction"},
-    "conv_general_dilated": {"n": "batch", "o": "out features", "i": "in features",
-                             "s": "spatial"},
+    "conv_general_dilated": {"n": "batch", "g": "groups", "o": "out features",
+                             "i": "in features", "s": "spatial", "w": "window"},
 }  # fmt: skip
 
 
@@ -318,6 +319,9 @@ def _loop_words(op: Op, loop, batch: set[str]) -> str:
     if loop.name in batch:
         return "batch"
     roles = _ROLE.get(op.primitive)
+    spatial = {"s0": "rows", "s1": "columns", "w0": "window rows", "w1": "window columns"}
+    if op.windows and loop.name in spatial:
+        return spatial[loop.name]
     if roles and loop.name[:1] in roles:
         return roles[loop.name[:1]]
     for acc in op.results:
@@ -338,10 +342,14 @@ def _operation(op: Op) -> str:
 
 def _how_split(op: Op, step, sched: Schedule, mesh: MeshShape, batch: set[str]) -> str:
     parts = []
+    halos = {w.owner: w for w in op.windows}
     for lp in op.loops:
         axes = sched.axes_of(op, lp.name)
         if axes:
-            parts.append(f"{_loop_words(op, lp, batch)} {lp.extent} over {split_words(axes, mesh)}")
+            text = f"{_loop_words(op, lp, batch)} {lp.extent} over {split_words(axes, mesh)}"
+            if lp.name in halos:
+                text += _halo_words(halos[lp.name], math.prod(mesh.factor_size[a] for a in axes))
+            parts.append(text)
     if not parts:
         return "whole on every device"
     text = ", ".join(parts)
@@ -349,6 +357,17 @@ def _how_split(op: Op, step, sched: Schedule, mesh: MeshShape, batch: set[str]) 
         how = "reduce-scattered" if any(s is not None for s in step.scatter) else "all-reduced"
         text += f"; partial {step.combine}s {how}"
     return text
+
+
+def _halo_words(w, parts: int) -> str:
+    """`` with a halo of 1`` (elements of the input from each neighbour), or of ``L`` before and
+    ``R`` after; nothing where the windows need none."""
+    cut = split(w, parts)
+    if cut is None or not (cut.left or cut.right):
+        return ""
+    if cut.left == cut.right:
+        return f" with a halo of {cut.left}"
+    return f" with a halo of {cut.left} before, {cut.right} after"
 
 
 def _why_whole(op: Op, mesh: MeshShape) -> str:
@@ -387,6 +406,15 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
             plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
             for kind, seconds, sent in step_costs(plan, cal):
                 add(kind, seconds, sent, op.trips)
+        for w in op.windows:  # halos, from each neighbour
+            axes = sched.axes_of(op, w.owner)
+            a = op.operands[0].value
+            tile = math.prod(local_shape(a.shape, st.in_specs[0], sched.mesh)) * itemsize(a.dtype)
+            for border in halo_bytes(w, math.prod(sched.mesh[x] for x in axes), tile):
+                if border:
+                    seconds = cal.collective_time("collective-permute", border, 2,
+                                                  cal.crosses(m, axes))  # fmt: skip
+                    add("collective-permute", seconds, border, op.trips)
         if st.pending:
             n = math.prod(sched.mesh[a] for a in st.pending)
             crosses = cal.crosses(m, st.pending)

@@ -125,7 +125,9 @@ def test_conv_batch_features_and_halo():
     assert c.loop["n"].extent == 2 and c.loop["o"].extent == 4 and c.loop["i"].extent == 3
     assert ("i", "sum") in c.reductions
     assert c.operands[0].halo[2:] == ((1, 1), (1, 1))
-    assert not c.loop["s0"].partitionable
+    # the output rows own the input's rows (split with a halo); the 3-wide window stays whole
+    assert c.loop["s0"].partitionable and not c.loop["w0"].partitionable
+    assert [w.owner for w in c.windows] == ["s0", "s1"] and c.windows[0].dim == 2
 
 
 def test_nested_jaxprs_are_inlined():
