@@ -55,6 +55,9 @@ def schedule_for(strategy: str, prog, mesh, axes, limit: int | None = None):
         "data": lambda: baselines.data_parallel(prog, axes),
         "megatron": lambda: baselines.megatron(prog, axes),
         "data_x_model": lambda: baselines.data_and_model(prog, axes[:1], axes[1:]),
+        "batch_x_channels": lambda: baselines.batch_and_channels(
+            prog, axes[:1], axes[1:], dict(mesh.shape)
+        ),
     }[strategy]()
     default = "replicate" if strategy == "replicated" else "propagate"
     return prog.schedule(assign, mesh, default=default), 0.0, "explicit"

@@ -12,6 +12,8 @@
 | attention   | batch x seq x heads x head_dim          | multi-head attention forward                |
 | lm, lm_scan | batch x seq x d x heads x layers x vocab| flax nnx decoder LM training step (adamw,  |
 |             |                                         | integer labels); lm_scan: layers scanned    |
+| convnet     | batch x image size x channels x layers  | 3x3 "SAME" ReLU convolutions on NHWC images |
+|             |                                         | training step (grad + SGD)                  |
 
 Example:
     >>> fn, args = workload("mlp", [64, 16, 2], np.random.default_rng(0))   # doctest: +SKIP
@@ -31,8 +33,15 @@ def parse_workload(text: str) -> tuple[str, str, list[int]]:
     return name, kind, [int(n) for n in sizes.split("x")]
 
 
-_SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4, "lm": 6, "lm_scan": 6}
-_LAYERS_AT = {"mlp": 2, "transformer": 4, "lm": 4, "lm_scan": 4}  # where the depth goes
+_SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4, "lm": 6, "lm_scan": 6,
+          "convnet": 4}  # fmt: skip
+_LAYERS_AT = {
+    "mlp": 2,
+    "transformer": 4,
+    "lm": 4,
+    "lm_scan": 4,
+    "convnet": 3,
+}  # where the depth goes
 
 
 def with_depth(kind: str, sizes: list[int], depth: int) -> list[int]:
@@ -154,6 +163,17 @@ def workload(kind: str, sizes: list[int], rng):
         from experiments.language_model import lm_step
 
         return lm_step(*sizes, scan=kind == "lm_scan", rng=rng)
+    if kind == "convnet":
+        b, size, c, layers = sizes
+        kernels = [r(3 * 3 * c, c).reshape(3, 3, c, c) for _ in range(layers)]
+
+        def loss(ks, x, y):
+            for k in ks:
+                x = jax.nn.relu(jax.lax.conv_general_dilated(
+                    x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))  # fmt: skip
+            return jnp.mean((x - y) ** 2)
+
+        return _sgd(loss), (kernels, r(b, size, size, c), r(b, size, size, c))
     if kind == "matmul":
         m, k, n = sizes
         return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))

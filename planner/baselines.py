@@ -69,6 +69,28 @@ def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
     return {dense[0].name: {_batch_loop(dense[0]): tuple(axes)}}
 
 
+def batch_and_channels(
+    prog: Program, batch_axes: Sequence[str], channel_axes: Sequence[str], sizes: dict[str, int]
+) -> dict:
+    """What one splits a convolutional network by without spatial partitioning: every
+    convolution's batch over ``batch_axes`` and its output channels over ``channel_axes`` (a
+    kernel's gradient, whose batch is its reduction ``i``, splits that and its output channels),
+    the other ops following. Loops whose extents the axes (of ``sizes``) do not divide stay whole.
+
+    Example:
+        >>> prog.schedule(batch_and_channels(prog, ("a",), ("b", "c"), sizes), sizes)  # doctest: +SKIP
+    """
+    convs = [o for o in prog.ops if o.primitive == "conv_general_dilated"]
+    if not convs:
+        raise ValueError("batch_and_channels needs a convolution in the program")
+    out = {}
+    for o in convs:
+        by_window = any(not w.by_output for w in o.windows)
+        wanted = {"i" if by_window else "n": tuple(batch_axes), "o": tuple(channel_axes)}
+        out[o.name] = _valid(o, {lp: axes for lp, axes in wanted.items() if axes}, sizes)
+    return out
+
+
 VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reduce_precision"})
 """Ops whose result is their operand relabelled (dims permuted, elements cast): a weight read
 through them (``embedding.T``, a cast to bfloat16) is still the weight."""

@@ -41,7 +41,7 @@ from planner.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
 from planner.halo import split
 from planner.ir import Op, Program, Region
-from planner.rules import OPERAND_SIZE_PARAMS, SCATTER_ADD
+from planner.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
 from planner.xla_moves import MoveChoice, choose
 from redist.calibration import Calibration
@@ -383,10 +383,12 @@ def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
 
 
 def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> None:
-    """A convolution on local tiles: each split spatial dimension of its input extended by the
-    halo its neighbours send (``ppermute``; zeros at the ends, the zero padding) and padded as
-    :func:`planner.halo.split` says; a grouped one's group count is that of the local tile."""
+    """A convolution or pooling on local tiles: each split spatial dimension of its input
+    extended by the halo its neighbours send (``ppermute``; at the ends, the padding value: 0,
+    or a max-pool's -inf) and padded as :func:`planner.halo.split` says; a grouped convolution's
+    group count is that of the local tile."""
     padding = list(params["padding"])
+    fill = POOLS.get(op.primitive, 0.0)
     for k, w in enumerate(op.windows):
         x, tile = args[0], args[0].shape[w.dim]
         parts = w.size // tile
@@ -397,17 +399,26 @@ def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> None:
         pieces = [x]
         if cut.left:
             border = lax.slice_in_dim(x, tile - cut.left, tile, axis=w.dim)
-            pieces.insert(0, lax.ppermute(border, axes, _to_neighbour(axes, +1)))
+            border = lax.ppermute(border, axes, _to_neighbour(axes, +1))
+            pieces.insert(0, _at_the_end(border, axes, 0, fill))
         if cut.right:
             border = lax.slice_in_dim(x, 0, cut.right, axis=w.dim)
-            pieces.append(lax.ppermute(border, axes, _to_neighbour(axes, -1)))
+            border = lax.ppermute(border, axes, _to_neighbour(axes, -1))
+            pieces.append(_at_the_end(border, axes, parts - 1, fill))
         args[0] = jnp.concatenate(pieces, axis=w.dim)
-        padding[k] = cut.pad
+        padding[w.dim if op.primitive in POOLS else k] = cut.pad
     params["padding"] = tuple(padding)
     if params.get("feature_group_count", 1) > 1:
         dn = params["dimension_numbers"]
         per_group = args[1].shape[dn.rhs_spec[1]]
         params["feature_group_count"] = args[0].shape[dn.lhs_spec[1]] // per_group
+
+
+def _at_the_end(border, axes: tuple[str, ...], end: int, fill: float):
+    """``border`` as received, or ``fill`` on the tile at index ``end`` (which no one sends to)."""
+    if fill == 0:
+        return border  # what ppermute leaves there
+    return jnp.where(lax.axis_index(axes) == end, jnp.full_like(border, fill), border)
 
 
 def lower(prog: Program, sched: Schedule, mesh, backend: str = "explicit", moves: str = "auto",

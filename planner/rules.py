@@ -22,6 +22,7 @@
 | random ops, PRNG key values     | whole (a split would draw other bits)  | read whole                       |
 | conv_general_dilated            | n, g (groups), o (features), i (in     | the input's spatial dims split   |
 |                                 | features, sum), spatial s*, windows w* | by s* (or w*) with a halo        |
+| reduce_window_sum/max/min       | one per result dim                     | windowed dims split with a halo  |
 
 A rule returns ``None`` when it does not apply; the analysis then tries generic discovery.
 """
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from planner.halo import Window
 from planner.ir import Access, Loop, Op, Value
@@ -484,6 +487,31 @@ def conv_general_dilated(name, eqn, ins, outs):
     )  # fmt: skip
 
 
+POOLS = {"reduce_window_sum": 0.0, "reduce_window_max": -np.inf, "reduce_window_min": np.inf}
+"""Pooling primitives and the value their windows read past the input's ends (their padding)."""
+
+
+def reduce_window(name, eqn, ins, outs):
+    """Pooling: one loop per output dimension; a windowed one (window, stride, dilation or
+    padding) splits the input with a halo like a convolution's rows (:mod:`planner.halo`)."""
+    p = eqn.params
+    x, out = ins[0], outs[0]
+    loops, dims, halo, windows = [], [], [], []
+    for d, (n_in, n_out) in enumerate(zip(x.shape, out.shape)):
+        loops.append(Loop(f"i{d}", n_out))
+        dims.append((f"i{d}",))
+        w = Window(d, f"i{d}", True, n_in, n_out, p["window_dimensions"][d],
+                   p["window_strides"][d], p["base_dilation"][d], p["window_dilation"][d],
+                   tuple(p["padding"][d]))  # fmt: skip
+        trivial = (w.window, w.stride, w.lhs_dilation, w.pad) == (1, 1, 1, (0, 0))
+        reach = (w.window - 1) * w.rhs_dilation
+        halo.append((reach // 2, reach - reach // 2))
+        if not trivial:
+            windows.append(w)
+    return Op(name, eqn.primitive.name, tuple(loops), (Access(x, tuple(dims), tuple(halo)),),
+              (_acc(out, dims),), windows=tuple(windows))  # fmt: skip
+
+
 def rule_for(primitive: str) -> Rule | None:
     if primitive in ELEMENTWISE:
         return elementwise
@@ -514,4 +542,5 @@ def rule_for(primitive: str) -> Rule | None:
         "concatenate": concatenate,
         "iota": iota,
         "conv_general_dilated": conv_general_dilated,
+        **dict.fromkeys(POOLS, reduce_window),
     }.get(primitive)

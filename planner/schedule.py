@@ -224,6 +224,9 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
         for d in acc.dims:
             for lp in d[1:]:
                 out.pop(lp, None)
+    for w in op.windows:  # spatial splits whose tiles do not line up (planner.halo)
+        if split(w, math.prod(mesh[a] for a in out.get(w.owner, ()))) is None:
+            out.pop(w.owner)
     return out
 
 
