@@ -107,7 +107,7 @@ def run(workdir: str) -> str:
             for name, r in lowered.items()
         ),
     ]
-    text = "\n".join(lines + tpu_sections(workdir)) + "\n"
+    text = "\n".join(lines + tpu_sections(workdir) + spatial_section(workdir)) + "\n"
     with open(os.path.join(workdir, "README.md"), "w") as f:
         f.write(text)
     return text
@@ -148,6 +148,26 @@ def tpu_sections(workdir: str) -> list[str]:
                   f"{s['time_ratio']['geomean']:.2f} (range {s['time_ratio']['min']:.2f}-"
                   f"{s['time_ratio']['max']:.2f}); flops within 10% on {s['flops_within_10pct']} "
                   f"of {s['plans']}, bytes accessed on {s['bytes_within_10pct']}."]  # fmt: skip
+    return lines
+
+
+def spatial_section(workdir: str) -> list[str]:
+    """Markdown on the spatial-partitioning run (``planner_spatial/``, ``python -m
+    experiments.planner_benchmark --config=configs/planner_spatial.py``), read from its rows."""
+    path = os.path.join(workdir, "planner_spatial", "results.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = [json.loads(line) for line in open(path)]
+    lines = ["", "## Spatial partitioning (`planner_spatial/`)", "",
+             "A 3x3 convolutional network's training step on two 256x256 images over 8 simulated "
+             "CPU devices (the batch splits 2 ways): the searched plan (rows split with halos) "
+             "against batch x channels and replication, timed interleaved.", "",
+             "| strategy | measured ms | predicted ms | device MiB |", "|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r.get("measured_s") is None:
+            continue
+        lines.append(f"| {r['strategy']} | {r['measured_s'] * 1e3:.1f} | "
+                     f"{r['predicted_s'] * 1e3:.1f} | {r['device_bytes'] / 2**20:.1f} |")  # fmt: skip
     return lines
 
 
