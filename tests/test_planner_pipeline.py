@@ -81,3 +81,23 @@ def test_gpipe_prices():
     assert gpipe_activation_bytes(1000, 8) == 8000
     with pytest.raises(ValueError, match="microbatches=0"):
         bubble(4, 0)
+
+
+def test_the_grid_finds_a_mix_where_memory_rules_out_every_pure_strategy(tmp_path):
+    """DistIR's grid on a small MLP: with 80 GB, the best configuration is at least as fast as
+    pure data, tensor and pipeline parallelism; with 75 MB per device none of those fits and the
+    best is a mix of data and pipeline parallelism."""
+    from configs import pipeline_search as configs
+    from experiments import pipeline_search
+
+    config = configs.get_config()
+    config.models = "tiny=16x512x32768"
+    roomy = pipeline_search.run(config, str(tmp_path))["tiny"]
+    for kind in ("data", "tensor", "pipeline"):
+        assert roomy[kind] is not None and roomy[f"best_over_{kind}"] >= 1.0
+    config.memory_gb = 0.075
+    tight = pipeline_search.run(config, str(tmp_path))["tiny"]
+    assert tight["data"] is tight["tensor"] is tight["pipeline"] is None
+    best = tight["best"]
+    assert best["fits"] and sum(best[k] > 1 for k in ("D", "T", "P")) >= 2
+    assert "| best found |" in (tmp_path / "report.md").read_text()
