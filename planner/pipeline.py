@@ -1,0 +1,131 @@
+"""Pipeline parallelism for a stack of layers run with ``lax.scan``: GPipe, in SPMD.
+
+The layers are cut into ``P`` stages of consecutive layers, stage ``s`` held by the devices at
+position ``s`` of a mesh axis (its stacked weights split over that axis along the layer
+dimension, as MaxText's pipeline does), and the batch into ``K`` microbatches. At tick ``t``
+every stage runs its layers on the microbatch in front of it (stage ``s`` on microbatch
+``t - s``) and hands the result to the next stage with ``ppermute``; after ``K + P - 1`` ticks the
+last stage has every microbatch's output. The gradient is the same schedule run backwards
+(``jax.grad`` of it: the transpose of a ``ppermute`` sends back), so a training step under
+``jax.grad`` is GPipe: all forward ticks, then all backward ones, the bubble being the
+``(P - 1) / (K + P - 1)`` of the ticks where a stage has no microbatch (:func:`bubble`).
+
+Example:
+    >>> def layer(h, w):                       # one layer: carry in, carry out
+    ...     return jnp.tanh(h @ w)
+    >>> run = gpipe(layer, mesh, "stage", microbatches=4)            # doctest: +SKIP
+    >>> out = run(h, ws)     # == lax.scan(lambda h, w: (layer(h, w), None), h, ws)[0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def bubble(stages: int, microbatches: int) -> float:
+    """The fraction of a GPipe step's ticks in which a stage is idle: ``(P - 1) / (K + P - 1)``.
+
+    Example:
+        >>> bubble(4, 12)
+        0.2
+    """
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"stages={stages} and microbatches={microbatches} must be at least 1")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _check(layers: int, batch: int, stages: int, microbatches: int, axis: str) -> None:
+    if layers % stages:
+        raise ValueError(
+            f"{layers} layers do not split into {stages} pipeline stages (mesh axis {axis!r} of "
+            f"size {stages}); use an axis whose size divides {layers}"
+        )
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(
+            f"a batch of {batch} does not split into microbatches={microbatches}; choose a "
+            f"divisor of {batch}"
+        )
+
+
+def gpipe(layer: Callable, mesh, axis: str, microbatches: int) -> Callable:
+    """``run(h, stacked)``: ``lax.scan`` of ``layer(h, one layer's weights) -> h`` over the
+    leading (layer) dimension of every leaf of ``stacked``, as a GPipe pipeline over mesh axis
+    ``axis`` (its size the number of stages) with ``h``'s leading (batch) dimension cut into
+    ``microbatches``. ``h`` and the result are whole on ``axis``; the stacked weights come in
+    split over it along their layer dimension (or are moved so). Other mesh axes stay as the
+    caller's shardings leave them (the pipeline is manual over ``axis`` only).
+
+    Raises:
+        ValueError: the layers do not split into the axis' size of stages, or the batch into
+            ``microbatches``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}")
+    stages = dict(mesh.shape)[axis]
+
+    def run(h, stacked):
+        leaves = jax.tree.leaves(stacked)
+        if not leaves:
+            raise ValueError("stacked has no arrays: nothing to run the layers with")
+        layers, batch = leaves[0].shape[0], h.shape[0]
+        _check(layers, batch, stages, microbatches, axis)
+        per_stage = jax.tree.map(lambda w: w.reshape(stages, layers // stages, *w.shape[1:]),
+                                 stacked)  # fmt: skip
+        chunk = batch // microbatches
+
+        def stage_body(h, ws):
+            ws = jax.tree.map(lambda w: w[0], ws)  # this device's stage
+            s = lax.axis_index(axis)
+            mbs = h.reshape(microbatches, chunk, *h.shape[1:])
+
+            def run_stage(x):
+                return lax.scan(lambda c, w: (layer(c, w), None), x, ws)[0]
+
+            def tick(carry, t):
+                state, outs = carry
+                fresh = lax.dynamic_index_in_dim(mbs, jnp.minimum(t, microbatches - 1), 0, False)
+                out = run_stage(jnp.where(s == 0, fresh, state))
+                k = t - (stages - 1)  # the microbatch leaving the last stage at tick t
+                done = lax.dynamic_update_index_in_dim(outs, out, jnp.clip(k, 0), 0)
+                outs = jnp.where((s == stages - 1) & (k >= 0), done, outs)
+                state = lax.ppermute(out, axis, [(i, i + 1) for i in range(stages - 1)])
+                return (state, outs), None
+
+            zeros = jnp.zeros((chunk, *h.shape[1:]), h.dtype)
+            outs = jnp.zeros_like(mbs)
+            ticks = jnp.arange(microbatches + stages - 1)
+            (_, outs), _ = lax.scan(tick, (zeros, outs), ticks)
+            outs = lax.psum(outs, axis)  # only the last stage's are not zeros
+            return outs.reshape(h.shape)
+
+        specs = jax.tree.map(lambda w: P(axis), per_stage)
+        return jax.shard_map(stage_body, mesh=mesh, in_specs=(P(), specs), out_specs=P(),
+                             axis_names={axis}, check_vma=False)(h, per_stage)  # fmt: skip
+
+    return run
+
+
+def gpipe_seconds(stage_s: float, stages: int, microbatches: int, transfer_s: float = 0.0) -> float:
+    """A GPipe training step's time: ``K + P - 1`` ticks forward and as many backward, each
+    as long as one stage's work on one microbatch plus handing its activation (forward) or the
+    activation's gradient (backward) to the neighbouring stage. ``stage_s``: a stage's forward
+    and backward on one microbatch; ``transfer_s``: one such hand-over.
+
+    Example:
+        >>> gpipe_seconds(stage_s=4e-3, stages=4, microbatches=12, transfer_s=1e-4)  # 15 ticks
+        0.063
+    """
+    ticks = microbatches + stages - 1
+    return ticks * stage_s + (2 * ticks * transfer_s if stages > 1 else 0.0)
+
+
+def gpipe_activation_bytes(microbatch_bytes: int, microbatches: int) -> int:
+    """What a stage keeps for its backward pass under GPipe: the residuals of every microbatch
+    (all forward ticks run before the first backward one). ``microbatch_bytes``: the residuals
+    of the stage's layers for one microbatch."""
+    return microbatch_bytes * microbatches
