@@ -124,8 +124,12 @@ def run(config, workdir: str) -> dict:
     cal = Calibration.named(config.calibration)
     if config.get("memory_gb"):  # another memory per device than the calibration's
         cal = dataclasses.replace(cal, memory_bytes=config.memory_gb * 1e9)
+    if config.get("slice_devices"):  # slices of this many devices, joined by the slower network
+        cal = dataclasses.replace(cal, domain_devices=config.slice_devices)
     micro = [int(k) for k in config.microbatches.split(",")]
-    summary, lines = {}, ["# D x T x P on 16 simulated H100s", ""]
+    where = f"16 simulated {cal.backend} devices ({config.calibration}"
+    where += f", slices of {cal.domain_devices})" if cal.domain_devices < 16 else ")"
+    summary, lines = {}, [f"# D x T x P on {where}", ""]
     all_rows = []
     for text in config.models.split(";"):
         name, _, sizes = text.partition("=")
