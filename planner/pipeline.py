@@ -86,21 +86,18 @@ def gpipe(layer: Callable, mesh, axis: str, microbatches: int) -> Callable:
             def run_stage(x):
                 return lax.scan(lambda c, w: (layer(c, w), None), x, ws)[0]
 
-            def tick(carry, t):
-                state, outs = carry
+            def tick(state, t):
                 fresh = lax.dynamic_index_in_dim(mbs, jnp.minimum(t, microbatches - 1), 0, False)
                 out = run_stage(jnp.where(s == 0, fresh, state))
-                k = t - (stages - 1)  # the microbatch leaving the last stage at tick t
-                done = lax.dynamic_update_index_in_dim(outs, out, jnp.clip(k, 0), 0)
-                outs = jnp.where((s == stages - 1) & (k >= 0), done, outs)
-                state = lax.ppermute(out, axis, [(i, i + 1) for i in range(stages - 1)])
-                return (state, outs), None
+                return lax.ppermute(out, axis, [(i, i + 1) for i in range(stages - 1)]), out
 
             zeros = jnp.zeros((chunk, *h.shape[1:]), h.dtype)
-            outs = jnp.zeros_like(mbs)
-            ticks = jnp.arange(microbatches + stages - 1)
-            (_, outs), _ = lax.scan(tick, (zeros, outs), ticks)
-            outs = lax.psum(outs, axis)  # only the last stage's are not zeros
+            _, outs = lax.scan(tick, zeros, jnp.arange(microbatches + stages - 1))
+            # microbatch k leaves the last stage at tick k + P - 1; only that stage keeps them
+            outs = jnp.where(
+                s == stages - 1, outs[stages - 1 :], jnp.zeros_like(outs[:microbatches])
+            )
+            outs = lax.psum(outs, axis)
             return outs.reshape(h.shape)
 
         specs = jax.tree.map(lambda w: P(axis), per_stage)
