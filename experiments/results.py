@@ -128,6 +128,8 @@ def tpu_sections(workdir: str) -> list[str]:
                   "| model @ topology | searched fits | search s | searched / best expert | "
                   "best expert | predicted / compiled memory |", "|---|---|---|---|---|---|"]  # fmt: skip
         for case, c in summary.items():
+            if c.get("search_s") is None:  # the searched plan not measured (yet)
+                continue
             ratio = c.get("searched_over_best_expert")
             mem = c.get("searched_memory_ratio")
             search = c.get("search_s")
