@@ -16,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import defaultdict, deque
 
 from planner.dataflow import dataflow, input_spec
@@ -55,4 +57,4 @@ def keep_state_layouts(prog: Program, sched: Schedule) -> Schedule:
              if made[out.name] != input_spec(prog, sched, inp)}  # fmt: skip
     if not moved:
         return sched
-    return Schedule(prog, sched.mesh, sched.assign, {**sched.stored, **moved})
+    return dataclasses.replace(sched, program=prog, stored={**sched.stored, **moved})

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,13 @@ from planner.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
 from planner.halo import split
 from planner.ir import Op, Program, Region
+from planner.microbatch import microbatching
+from planner.pipeline import (
+    merge_microbatches,
+    microbatch_buffer,
+    put_microbatch,
+    take_microbatch,
+)
 from planner.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
 from planner.xla_moves import MoveChoice, choose
@@ -77,6 +85,13 @@ class Lowered:
         self.local = backend == "explicit"  # values are tiles inside one shard_map
         self.xla = backend == "xla"  # values are whole arrays with sharding constraints
         self.choices: dict[tuple, MoveChoice] = {}
+        self.stages = {st.region: st for st in sched.stages}
+        if self.stages and backend not in ("explicit", "xla", "xla-inputs"):
+            raise NotImplementedError(
+                f"pipelined scans run under the 'explicit' and 'xla' backends, not {backend!r}"
+            )
+        self.micro: dict[str, tuple[int, ...]] | None = None  # shapes inside a pipelined body
+        self.micro_axes: tuple[str, ...] = ()  # its stage axis' factors
         if self.xla and moves != "xla":
             cal = calibration or Calibration.default()
             for st in self.steps:
@@ -132,6 +147,9 @@ class Lowered:
             if region is None:
                 self._run(self.steps[k], env)
                 k += 1
+            elif region.start in self.stages and self.micro is None:
+                self._run_pipelined(region, env, (*inside, region))
+                k = region.stop
             else:
                 run = {"scan": self._run_scan, "while": self._run_while, "cond": self._run_cond}
                 run.get(region.kind, self._run_call)(region, env, (*inside, region))
@@ -166,6 +184,172 @@ class Lowered:
         final, ys = lax.scan(body, [env[n] for n in carry_in], [env[n] for n in xs_in],
                              length=p["length"], reverse=p["reverse"], unroll=p["unroll"])  # fmt: skip
         env.update(zip(exits, [*final, *ys]))
+
+    def _run_pipelined(self, r: Region, env, inside) -> None:
+        """Run scan ``r`` as a GPipe pipeline (:class:`planner.pipeline.Stages`): stage ``s`` of
+        the stage axis runs layers ``[s L/P, (s+1) L/P)`` on microbatch ``t - s`` at tick ``t``
+        and hands its carry to stage ``s + 1`` (``s - 1`` for a reversed scan, such as the
+        backward pass of a pipelined forward one) with ``ppermute``; stacked outputs are kept
+        per stage (split over the stage axis), weight gradients summed over microbatches."""
+        st, p = self.stages[r.start], r.eqn.params
+        nc, nk, length, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+        axes = _stage_factors(st.axis, self.sizes)
+        stages, k_mb = math.prod(self.sizes[a] for a in axes), st.microbatches
+        mb = microbatching(self.prog, r)
+        self._check_stages(r, st, axes, mb, stages)
+        entered, exits = self._enter(r, env), self._exits(r)
+        n_ys = len(exits) - nk
+        micro = {
+            v.value.name: mb.shape(v.value.name, v.value.shape, k_mb)
+            for o in self.prog.ops[r.start : r.stop]
+            for v in (*o.operands, *o.results)
+        }
+        consts_env = {v.name: c for v, c in self.prog.consts}
+        dims = [mb.dim.get(n) for n in entered]
+        rows = [mb.per_row.get(n, 1) for n in entered]
+        per = length // stages
+
+        def stage_index():
+            index = 0
+            for a in axes:
+                index = index * self.sizes[a] + lax.axis_index(a)
+            return index
+
+        def run_stage(values):
+            """This device's stage on every tick; ``values`` as ``entered``, ``xs`` holding
+            this stage's layers."""
+            s = stage_index()
+            pos = stages - 1 - s if reverse else s
+            consts, carry0, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
+
+            def layers(carry, xs_m, consts_m):
+                def body(c, x):
+                    bound = {**dict(zip(entered[:nc], consts_m)),
+                             **dict(zip(entered[nc : nc + nk], c)),
+                             **dict(zip(entered[nc + nk :], x))}  # fmt: skip
+                    inner = self._run_inside(r.body, r.stop, consts_env, bound, inside)
+                    return [inner[n] for n in exits[:nk]], [inner[n] for n in exits[nk:]]
+
+                self.micro, self.micro_axes = micro, axes
+                try:
+                    return lax.scan(body, carry, xs_m, length=per, reverse=reverse)
+                finally:
+                    self.micro = None
+
+            def exit_dim(k):  # the batch dimension of stacked output k (layer axis first)
+                d = mb.dim.get(self.prog.ops[r.stop - n_ys + k].operands[0].value.name)
+                return None if d is None else d + 1
+
+            def exit_rows(k):
+                return mb.per_row.get(self.prog.ops[r.stop - n_ys + k].operands[0].value.name, 1)
+
+            def tick(state, t):
+                handed, bufs, outs = state
+                m = t - pos
+                valid = (m >= 0) & (m < k_mb)
+                mc = jnp.clip(m, 0, k_mb - 1)
+
+                def micro_of(x, d, n):
+                    return x if d is None else take_microbatch(x, d, n, k_mb, mc)
+
+                fresh = [micro_of(x, 0, 1) for x in carry0]
+                inp = [jnp.where(pos == 0, f, h) for f, h in zip(fresh, handed)]
+                xs_m = [micro_of(x, None if d is None else d + 1, n)
+                        for x, d, n in zip(xs, dims[nc + nk :], rows[nc + nk :])]  # fmt: skip
+                consts_m = [micro_of(x, d, n) for x, d, n in zip(consts, dims[:nc], rows[:nc])]
+                final, ys = layers(inp, xs_m, consts_m)
+                new_bufs = []
+                for k, (buf, y) in enumerate(zip(bufs, ys)):
+                    kind = mb.exits[k]
+                    if kind == "batch":
+                        y = put_microbatch(buf, y, exit_dim(k), mc)
+                    elif kind == "sum":
+                        y = buf + y.astype(buf.dtype)
+                    new_bufs.append(jnp.where(valid, y, buf))
+                last = valid & (pos == stages - 1)
+                outs = [
+                    jnp.where(last, put_microbatch(o, f, 0, mc), o) for o, f in zip(outs, final)
+                ]
+                pairs = [(i + 1, i) if reverse else (i, i + 1) for i in range(stages - 1)]
+                handed = [lax.ppermute(f, axes, pairs) for f in final]
+                return (handed, new_bufs, outs), None
+
+            handed0 = [jnp.zeros_like(take_microbatch(x, 0, 1, k_mb, 0)) for x in carry0]
+            outs0 = [microbatch_buffer(x.shape, x.dtype, 0, 1, k_mb) for x in carry0]
+            bufs0 = []
+            for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
+                v = e.results[0].value
+                local = (per, *self._tile(e.results[0].value.shape[1:], e, stacked=True))
+                if mb.exits[k] == "batch":
+                    bufs0.append(microbatch_buffer(local, v.dtype, exit_dim(k), exit_rows(k), k_mb))
+                else:
+                    bufs0.append(jnp.zeros(local, v.dtype))
+            (_, bufs, outs), _ = lax.scan(
+                tick, (handed0, bufs0, outs0), jnp.arange(k_mb + stages - 1)
+            )
+            carry_out = [lax.psum(merge_microbatches(o, 0), axes) for o in outs]
+            ys_out = [merge_microbatches(b, exit_dim(k)) if mb.exits[k] == "batch" else b
+                      for k, b in enumerate(bufs)]  # fmt: skip
+            return carry_out, ys_out
+
+        values = [env[n] for n in entered]
+        if self.local:  # inside the program's shard_map: this stage's layers, then all stages'
+            s = stage_index()
+            values[nc + nk :] = [lax.dynamic_slice_in_dim(x, s * per, per, 0)
+                                 for x in values[nc + nk :]]  # fmt: skip
+            carry_out, ys = run_stage(values)
+            ys = [lax.all_gather(y, axes, axis=0, tiled=True) for y in ys]
+        else:
+            split = PartitionSpec(axes)
+            specs = [PartitionSpec()] * (nc + nk) + [split] * (len(values) - nc - nk)
+            carry_out, ys = jax.shard_map(
+                lambda *v: run_stage(list(v)), mesh=self.mesh, in_specs=tuple(specs),
+                out_specs=([PartitionSpec()] * nk, [split] * n_ys), axis_names=set(axes),
+                check_vma=False,
+            )(*values)  # fmt: skip
+        env.update(zip(exits, [*carry_out, *ys]))
+
+    def _tile(self, shape, exit_op: Op, stacked: bool) -> tuple[int, ...]:
+        """The shape a stage holds of a stacked output's layer (``shape``): its tile inside the
+        program's ``shard_map``, the whole layer under XLA."""
+        if not self.local:
+            return tuple(shape)
+        spec = self.sched.spec(exit_op, exit_op.results[0])
+        return local_shape(tuple(shape), spec[1:] if stacked else spec, self.sizes)
+
+    def _check_stages(self, r: Region, st, axes, mb, stages: int) -> None:
+        length = r.eqn.params["length"]
+        if length % stages:
+            raise ValueError(
+                f"{length} layers do not split into {stages} pipeline stages (mesh axis "
+                f"{st.axis!r}); use an axis whose size divides {length}"
+            )
+        mb.check(st.microbatches)
+        for step in self.steps[r.body : r.stop]:
+            op = step.op
+            used = [a for ax in self.sched.assign.get(op.name, {}).values() for a in ax
+                    if a in axes]  # fmt: skip
+            if used and op.how != "region":
+                raise ValueError(
+                    f"op {op.name} inside the pipelined scan uses the stage axis {st.axis!r}; "
+                    "a stage's layers may split over the other mesh axes only"
+                )
+            if self.xla and _spatially_split(step):
+                raise NotImplementedError(
+                    f"op {op.name} splits a window inside a pipelined scan; halo exchanges "
+                    "within pipeline stages are not supported"
+                )
+            for acc, spec in [*zip(op.operands, step.in_specs), *zip(op.results, step.out_specs)]:
+                d = mb.dim.get(acc.value.name)
+                if d is None:
+                    continue
+                parts = math.prod(self.sizes[a] for a in spec[d])
+                if mb.batch % (parts * st.microbatches):
+                    raise ValueError(
+                        f"{acc.value.name}'s batch of {mb.batch} is split into {parts} parts; "
+                        f"{st.microbatches} microbatches need each part to hold a multiple of "
+                        f"{st.microbatches} rows"
+                    )
 
     def _run_while(self, r: Region, env, inside) -> None:
         p = r.eqn.params
@@ -233,13 +417,17 @@ class Lowered:
     def _move(self, x, mv):
         if self.xla:  # XLA makes the change (asked by a constraint), unless redist is chosen
             choice = self.choices.get((mv.value.name, mv.src, mv.dst))
-            if choice is None or not choice.use_redist:
+            if choice is None or not choice.use_redist or self.micro is not None:
                 return lax.with_sharding_constraint(x, NamedSharding(self.mesh, _pspec(mv.dst)))
         if not self.local:
             return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
-        v = mv.value
-        plan = redist.plan(v.shape, _pspec(mv.src), _pspec(mv.dst), self.sizes, dtype=v.dtype)
-        return tile_kernel(plan, tuple(self.sizes.items()))(x)
+        v, sizes = mv.value, self.sizes
+        if self.micro is not None:  # stages hold other data: move within one stage's devices
+            shape = self.micro.get(v.name, v.shape)
+            sizes = {a: n for a, n in sizes.items() if a not in self.micro_axes}
+        plan = redist.plan(shape if self.micro is not None else v.shape, _pspec(mv.src),
+                           _pspec(mv.dst), sizes, dtype=v.dtype)  # fmt: skip
+        return tile_kernel(plan, tuple(sizes.items()))(x)
 
     def _run(self, step: OpStep, env) -> None:
         op, mesh = step.op, self.mesh
@@ -252,6 +440,13 @@ class Lowered:
             args.append(env[acc.value.name] if mv is None else self._move(env[acc.value.name], mv))
         if op.how == "region":  # a boundary op: the value passes into or out of a region
             outs = args
+        elif self.micro is not None:  # a pipelined layer on one microbatch
+            shapes = [self.micro.get(r.value.name, r.value.shape) for r in op.results]
+            if self.local:
+                shapes = [local_shape(sh, sp, self.sizes) for sh, sp in zip(shapes, step.out_specs)]
+                outs = _bind(op, *args, local_out=shapes, step=step)
+            else:
+                outs = _bind(op, *args, local_out=shapes)
         elif not step.partitioned or (self.xla and not _spatially_split(step)):
             outs = _bind(op, *args)
         else:
@@ -303,6 +498,15 @@ def factored_mesh(mesh):
                 axis_types=(AxisType.Auto,) * len(sizes))  # fmt: skip
 
 
+def _stage_factors(axis: str, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The prime factors of mesh axis ``axis`` among the factored mesh's ``sizes`` (major first)."""
+    found = tuple(a for a in sizes if a == axis or a.startswith(f"{axis}#"))
+    if not found:
+        axes = sorted({a.split("#")[0] for a in sizes})
+        raise ValueError(f"pipeline axis {axis!r} is not a mesh axis; the mesh has {axes}")
+    return found
+
+
 def _combine(x, kind: str, axes):
     """Combine partial results over ``axes`` by the reduction's own operation."""
     if kind == "sum":
@@ -335,7 +539,7 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
         if key in params:
             params[key] = None
     args = list(args)
-    if local_out is not None and op.windows:
+    if local_out is not None and op.windows and step is not None:
         _with_halos(op, args, params, step)
     if pending and op.primitive in SCATTER_ADD:  # the operand is added once, not once per part
         args[0] = jnp.where(_first_device(pending), args[0], jnp.zeros_like(args[0]))

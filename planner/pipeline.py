@@ -19,7 +19,71 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A scan of a planned program run as a GPipe pipeline: the region starting at op index
+    ``region``, its layers cut into stages over mesh axis ``axis`` (one stage per position along
+    it), its batch into ``microbatches`` (see :mod:`planner.microbatch`).
+
+    Example:
+        >>> Stages(region=37, axis="pipe", microbatches=8)
+        Stages(region=37, axis='pipe', microbatches=8)
+    """
+
+    region: int
+    axis: str
+    microbatches: int
+
+
+def take_microbatch(x, dim: int, per_row: int, microbatches: int, m):
+    """Microbatch ``m`` of ``x`` along dimension ``dim``: the batch rows ``b`` with
+    ``b % microbatches == m`` (``per_row`` elements each; more than one where the batch is the
+    major part of a merged dimension). Interleaved rows keep every device's microbatch inside
+    its own tile under any block split of the batch whose tiles hold a multiple of
+    ``microbatches`` rows.
+
+    Example:
+        >>> take_microbatch(jnp.arange(6), 0, 1, 2, 1)              # doctest: +SKIP
+        Array([1, 3, 5], dtype=int32)
+    """
+    from jax import lax
+
+    n = x.shape[dim]
+    rows = n // per_row
+    y = x.reshape(*x.shape[:dim], rows // microbatches, microbatches, per_row, *x.shape[dim + 1 :])
+    y = lax.dynamic_index_in_dim(y, m, dim + 1, keepdims=False)
+    return y.reshape(*x.shape[:dim], n // microbatches, *x.shape[dim + 1 :])
+
+
+def microbatch_buffer(shape, dtype, dim: int, per_row: int, microbatches: int):
+    """Zeros to collect ``microbatches`` microbatches of an array of ``shape`` into with
+    :func:`put_microbatch` (batch dimension ``dim`` kept split; :func:`merge_microbatches`
+    gives the array back)."""
+    import jax.numpy as jnp
+
+    rows = shape[dim] // per_row
+    return jnp.zeros(
+        (*shape[:dim], rows // microbatches, microbatches, per_row, *shape[dim + 1 :]), dtype
+    )
+
+
+def put_microbatch(buffer, x, dim: int, m):
+    """``buffer`` with microbatch ``m`` (an array shaped like :func:`take_microbatch`'s) in."""
+    from jax import lax
+
+    rows, per_row = buffer.shape[dim], buffer.shape[dim + 2]
+    x = x.reshape(*x.shape[:dim], rows, 1, per_row, *x.shape[dim + 1 :])
+    return lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), m, dim + 1)
+
+
+def merge_microbatches(buffer, dim: int):
+    """The array a :func:`microbatch_buffer` holds."""
+    s = buffer.shape
+    return buffer.reshape(*s[:dim], s[dim] * s[dim + 1] * s[dim + 2], *s[dim + 3 :])
 
 
 def bubble(stages: int, microbatches: int) -> float:

@@ -49,6 +49,7 @@ class Schedule:
     stored: dict[str, Spec] = dataclasses.field(
         default_factory=dict
     )  # input name -> at-rest layout
+    stages: tuple = ()  # planner.pipeline.Stages: scans run as pipelines
 
     def axes_of(self, op: Op, loop: str) -> Axes:
         return self.assign.get(op.name, {}).get(loop, ())

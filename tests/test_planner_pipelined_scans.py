@@ -1,0 +1,176 @@
+"""Scans of a planned program run as GPipe pipelines (``Schedule.stages``): exact against the
+unsharded training step, forward and backward scan, under random schedules of the other mesh
+axes, random stage axes and microbatch counts, both lowering backends; bodies that mix
+microbatches are refused by name."""
+
+import dataclasses
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, Mesh
+from planner_programs import random_schedule
+
+import planner
+from planner.microbatch import NotPipelinable, microbatching
+from planner.pipeline import Stages
+from planner.schedule import make_schedule
+
+
+def _step(ws, x, y):
+    """A training step over 4 scanned residual MLP layers: its jaxpr has the forward scan and
+    the backward (reversed) one, whose stacked outputs are the weights' gradients."""
+
+    def loss(ws):
+        def layer(h, w):
+            return jnp.tanh(h @ w[0] + w[2]) @ w[1] + h, jnp.sum(h, axis=1)
+
+        h, sums = lax.scan(layer, x, ws)
+        return jnp.mean((h - y) ** 2) + 0.01 * jnp.mean(sums**2)
+
+    value, grads = jax.value_and_grad(loss)(ws)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, ws, grads), value
+
+
+def _args(rng, layers=4, batch=16, d=8, hidden=16):
+    f = np.float32
+    ws = ((rng.standard_normal((layers, d, hidden)) * 0.3).astype(f),
+          (rng.standard_normal((layers, hidden, d)) * 0.3).astype(f),
+          rng.standard_normal((layers, hidden)).astype(f))  # fmt: skip
+    return ws, rng.standard_normal((batch, d)).astype(f), rng.standard_normal((batch, d)).astype(f)
+
+
+MESHES = {  # name -> (shape, axis names, stage axis)
+    "pipe2xa2xb2": ((2, 2, 2), ("pipe", "a", "b"), "pipe"),
+    "a2xpipe4": ((2, 4), ("a", "pipe"), "pipe"),
+    "a4xpipe2": ((4, 2), ("a", "pipe"), "pipe"),
+}
+
+
+def _mesh(name):
+    shape, names, stage = MESHES[name]
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape)), stage
+
+
+def _scans(prog):
+    return [r for r in prog.regions if r.kind == "scan"]
+
+
+def _assert_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.shape(g) == np.shape(w)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "explicit"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_pipelined_training_step_is_the_unsharded_one(mesh_name, backend):
+    args = _args(np.random.default_rng(0))
+    prog = planner.analyze(_step, *args)
+    want = jax.jit(_step)(*args)
+    mesh, stage = _mesh(mesh_name)
+    sizes = dict(mesh.shape)
+    others = {a: n for a, n in sizes.items() if a != stage}
+    rng = random.Random(f"{mesh_name}-{backend}")
+    for _ in range(2):
+        assign = random_schedule(prog, others, rng)  # the layers split over the other axes
+        base = make_schedule(prog, assign, sizes, default="replicate")
+        chosen = [r for r in _scans(prog) if rng.random() < 0.7] or _scans(prog)
+        k = rng.choice([1, 2, 4])
+        sched = dataclasses.replace(base, stages=tuple(Stages(r.start, stage, k) for r in chosen))
+        _assert_close(planner.lower(prog, sched, mesh, backend=backend)(*args), want)
+
+
+def test_each_stage_keeps_its_layers_and_hands_activations_on():
+    """The compiled program of a pipelined forward scan passes the carry between stages with a
+    collective-permute and runs K + P - 1 ticks."""
+    args = _args(np.random.default_rng(1))
+    prog = planner.analyze(_step, *args)
+    mesh, stage = _mesh("a2xpipe4")
+    sched = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
+    fwd = _scans(prog)[0]
+    sched = dataclasses.replace(sched, stages=(Stages(fwd.start, stage, 4),))
+    text = planner.lower(prog, sched, mesh, backend="xla").lower(*args).compile().as_text()
+    assert "collective-permute" in text
+    plain = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
+    text = planner.lower(prog, plain, mesh, backend="xla").lower(*args).compile().as_text()
+    assert "collective-permute" not in text
+
+
+def test_the_language_model_step_pipelines_both_scans():
+    """The flax LM's training step: its forward scan's residuals and its backward scan's weight
+    gradients split into microbatches exactly (layer norms, attention, tied embedding; the
+    tolerances of ``test_planner_lm``, where the key bias' exact gradient is zero)."""
+    from test_planner_lm import LR, assert_step_equal
+
+    from experiments.language_model import lm_step
+
+    step, args = lm_step(8, 8, 16, 2, 4, 32, scan=True, rng=np.random.default_rng(2))
+    prog = planner.analyze(step, *args)
+    scans = _scans(prog)
+    kinds = [microbatching(prog, r).exits for r in scans]
+    assert "batch" in kinds[0] and set(kinds[1]) == {"sum"}
+    mesh, stage = _mesh("a2xpipe4")
+    sched = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
+    sched = dataclasses.replace(sched, stages=tuple(Stages(r.start, stage, 2) for r in scans))
+    want = jax.jit(step)(*args)
+    got = jax.tree.unflatten(jax.tree.structure(want), planner.lower(prog, sched, mesh, "xla")(*args))
+    assert_step_equal(got, want, param_atol=0.05 * LR)
+
+
+def _batch_norm_layers(ws, x):
+    def layer(h, w):
+        h = h @ w
+        return (h - jnp.mean(h, axis=0)) / (jnp.std(h, axis=0) + 1.0), None
+
+    return lax.scan(layer, x, ws)[0]
+
+
+def _counter_carry(ws, x):
+    return lax.scan(lambda c, w: ((c[0] @ w, c[1] + 1), None), (x, 0), ws)[0]
+
+
+@pytest.mark.parametrize(
+    "fn, words",
+    [(_batch_norm_layers, "a sum over the batch"), (_counter_carry, "no carry")],
+    ids=["batch-statistics", "scalar-carry"],
+)
+def test_bodies_that_mix_microbatches_are_refused_by_name(fn, words):
+    rng = np.random.default_rng(3)
+    prog = planner.analyze(fn, rng.standard_normal((4, 8, 8)), rng.standard_normal((16, 8)))
+    with pytest.raises(NotPipelinable, match=words):
+        microbatching(prog, _scans(prog)[0])
+
+
+def test_bad_pipelines_are_refused_by_name():
+    args = _args(np.random.default_rng(4), layers=6)
+    prog = planner.analyze(_step, *args)
+    mesh, stage = _mesh("a2xpipe4")
+    fwd = _scans(prog)[0]
+    base = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
+    cases = [
+        (Stages(fwd.start, stage, 2), "6 layers do not split into 4 pipeline stages"),
+        (Stages(fwd.start, "nope", 2), "pipeline axis 'nope' is not a mesh axis"),
+    ]
+    for st, words in cases:
+        with pytest.raises(ValueError, match=words):
+            planner.lower(prog, dataclasses.replace(base, stages=(st,)), mesh, backend="xla")(
+                *args
+            )
+    args = _args(np.random.default_rng(4))
+    prog = planner.analyze(_step, *args)
+    fwd = _scans(prog)[0]
+    base = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
+    with pytest.raises(ValueError, match="does not split into microbatches=3"):
+        planner.lower(prog, dataclasses.replace(base, stages=(Stages(fwd.start, stage, 3),)),
+                      mesh, backend="xla")(*args)  # fmt: skip
+    dot = next(o for o in prog.ops[fwd.body : fwd.stop] if o.primitive == "dot_general")
+    used = make_schedule(prog, {dot.name: {dot.loops[0].name: stage}}, dict(mesh.shape),
+                         default="replicate")  # fmt: skip
+    with pytest.raises(ValueError, match="uses the stage axis 'pipe'"):
+        planner.lower(prog, dataclasses.replace(used, stages=(Stages(fwd.start, stage, 2),)),
+                      mesh, backend="xla")(*args)  # fmt: skip
