@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-
 from collections import defaultdict, deque
 
 from planner.dataflow import dataflow, input_spec

@@ -118,7 +118,9 @@ def test_the_language_model_step_pipelines_both_scans():
     sched = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
     sched = dataclasses.replace(sched, stages=tuple(Stages(r.start, stage, 2) for r in scans))
     want = jax.jit(step)(*args)
-    got = jax.tree.unflatten(jax.tree.structure(want), planner.lower(prog, sched, mesh, "xla")(*args))
+    got = jax.tree.unflatten(
+        jax.tree.structure(want), planner.lower(prog, sched, mesh, "xla")(*args)
+    )
     assert_step_equal(got, want, param_atol=0.05 * LR)
 
 
@@ -158,9 +160,7 @@ def test_bad_pipelines_are_refused_by_name():
     ]
     for st, words in cases:
         with pytest.raises(ValueError, match=words):
-            planner.lower(prog, dataclasses.replace(base, stages=(st,)), mesh, backend="xla")(
-                *args
-            )
+            planner.lower(prog, dataclasses.replace(base, stages=(st,)), mesh, backend="xla")(*args)
     args = _args(np.random.default_rng(4))
     prog = planner.analyze(_step, *args)
     fwd = _scans(prog)[0]
