@@ -47,10 +47,12 @@ from planner.pipeline import (
     merge_microbatches,
     microbatch_buffer,
     put_microbatch,
+    stage_factors,
     take_microbatch,
 )
 from planner.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
 from planner.schedule import Schedule, Spec, local_shape
+from planner.staging import check_stages
 from planner.xla_moves import MoveChoice, choose
 from redist.calibration import Calibration
 from redist.execute import tile_kernel
@@ -77,6 +79,7 @@ class Lowered:
         self.prog, self.sched, self.backend = prog, sched, backend
         self.mesh = mesh = factored_mesh(mesh)
         self.sizes = dict(mesh.shape)
+        check_stages(prog, sched)
         self.steps = dataflow(prog, sched)
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
@@ -193,10 +196,10 @@ class Lowered:
         per stage (split over the stage axis), weight gradients summed over microbatches."""
         st, p = self.stages[r.start], r.eqn.params
         nc, nk, length, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
-        axes = _stage_factors(st.axis, self.sizes)
+        axes = stage_factors(st.axis, self.sizes)
         stages, k_mb = math.prod(self.sizes[a] for a in axes), st.microbatches
         mb = microbatching(self.prog, r)
-        self._check_stages(r, st, axes, mb, stages)
+        self._check_stages(r, st, axes, mb)
         entered, exits = self._enter(r, env), self._exits(r)
         n_ys = len(exits) - nk
         micro = {
@@ -293,12 +296,8 @@ class Lowered:
             return carry_out, ys_out
 
         values = [env[n] for n in entered]
-        if self.local:  # inside the program's shard_map: this stage's layers, then all stages'
-            s = stage_index()
-            values[nc + nk :] = [lax.dynamic_slice_in_dim(x, s * per, per, 0)
-                                 for x in values[nc + nk :]]  # fmt: skip
+        if self.local:  # inside the program's shard_map, stacked tiles are the stage's layers
             carry_out, ys = run_stage(values)
-            ys = [lax.all_gather(y, axes, axis=0, tiled=True) for y in ys]
         else:
             split = PartitionSpec(axes)
             specs = [PartitionSpec()] * (nc + nk) + [split] * (len(values) - nc - nk)
@@ -317,14 +316,7 @@ class Lowered:
         spec = self.sched.spec(exit_op, exit_op.results[0])
         return local_shape(tuple(shape), spec[1:] if stacked else spec, self.sizes)
 
-    def _check_stages(self, r: Region, st, axes, mb, stages: int) -> None:
-        length = r.eqn.params["length"]
-        if length % stages:
-            raise ValueError(
-                f"{length} layers do not split into {stages} pipeline stages (mesh axis "
-                f"{st.axis!r}); use an axis whose size divides {length}"
-            )
-        mb.check(st.microbatches)
+    def _check_stages(self, r: Region, st, axes, mb) -> None:
         for step in self.steps[r.body : r.stop]:
             op = step.op
             used = [a for ax in self.sched.assign.get(op.name, {}).values() for a in ax
@@ -496,15 +488,6 @@ def factored_mesh(mesh):
     sizes = [f.size for f in shape.factors]
     return Mesh(mesh.devices.reshape(sizes), shape.factor_names,
                 axis_types=(AxisType.Auto,) * len(sizes))  # fmt: skip
-
-
-def _stage_factors(axis: str, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The prime factors of mesh axis ``axis`` among the factored mesh's ``sizes`` (major first)."""
-    found = tuple(a for a in sizes if a == axis or a.startswith(f"{axis}#"))
-    if not found:
-        axes = sorted({a.split("#")[0] for a in sizes})
-        raise ValueError(f"pipeline axis {axis!r} is not a mesh axis; the mesh has {axes}")
-    return found
 
 
 def _combine(x, kind: str, axes):

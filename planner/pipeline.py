@@ -39,6 +39,20 @@ class Stages:
     microbatches: int
 
 
+def stage_factors(axis: str, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The prime factors of mesh axis ``axis`` among a factored mesh's ``sizes`` (major first).
+
+    Example:
+        >>> stage_factors("pipe", {"pipe#0": 2, "pipe#1": 2, "data": 2})
+        ('pipe#0', 'pipe#1')
+    """
+    found = tuple(a for a in sizes if a == axis or a.startswith(f"{axis}#"))
+    if not found:
+        axes = sorted({a.split("#")[0] for a in sizes})
+        raise ValueError(f"pipeline axis {axis!r} is not a mesh axis; the mesh has {axes}")
+    return found
+
+
 def take_microbatch(x, dim: int, per_row: int, microbatches: int, m):
     """Microbatch ``m`` of ``x`` along dimension ``dim``: the batch rows ``b`` with
     ``b % microbatches == m`` (``per_row`` elements each; more than one where the batch is the

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -55,11 +56,34 @@ class Schedule:
         return self.assign.get(op.name, {}).get(loop, ())
 
     def spec(self, op: Op, access: Access) -> Spec:
-        """The layout ``access`` has under this schedule (operand required / result produced)."""
-        loops = self.assign.get(op.name)
-        if not loops:
-            return ((),) * len(access.dims)
-        return tuple(tuple(a for lp in d for a in loops.get(lp, ())) for d in access.dims)
+        """The layout ``access`` has under this schedule (operand required / result produced).
+        A pipelined scan's stacked inputs and outputs have their layer axis over its stages."""
+        loops = self.assign.get(op.name) or {}
+        spec = tuple(tuple(a for lp in d for a in loops.get(lp, ())) for d in access.dims)
+        staged = self.staged.get(op.name)
+        if staged and access is (op.operands[0] if op.primitive == "scan_xs" else op.results[0]):
+            spec = (staged, *spec[1:])
+        return spec
+
+    @functools.cached_property
+    def staged(self) -> dict[str, Axes]:
+        """Entry (``scan_xs``) and exit (``scan_ys``) op name -> the stage axis' factors, for the
+        scans this schedule runs as pipelines (:class:`planner.pipeline.Stages`)."""
+        from planner.pipeline import stage_factors
+
+        out: dict[str, Axes] = {}
+        starts = {st.region: st for st in self.stages}
+        for r in self.program.regions:
+            st = starts.get(r.start)
+            if st is None:
+                continue
+            axes = stage_factors(st.axis, self.mesh)
+            ends = (*self.program.ops[r.start : r.body],
+                    *self.program.ops[r.stop - len(r.outputs) : r.stop])  # fmt: skip
+            for o in ends:
+                if o.primitive in ("scan_xs", "scan_ys"):
+                    out[o.name] = axes
+        return out
 
     def pending(self, op: Op) -> Axes:
         """Mesh axes over which the op's results are partial (partitioned reductions)."""

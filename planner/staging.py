@@ -1,0 +1,128 @@
+"""Schedules whose scans run as pipelines: which scans can, and the layer axis split around them.
+
+:func:`staged` turns a schedule that leaves one mesh axis unused into one that runs every
+top-level scan it can (:func:`planner.microbatch.microbatching`) as a GPipe pipeline over that
+axis (:class:`planner.pipeline.Stages`). The scans' stacked inputs and outputs then rest with
+their layer axis split over the stages, and so does what the program does with them outside the
+loops: every op that indexes a stacked value's layer axis with a loop of its own (the optimizer's
+update of stacked weights and moments, a cast before the loop) gets the stage axis on that loop,
+so each stage holds and updates only its layers.
+
+Example:
+    >>> sched = staged(prog, sched, "pipe", microbatches=8)     # doctest: +SKIP
+    >>> sched.stages
+    (Stages(region=37, axis='pipe', microbatches=8), Stages(region=326, ...))
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from planner.ir import Program, Region
+from planner.microbatch import NotPipelinable, microbatching
+from planner.pipeline import Stages, stage_factors
+from planner.schedule import Schedule, check_assignment
+from redist.types import MeshShape
+
+
+def region_of(prog: Program, st: Stages) -> Region:
+    """The scan a :class:`Stages` names; ``ValueError`` if there is none."""
+    for r in prog.regions:
+        if r.start == st.region and r.kind == "scan":
+            return r
+    starts = [r.start for r in prog.regions if r.kind == "scan"]
+    raise ValueError(f"no scan starts at op {st.region}; scans start at {starts}")
+
+
+def check_stages(prog: Program, sched: Schedule) -> None:
+    """Raise ``ValueError`` naming the scan, axis and sizes unless every pipeline of ``sched``
+    splits its layers into the stage axis' size and its batch into its microbatches."""
+    for st in sched.stages:
+        r = region_of(prog, st)
+        stages = math.prod(sched.mesh[a] for a in stage_factors(st.axis, sched.mesh))
+        length = r.eqn.params["length"]
+        if length % stages:
+            raise ValueError(
+                f"{length} layers do not split into {stages} pipeline stages (mesh axis "
+                f"{st.axis!r}); use an axis whose size divides {length}"
+            )
+        microbatching(prog, r).check(st.microbatches)
+
+
+def pipelinable(prog: Program, stages: int, microbatches: int) -> list[Region]:
+    """The top-level scans (in no other region) whose layers split into ``stages`` and whose
+    bodies split into ``microbatches``."""
+    out = []
+    for r in prog.regions:
+        if r.kind != "scan" or r.eqn.params["length"] % stages:
+            continue
+        if any(o is not r and o.start <= r.start and r.stop <= o.stop for o in prog.regions):
+            continue
+        try:
+            mb = microbatching(prog, r)
+            mb.check(microbatches)
+        except (NotPipelinable, ValueError):
+            continue
+        out.append(r)
+    return out
+
+
+def staged(prog: Program, sched: Schedule, axis: str, microbatches: int) -> Schedule | None:
+    """``sched`` with every top-level scan it can pipeline run as a pipeline over ``axis`` (which
+    ``sched`` must leave unused) in ``microbatches``, and the stage axis on the layer loops of
+    the ops around them; ``None`` if no scan can be."""
+    factors = stage_factors(axis, sched.mesh)
+    stages = math.prod(sched.mesh[a] for a in factors)
+    regions = pipelinable(prog, stages, microbatches)
+    if not regions:
+        return None
+    inside = {k for r in regions for k in range(r.start, r.stop)}
+    shape = MeshShape.of(sched.mesh)
+    assign = {name: dict(loops) for name, loops in sched.assign.items()}
+    layer_dims: collections.deque = collections.deque()
+    for r in regions:
+        for o in prog.ops[r.start : r.body]:
+            if o.primitive == "scan_xs":
+                layer_dims.append((o.operands[0].value.name, 0))
+        for o in prog.ops[r.stop - len(r.outputs) : r.stop]:
+            if o.primitive == "scan_ys":
+                layer_dims.append((o.results[0].value.name, 0))
+    seen = set(layer_dims)
+    readers = collections.defaultdict(list)
+    for k, o in enumerate(prog.ops):
+        if k not in inside:
+            for acc in (*o.operands, *o.results):
+                readers[acc.value.name].append(o)
+    while layer_dims:
+        name, d = layer_dims.popleft()
+        for o in readers[name]:
+            loop = _layer_loop(o, name, d)
+            mine = assign.get(o.name, {})
+            if (
+                loop is None
+                or mine.get(loop)
+                or any(a in factors for ax in mine.values() for a in ax)
+            ):
+                continue
+            try:
+                assign[o.name] = check_assignment(shape, o, {**mine, loop: factors})
+            except ValueError:
+                continue
+            for acc in (*o.operands, *o.results):
+                for d2, loops in enumerate(acc.dims):
+                    key = (acc.value.name, d2)
+                    if loops and loops[0] == loop and key not in seen:
+                        seen.add(key)
+                        layer_dims.append(key)
+    stages_ = tuple(Stages(r.start, axis, microbatches) for r in regions)
+    return dataclasses.replace(sched, assign=assign, stages=stages_)
+
+
+def _layer_loop(op, name: str, d: int) -> str | None:
+    """The loop of ``op`` that indexes dimension ``d`` of value ``name`` (the major one)."""
+    for acc in (*op.operands, *op.results):
+        if acc.value.name == name and d < len(acc.dims) and acc.dims[d]:
+            return acc.dims[d][0]
+    return None
