@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -305,6 +306,8 @@ def plan(
     memory_limit_bytes: int | float | str | None = AUTO,
     calibration: Calibration | None = None,
     donate_argnums: int | Sequence[int] = (),
+    pipeline_axis: str | None = None,
+    microbatches: int | Sequence[int] | None = None,
     **kwargs,
 ) -> AutoPlan:
     """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
@@ -326,6 +329,12 @@ def plan(
     parameters and optimizer state of a training step): outputs of the same shape, dtype and
     layout are written into them, which the predicted peak counts on, and :meth:`AutoPlan.jit`
     donates them.
+
+    ``pipeline_axis``: a mesh axis the plan may run the program's scanned layers over as GPipe
+    stages (:mod:`planner.staging`): the layers split into as many stages as the axis has
+    devices, the batch into ``microbatches`` (a count, counts to try, or by default P, 2P, 4P
+    and 8P), the layers searched on the other axes; the plan is pipelined where that is
+    predicted faster than the best plan without a pipeline (or where only it fits).
     """
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
@@ -334,12 +343,36 @@ def plan(
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or default_calibration(mesh)
     start = time.perf_counter()
-    sched, pred = search_within(prog, sizes, calibration, memory_limit_bytes)
+    sched, pred = _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis,
+                          microbatches)  # fmt: skip
     elapsed = time.perf_counter() - start
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
                     calibration, sig, _argnums(donate_argnums, len(args)))  # fmt: skip
+
+
+def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches):
+    """The best schedule, with a pipeline over ``pipeline_axis`` where that is better."""
+    if pipeline_axis is None:
+        if microbatches is not None:
+            raise ValueError("microbatches needs a pipeline_axis to pipeline over")
+        return search_within(prog, sizes, calibration, memory_limit_bytes)
+    from planner.memory import MemoryLimitError, resolve_memory_limit
+    from planner.staging import search_staged
+
+    limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
+    flat, error = None, None
+    try:
+        flat = search_within(prog, sizes, calibration, memory_limit_bytes)
+    except MemoryLimitError as e:
+        error = e
+    piped = search_staged(prog, sizes, calibration, limit, pipeline_axis, microbatches)
+    if flat is None and piped is None:
+        raise error
+    if piped is None or (flat is not None and flat[1].time_s <= piped[1].time_s):
+        return flat
+    return piped
 
 
 def _argnums(donate_argnums, n: int) -> tuple[int, ...]:

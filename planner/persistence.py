@@ -31,8 +31,10 @@ from planner.analysis import analyze
 from planner.auto import AutoPlan, _devices
 from planner.calls import Signature, differences, without_addresses
 from planner.ir import Program
+from planner.pipeline import Stages
 from planner.schedule import Schedule, make_schedule
 from planner.simulator import simulate
+from planner.staging import check_stages
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
 from redist.types import MeshShape
@@ -115,6 +117,7 @@ def document(plan: AutoPlan) -> dict:
                 for op, loops in sched.assign.items()
             },  # fmt: skip
             "stored": {name: [list(axes) for axes in spec] for name, spec in sched.stored.items()},
+            "stages": [dataclasses.asdict(st) for st in sched.stages],
         },
     }
 
@@ -161,7 +164,10 @@ def _schedule(doc: dict, prog: Program, shape: MeshShape) -> Schedule:
     if used - set(sizes):
         raise ValueError(f"the saved schedule uses mesh factors {sorted(used - set(sizes))}, "
                          f"which {shape} lacks")  # fmt: skip
-    return Schedule(prog, sizes, assign, stored)
+    stages = tuple(Stages(**st) for st in doc["schedule"].get("stages", ()))
+    sched = Schedule(prog, sizes, assign, stored, stages)
+    check_stages(prog, sched)
+    return sched
 
 
 def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:

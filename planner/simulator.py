@@ -390,6 +390,41 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     return members, spans
 
 
+def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration, m) -> list:
+    """``costs`` with the ops of pipelined scans (:class:`planner.pipeline.Stages`) priced as
+    GPipe runs them: each device runs its ``L / P`` layers on ``K + P - 1`` microbatches of
+    ``1 / K`` of the batch, so ``(K + P - 1) / (K P)`` of the whole loop's work and
+    communication (the bubble being ``(P - 1) / (K + P - 1)`` of it), plus one hand-over of
+    each microbatch's carry to the next stage per tick (a collective-permute over the stage
+    axis, on its link)."""
+    if not sched.stages:
+        return costs
+    from planner.pipeline import stage_factors
+    from planner.staging import region_of
+
+    costs = list(costs)
+    for st in sched.stages:
+        r = region_of(prog, st)
+        axes = stage_factors(st.axis, sched.mesh)
+        p, k = math.prod(sched.mesh[a] for a in axes), st.microbatches
+        share = (k + p - 1) / (k * p)
+        for i in range(r.body, r.stop):
+            c = costs[i]
+            costs[i] = dataclasses.replace(c, compute_s=c.compute_s * share, comm_s=c.comm_s * share,
+                                           comm_bytes=c.comm_bytes * share, flops=c.flops / p,
+                                           bytes_accessed=c.bytes_accessed / p)  # fmt: skip
+        nc = r.eqn.params["num_consts"]
+        carry = sum(_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
+                    for st_ in steps[r.start + nc : r.body]
+                    for v in [st_.op.results[0].value]
+                    if st_.op.primitive == "scan_carry")  # fmt: skip
+        ticks, crosses = k + p - 1, cal.crosses(m, axes)
+        hand = cal.collective_time("collective-permute", carry / k, p, crosses)
+        costs.append(OpCost(f"pipeline hand-overs of {st.axis}", 0.0, ticks * hand,
+                            ticks * carry / k, 0))  # fmt: skip
+    return costs
+
+
 def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) -> Prediction:
     """:func:`simulate`; ``on_peak(op name, fixed, live values, others, scratch)`` is called
     whenever the peak grows (first with what is held throughout, op None); ``others`` are moved
@@ -467,6 +502,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
                             counts[2] * st.op.trips))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
+    costs = _pipelined(prog, sched, costs, steps, cal, m)
     total = sum(c.compute_s + c.comm_s for c in costs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
                       sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),

@@ -126,3 +126,48 @@ def _layer_loop(op, name: str, d: int) -> str | None:
         if acc.value.name == name and d < len(acc.dims) and acc.dims[d]:
             return acc.dims[d][0]
     return None
+
+
+def microbatch_choices(stages: int, given=None) -> tuple[int, ...]:
+    """The microbatch counts to try for ``stages`` stages: ``given`` (an int or ints), else
+    ``P, 2P, 4P, 8P`` (a GPipe bubble of 50%, 33%, 20%, 11% for large P)."""
+    if given is None:
+        return tuple(stages * m for m in (1, 2, 4, 8))
+    out = (given,) if isinstance(given, int) else tuple(given)
+    if not out or any(not isinstance(k, int) or k < 1 for k in out):
+        raise ValueError(f"microbatches must be positive integers, got {given!r}")
+    return out
+
+
+def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limit_bytes,
+                  axis: str, microbatches=None):  # fmt: skip
+    """The best pipelined schedule over mesh axis ``axis``, ``(schedule, prediction)``, or
+    ``None`` when no scan can be pipelined or nothing fits ``memory_limit_bytes``. The layers
+    (and the rest of the program) are searched on the other mesh axes
+    (:func:`planner.schedule_search.search`); each microbatch count of
+    :func:`microbatch_choices` then pipelines that schedule (:func:`staged`), storing donated
+    state as it leaves the step, and the fastest that fits is kept."""
+    from planner.donation import keep_state_layouts
+    from planner.memory import MemoryLimitError
+    from planner.schedule_search import search
+    from planner.simulator import simulate
+
+    if axis not in sizes:
+        raise ValueError(f"pipeline_axis {axis!r} is not a mesh axis; the mesh has {list(sizes)}")
+    others = {a: n for a, n in sizes.items() if a != axis}
+    try:
+        base, _ = search(prog, others or {"_": 1}, calibration, None)
+    except MemoryLimitError:
+        return None
+    full = Schedule(prog, MeshShape.of(sizes).factor_size, base.assign, base.stored)
+    best = None
+    for k in microbatch_choices(sizes[axis], microbatches):
+        sched = staged(prog, full, axis, k)
+        if sched is None:
+            continue
+        sched = keep_state_layouts(prog, sched)
+        pred = simulate(prog, sched, calibration)
+        fits = memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes
+        if fits and (best is None or pred.time_s < best[1].time_s):
+            best = (sched, pred)
+    return best

@@ -491,9 +491,11 @@ class Summary:
     whole_share: float
     total_ops: int
     time_s: float
+    pipelines: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         return {
+            "pipelines": list(self.pipelines),
             "prediction": self.prediction,
             "layouts": self.layouts,
             "outputs": self.outputs,
@@ -515,6 +517,7 @@ class Summary:
                          f"{self.memory['peak_bytes'] / max(row['peak_bytes'], 1):.2f}x the "
                          "memory")  # fmt: skip
             pred.append(line)
+        pred += list(self.pipelines)
         heavy = ["Heavy ops (by predicted time; alike ops counted together):"]
         for h in self.heavy:
             count = f" x{h['count']}" if h["count"] > 1 else ""
@@ -689,10 +692,40 @@ def summarize(plan) -> Summary:
         header, rows, layouts, _group_layouts(leaves, shapes, spec_texts), outputs, parts_note,
         [{k: v for k, v in g.items()} for g in heavy], coll, mem,
         sorted(whole.values(), key=lambda w: -w["time_s"]), n_whole, t_whole / total, total_ops,
-        pred.time_s,
+        pred.time_s, pipeline_words(prog, sched),
     )  # fmt: skip
     plan.__dict__["_summary"] = summary
     return summary
+
+
+def pipeline_words(prog: Program, sched: Schedule) -> tuple[str, ...]:
+    """One line per pipelined scan: which layers each stage holds, the microbatches, the bubble.
+
+    Example:
+        ``Pipeline (scan at model.py:92, backward): layers 0-1 on stage 0 of `pipe`, 2-3 on
+        stage 1; 8 microbatches of 2 rows, GPipe bubble 11%``
+    """
+    from planner.microbatch import microbatching
+    from planner.pipeline import bubble, stage_factors
+    from planner.staging import region_of
+
+    lines = []
+    for st in sched.stages:
+        r = region_of(prog, st)
+        p = math.prod(sched.mesh[a] for a in stage_factors(st.axis, sched.mesh))
+        per = r.eqn.params["length"] // p
+        ranges = [f"{s * per}-{s * per + per - 1}" if per > 1 else f"{s * per}" for s in range(p)]
+        shown = [f"{ranges[s]} on stage {s}" for s in (range(p) if p <= 5 else (0, 1, p - 1))]
+        if p > 5:
+            shown.insert(2, "...")
+        stages = f"layers {shown[0]} of `{st.axis}`, " + ", ".join(shown[1:])
+        rows = microbatching(prog, r).batch // st.microbatches
+        where = _where(prog.ops[r.body].source if r.body < r.stop else None)
+        way = "backward" if r.eqn.params["reverse"] else "forward"
+        lines.append(f"  Pipeline (scan at {where}, {way}): {stages}; {st.microbatches} "
+                     f"microbatches of {rows} rows, GPipe bubble "
+                     f"{100 * bubble(p, st.microbatches):.0f}%")  # fmt: skip
+    return tuple(lines)
 
 
 def _outputs_text(prog: Program, sched: Schedule, steps, plan, specs) -> str:
