@@ -282,7 +282,7 @@ class Lowered:
             bufs0 = []
             for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
                 v = e.results[0].value
-                local = (per, *self._tile(e.results[0].value.shape[1:], e, stacked=True))
+                local = (per, *self._tile(e.results[0].value.shape[1:], e))
                 if mb.exits[k] == "batch":
                     bufs0.append(microbatch_buffer(local, v.dtype, exit_dim(k), exit_rows(k), k_mb))
                 else:
@@ -308,13 +308,13 @@ class Lowered:
             )(*values)  # fmt: skip
         env.update(zip(exits, [*carry_out, *ys]))
 
-    def _tile(self, shape, exit_op: Op, stacked: bool) -> tuple[int, ...]:
+    def _tile(self, shape, exit_op: Op) -> tuple[int, ...]:
         """The shape a stage holds of a stacked output's layer (``shape``): its tile inside the
         program's ``shard_map``, the whole layer under XLA."""
         if not self.local:
             return tuple(shape)
         spec = self.sched.spec(exit_op, exit_op.results[0])
-        return local_shape(tuple(shape), spec[1:] if stacked else spec, self.sizes)
+        return local_shape(tuple(shape), spec[1:], self.sizes)
 
     def _check_stages(self, r: Region, st, axes, mb) -> None:
         for step in self.steps[r.body : r.stop]:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from networkx.utils import UnionFind
+
 from planner.ir import Op, Program, Region
 
 LINEAR = frozenset(
@@ -80,23 +82,6 @@ class Microbatching:
                 )
 
 
-class _Classes:
-    """Union-find over hashable nodes."""
-
-    def __init__(self):
-        self.parent: dict = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b) -> None:
-        self.parent[self.find(a)] = self.find(b)
-
-
 def _where(op: Op) -> str:
     src = f" ({op.source[0]}:{op.source[1]})" if op.source else ""
     return f"{op.name}{src}"
@@ -121,7 +106,7 @@ def microbatching(prog: Program, region: Region) -> Microbatching:
         raise NotPipelinable(
             "the scan has no carry with a leading (batch) dimension to cut into microbatches"
         )
-    classes, minor = _Classes(), set()
+    classes, minor = UnionFind(), set()
     for op in (*body, *exits):
         accesses = op.operands if op in exits else (*op.operands, *op.results)
         for acc in accesses:
@@ -131,7 +116,7 @@ def microbatching(prog: Program, region: Region) -> Microbatching:
                     minor.update((op.name, lp) for lp in loops[1:])
     for v in carries[1:]:
         classes.union((v.name, 0), (carries[0].name, 0))
-    root = classes.find((carries[0].name, 0))
+    root = classes[(carries[0].name, 0)]
     batch = carries[0].shape[0]
     if any(v.shape[0] != batch for v in carries):
         raise NotPipelinable(
@@ -140,7 +125,7 @@ def microbatching(prog: Program, region: Region) -> Microbatching:
         )
 
     def batch_dims(v) -> list[int]:
-        return [d for d in range(len(v.shape)) if classes.find((v.name, d)) == root]
+        return [d for d in range(len(v.shape)) if classes[(v.name, d)] == root]
 
     dim: dict[str, int] = {}
     per_row: dict[str, int] = {}
@@ -154,7 +139,7 @@ def microbatching(prog: Program, region: Region) -> Microbatching:
             per_row[v.name] = v.shape[ds[0]] // batch
     sums: set[str] = set()
     for op in body:
-        mine = [lp for lp in op.loops if classes.find((op.name, lp.name)) == root]
+        mine = [lp for lp in op.loops if classes[(op.name, lp.name)] == root]
         for acc in op.operands:
             d = dim.get(acc.value.name)
             if d is not None and not acc.dims[d]:
