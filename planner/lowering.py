@@ -46,6 +46,7 @@ from planner.microbatch import microbatching
 from planner.pipeline import (
     merge_microbatches,
     microbatch_buffer,
+    put_layer,
     put_microbatch,
     stage_factors,
     take_microbatch,
@@ -225,17 +226,32 @@ class Lowered:
             pos = stages - 1 - s if reverse else s
             consts, carry0, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
 
-            def layers(carry, xs_m, consts_m):
-                def body(c, x):
+            def layers(carry, consts_m, bufs, mc, valid, micro_of):
+                """The stage's layers on microbatch ``mc`` (each layer's stacked inputs taken
+                as it runs), each layer's stacked outputs
+                written into its slot of the pipeline's buffers as it is made (in place, where
+                stacking a tick's outputs first would hold them twice)."""
+
+                def body(state, layer):
+                    c, bs = state
+                    x = [micro_of(lax.dynamic_index_in_dim(x, layer, 0, keepdims=False), d, n)
+                         for x, d, n in zip(xs, dims[nc + nk :], rows[nc + nk :])]  # fmt: skip
                     bound = {**dict(zip(entered[:nc], consts_m)),
                              **dict(zip(entered[nc : nc + nk], c)),
                              **dict(zip(entered[nc + nk :], x))}  # fmt: skip
                     inner = self._run_inside(r.body, r.stop, consts_env, bound, inside)
-                    return [inner[n] for n in exits[:nk]], [inner[n] for n in exits[nk:]]
+                    ys = [inner[n] for n in exits[nk:]]
+                    bs = [put_microbatch(b, y, exit_dim(k), mc, where=valid, layer=layer)
+                          if mb.exits[k] == "batch" else
+                          put_layer(b, y, layer, where=valid, add=mb.exits[k] == "sum")
+                          for k, (b, y) in enumerate(zip(bs, ys))]  # fmt: skip
+                    return ([inner[n] for n in exits[:nk]], bs), None
 
                 self.micro, self.micro_axes = micro, axes
                 try:
-                    return lax.scan(body, carry, xs_m, length=per, reverse=reverse)
+                    (final, bufs), _ = lax.scan(body, (carry, bufs), jnp.arange(per),
+                                                reverse=reverse)  # fmt: skip
+                    return final, bufs
                 finally:
                     self.micro = None
 
@@ -257,25 +273,13 @@ class Lowered:
 
                 fresh = [micro_of(x, 0, 1) for x in carry0]
                 inp = [jnp.where(pos == 0, f, h) for f, h in zip(fresh, handed)]
-                xs_m = [micro_of(x, None if d is None else d + 1, n)
-                        for x, d, n in zip(xs, dims[nc + nk :], rows[nc + nk :])]  # fmt: skip
                 consts_m = [micro_of(x, d, n) for x, d, n in zip(consts, dims[:nc], rows[:nc])]
-                final, ys = layers(inp, xs_m, consts_m)
-                new_bufs = []
-                for k, (buf, y) in enumerate(zip(bufs, ys)):
-                    kind = mb.exits[k]
-                    if kind == "batch":
-                        y = put_microbatch(buf, y, exit_dim(k), mc)
-                    elif kind == "sum":
-                        y = buf + y.astype(buf.dtype)
-                    new_bufs.append(jnp.where(valid, y, buf))
+                final, bufs = layers(inp, consts_m, bufs, mc, valid, micro_of)
                 last = valid & (pos == stages - 1)
-                outs = [
-                    jnp.where(last, put_microbatch(o, f, 0, mc), o) for o, f in zip(outs, final)
-                ]
+                outs = [put_microbatch(o, f, 0, mc, where=last) for o, f in zip(outs, final)]
                 pairs = [(i + 1, i) if reverse else (i, i + 1) for i in range(stages - 1)]
                 handed = [lax.ppermute(f, axes, pairs) for f in final]
-                return (handed, new_bufs, outs), None
+                return (handed, bufs, outs), None
 
             handed0 = [jnp.zeros_like(take_microbatch(x, 0, 1, k_mb, 0)) for x in carry0]
             outs0 = [microbatch_buffer(x.shape, x.dtype, 0, 1, k_mb) for x in carry0]

@@ -93,6 +93,13 @@ def microbatching(prog: Program, region: Region) -> Microbatching:
     Raises:
         NotPipelinable: (a ``ValueError``) naming the op or value that mixes microbatches.
     """
+    proven = prog.__dict__.setdefault("_microbatching", {})
+    if region.start not in proven:
+        proven[region.start] = _prove(prog, region)
+    return proven[region.start]
+
+
+def _prove(prog: Program, region: Region) -> Microbatching:
     if region.kind != "scan":
         raise NotPipelinable(f"only a scan's layers can be pipelined, not a {region.kind}")
     p = region.eqn.params

@@ -85,13 +85,42 @@ def microbatch_buffer(shape, dtype, dim: int, per_row: int, microbatches: int):
     )
 
 
-def put_microbatch(buffer, x, dim: int, m):
-    """``buffer`` with microbatch ``m`` (an array shaped like :func:`take_microbatch`'s) in."""
+def put_microbatch(buffer, x, dim: int, m, where=None, layer=None):
+    """``buffer`` with microbatch ``m`` (an array shaped like :func:`take_microbatch`'s) in;
+    given ``layer``, into that index of the buffer's leading (layer) dimension, which ``x``
+    lacks (``dim`` counts the buffer's dimensions); given ``where`` (a boolean scalar), only
+    where it holds. One slot is updated, which the compiler does in place."""
+    lead = () if layer is None else (1,)
+    rows, per_row, d = buffer.shape[dim], buffer.shape[dim + 2], dim - len(lead)
+    x = x.reshape(*lead, *x.shape[:d], rows, 1, per_row, *x.shape[d + 1 :]).astype(buffer.dtype)
+    starts = [0] * buffer.ndim
+    starts[dim + 1] = m
+    if layer is not None:
+        starts[0] = layer
+    return _put(buffer, x, starts, where)
+
+
+def put_layer(buffer, x, layer, where=None, add: bool = False):
+    """``buffer`` (stacked over layers) with ``x`` at index ``layer``, or added to it (``add``),
+    only where ``where`` holds if given; in place, like :func:`put_microbatch`."""
     from jax import lax
 
-    rows, per_row = buffer.shape[dim], buffer.shape[dim + 2]
-    x = x.reshape(*x.shape[:dim], rows, 1, per_row, *x.shape[dim + 1 :])
-    return lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), m, dim + 1)
+    slot = x.reshape(1, *x.shape).astype(buffer.dtype)
+    starts = [layer] + [0] * (buffer.ndim - 1)
+    if add:
+        slot = slot + lax.dynamic_slice(buffer, starts, slot.shape)
+    return _put(buffer, slot, starts, where)
+
+
+def _put(buffer, slot, starts, where):
+    import jax.numpy as jnp
+    from jax import lax
+
+    starts = [jnp.asarray(s, jnp.int32) for s in starts]
+    if where is not None:
+        slot = lax.select(jnp.broadcast_to(where, slot.shape), slot,
+                          lax.dynamic_slice(buffer, starts, slot.shape))  # fmt: skip
+    return lax.dynamic_update_slice(buffer, slot, starts)
 
 
 def merge_microbatches(buffer, dim: int):

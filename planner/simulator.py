@@ -23,7 +23,11 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
   results: a redist plan's steps, operand copies its kernel makes, a partial result beside its
   all-reduce or reduce-scatter. Sums nothing reads before the program's last one (a step's
   gradients) are combined into one collective, as XLA's combiners do: their partial results
-  wait for it.
+  wait for it;
+- a pipelined scan (:class:`planner.pipeline.Stages`) as GPipe runs it: its body's work and
+  communication at ``(K + P - 1) / (K P)`` of the whole loop's, one hand-over of the carry per
+  tick over the stage axis, and its body's batch-carrying values at one microbatch's size (the
+  stacked outputs, GPipe's in-flight activations, hold all ``K``).
 
 Example:
     >>> pred = simulate(prog, sched)           # doctest: +SKIP
@@ -41,7 +45,10 @@ from planner.costs import fusion, op_bytes, op_flops
 from planner.dataflow import dataflow, input_spec
 from planner.halo import halo_bytes
 from planner.ir import Program, itemsize
+from planner.microbatch import microbatching
+from planner.pipeline import stage_factors
 from planner.schedule import Schedule, Spec, local_shape
+from planner.staging import region_of
 from redist.calibration import Calibration, wire_bytes
 
 
@@ -390,6 +397,16 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     return members, spans
 
 
+def _microbatched(prog: Program, sched: Schedule) -> dict[str, int]:
+    """The values a pipeline holds one microbatch of at a time: the batch-carrying values of
+    each pipelined scan's body (:func:`planner.microbatch.microbatching`), each with its
+    pipeline's microbatch count."""
+    out: dict[str, int] = {}
+    for st in sched.stages:
+        out.update(dict.fromkeys(microbatching(prog, region_of(prog, st)).dim, st.microbatches))
+    return out
+
+
 def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration, m) -> list:
     """``costs`` with the ops of pipelined scans (:class:`planner.pipeline.Stages`) priced as
     GPipe runs them: each device runs its ``L / P`` layers on ``K + P - 1`` microbatches of
@@ -399,9 +416,6 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
     axis, on its link)."""
     if not sched.stages:
         return costs
-    from planner.pipeline import stage_factors
-    from planner.staging import region_of
-
     costs = list(costs)
     for st in sched.stages:
         r = region_of(prog, st)
@@ -439,7 +453,10 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     base = sum(fixed.values())
     n = len(steps)
     grow, release = [0] * n, [0] * n
-    chains = _chains(prog, lt, priced, outputs)
+    micro = _microbatched(prog, sched)
+    chains = [
+        (b, e, size // micro.get(n, 1), n) for b, e, size, n in _chains(prog, lt, priced, outputs)
+    ]
     for begin, end, size, _ in chains:
         grow[begin] += size
         release[end] += size
@@ -451,6 +468,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         for mv, size in zip(st.moves, priced[k][4]):
             held = copies.get((mv.value.name, mv.dst))
             if held is None:
+                size //= micro.get(mv.value.name, 1)
                 copies[(mv.value.name, mv.dst)] = [k, lt.hold[k], size, mv]
             else:
                 held[1] = max(held[1], lt.hold[k])
@@ -486,6 +504,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
         scratch += 0 if k in members else partial
+        scratch //= max((micro.get(r.value.name, 1) for r in st.op.results), default=1)
         now = base + live + scratch
         if on_peak is not None:
             for key, size, end in starts.get(k, ()):
