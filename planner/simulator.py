@@ -45,10 +45,9 @@ from planner.costs import fusion, op_bytes, op_flops
 from planner.dataflow import dataflow, input_spec
 from planner.halo import halo_bytes
 from planner.ir import Program, itemsize
-from planner.microbatch import microbatching
 from planner.pipeline import stage_factors
 from planner.schedule import Schedule, Spec, local_shape
-from planner.staging import region_of
+from planner.staging import pipeline_runs, region_of
 from redist.calibration import Calibration, wire_bytes
 
 
@@ -397,36 +396,34 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     return members, spans
 
 
-def _microbatched(prog: Program, sched: Schedule) -> dict[str, int]:
-    """The values a pipeline holds one microbatch of at a time: the batch-carrying values of
-    each pipelined scan's body (:func:`planner.microbatch.microbatching`), each with its
-    pipeline's microbatch count."""
-    out: dict[str, int] = {}
-    for st in sched.stages:
-        out.update(dict.fromkeys(microbatching(prog, region_of(prog, st)).dim, st.microbatches))
-    return out
-
-
 def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration, m) -> list:
     """``costs`` with the ops of pipelined scans (:class:`planner.pipeline.Stages`) priced as
-    GPipe runs them: each device runs its ``L / P`` layers on ``K + P - 1`` microbatches of
-    ``1 / K`` of the batch, so ``(K + P - 1) / (K P)`` of the whole loop's work and
-    communication (the bubble being ``(P - 1) / (K + P - 1)`` of it), plus one hand-over of
-    each microbatch's carry to the next stage per tick (a collective-permute over the stage
-    axis, on its link)."""
+    GPipe runs them (:class:`planner.staging.Runs`): work and the communication of
+    batch-carrying values at ``(K + P - 1) / (K P)`` of the whole loop's (the bubble being
+    ``(P - 1) / (K + P - 1)`` of it), communication of whole values (a layer's weights gathered,
+    its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's; plus one
+    hand-over of each microbatch's carry to the next stage per tick (a collective-permute over
+    the stage axis, on its link)."""
     if not sched.stages:
         return costs
+    runs, micro = pipeline_runs(prog, sched)
     costs = list(costs)
+    for i, st in enumerate(steps):
+        run = runs.get(st.op.name)
+        if run is None:
+            continue
+        sent = [mv.value.name for mv in st.moves]
+        sent += [r.value.name for r in st.op.results] if st.pending else []
+        comm = run.share if all(n in micro for n in sent) else run.calls
+        c = costs[i]
+        costs[i] = dataclasses.replace(c, compute_s=c.compute_s * run.share,
+                                       comm_s=c.comm_s * comm, comm_bytes=c.comm_bytes * comm,
+                                       flops=c.flops * run.share,
+                                       bytes_accessed=c.bytes_accessed * run.share)  # fmt: skip
     for st in sched.stages:
         r = region_of(prog, st)
         axes = stage_factors(st.axis, sched.mesh)
         p, k = math.prod(sched.mesh[a] for a in axes), st.microbatches
-        share = (k + p - 1) / (k * p)
-        for i in range(r.body, r.stop):
-            c = costs[i]
-            costs[i] = dataclasses.replace(c, compute_s=c.compute_s * share, comm_s=c.comm_s * share,
-                                           comm_bytes=c.comm_bytes * share, flops=c.flops / p,
-                                           bytes_accessed=c.bytes_accessed / p)  # fmt: skip
         nc = r.eqn.params["num_consts"]
         carry = sum(_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
                     for st_ in steps[r.start + nc : r.body]
@@ -453,7 +450,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     base = sum(fixed.values())
     n = len(steps)
     grow, release = [0] * n, [0] * n
-    micro = _microbatched(prog, sched)
+    micro = pipeline_runs(prog, sched)[1]
     chains = [
         (b, e, size // micro.get(n, 1), n) for b, e, size, n in _chains(prog, lt, priced, outputs)
     ]

@@ -51,6 +51,43 @@ def check_stages(prog: Program, sched: Schedule) -> None:
         microbatching(prog, r).check(st.microbatches)
 
 
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """How often a pipelined body op runs, as GPipe runs it: each device runs its ``L / P``
+    layers on ``K + P - 1`` ticks, one microbatch (``1 / K`` of the batch) each: ``(K + P - 1) /
+    P`` times the op's trips over the whole loop (``op.trips``, ``L``), on values whose batch
+    dimension is ``1 / K`` as large (others, such as a layer's weights or their gradient, are
+    whole every time)."""
+
+    stages: int
+    microbatches: int
+
+    @property
+    def calls(self) -> float:
+        """Runs per device relative to the unpipelined loop's trips."""
+        return (self.microbatches + self.stages - 1) / self.stages
+
+    @property
+    def share(self) -> float:
+        """The part of the unpipelined loop's work a device does, bubble included."""
+        return self.calls / self.microbatches
+
+
+def pipeline_runs(prog: Program, sched: Schedule) -> tuple[dict[str, Runs], dict[str, int]]:
+    """The ops of ``sched``'s pipelined scan bodies with their :class:`Runs`, and the values
+    those bodies hold one microbatch of at a time (their batch-carrying values) with the
+    microbatch count."""
+    ops: dict[str, Runs] = {}
+    values: dict[str, int] = {}
+    for st in sched.stages:
+        r = region_of(prog, st)
+        stages = math.prod(sched.mesh[a] for a in stage_factors(st.axis, sched.mesh))
+        runs = Runs(stages, st.microbatches)
+        ops.update((o.name, runs) for o in prog.ops[r.body : r.stop])
+        values.update(dict.fromkeys(microbatching(prog, r).dim, st.microbatches))
+    return ops, values
+
+
 def pipelinable(prog: Program, stages: int, microbatches: int) -> list[Region]:
     """The top-level scans (in no other region) whose layers split into ``stages`` and whose
     bodies split into ``microbatches``."""

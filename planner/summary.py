@@ -43,6 +43,7 @@ from planner.halo import halo_bytes, split
 from planner.ir import Op, Program, is_key, itemsize
 from planner.schedule import Schedule, Spec, local_shape, make_schedule
 from planner.simulator import Prediction, simulate, step_costs
+from planner.staging import pipeline_runs, region_of
 from redist.calibration import Calibration, wire_bytes
 from redist.types import MeshShape
 
@@ -400,12 +401,16 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
         row["bytes"] += sent * trips
         row["seconds"] += seconds * trips
 
+    runs, micro = pipeline_runs(prog, sched)  # a pipelined body runs per tick, on microbatches
     for st in steps:
         op = st.op
+        run = runs.get(op.name)
+        trips = op.trips * (run.calls if run else 1)
         for mv in st.moves:
             plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
+            part = 1 / micro.get(mv.value.name, 1)
             for kind, seconds, sent in step_costs(plan, cal):
-                add(kind, seconds, sent, op.trips)
+                add(kind, seconds * part, sent * part, trips)
         for w in op.windows:  # halos, from each neighbour
             axes = sched.axes_of(op, w.owner)
             a = op.operands[0].value
@@ -423,8 +428,14 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
                 size *= itemsize(r.value.dtype)
                 kind, nbytes = ("all-reduce", size) if st.scatter[k] is None else (
                     "reduce-scatter", size * n)  # fmt: skip
+                nbytes /= micro.get(r.value.name, 1)
                 add(kind, cal.collective_time(kind, nbytes, n, crosses),
-                    wire_bytes(kind, nbytes, n), op.trips)  # fmt: skip
+                    wire_bytes(kind, nbytes, n), trips)  # fmt: skip
+    if sched.stages:  # the hand-overs, one per tick, as the simulator prices them
+        hands = [c for c in simulate(prog, sched, cal).ops if c.op.startswith("pipeline hand")]
+        for st, c in zip(sched.stages, hands):
+            ticks = st.microbatches + runs[prog.ops[region_of(prog, st).body].name].stages - 1
+            add("collective-permute", c.comm_s / ticks, c.comm_bytes / ticks, ticks)
     return out
 
 

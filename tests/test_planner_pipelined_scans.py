@@ -202,6 +202,28 @@ def test_pipelined_memory_is_priced_per_microbatch():
     assert seen[8][0] < 0.97 * seen[2][0] and seen[8][1] < 0.9 * seen[2][1], seen
 
 
+def test_a_pipelines_gradient_sums_are_priced_once_per_tick():
+    """Inside a pipeline, a layer's weight gradient over a batch split on another axis is
+    all-reduced on every tick (whole each time, one microbatch's part), so with more
+    microbatches the all-reduces grow as ``(K + P - 1) / P`` while the layers' work shrinks."""
+    from planner.staging import staged
+    from planner.summary import collectives
+    from redist.calibration import Calibration
+
+    args = _args(np.random.default_rng(0), layers=4, batch=64, d=32, hidden=64)
+    mesh, stage = _mesh("a4xpipe2")
+    prog = planner.analyze(_step, *args)
+    batch = {o.name: {o.loops[0].name: "a"} for o in prog.ops
+             if o.primitive == "dot_general" and o.loops[0].extent == 64}  # fmt: skip
+    base = prog.schedule(batch, mesh, default="propagate")
+    counts = {}
+    for k in (2, 8):
+        sched = staged(prog, base, stage, k)
+        counts[k] = collectives(prog, sched, Calibration.default())["all-reduce"]["count"]
+    gradients = 2 * 4  # two weight products per layer, four layers
+    assert counts[2] >= gradients * (2 + 2 - 1) / 2 and counts[8] >= gradients * (8 + 2 - 1) / 2
+
+
 def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path):
     """Two v5p slices of 4 chips joined by the data-centre network (``pipe`` crosses it), a
     memory limit that rules out replicated weights: the plans that fit without a pipeline move
