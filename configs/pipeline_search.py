@@ -12,4 +12,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.calibration = "h100_sxm"
     c.memory_gb = 0.0  # memory per device; 0: the calibration's (80 GB)
     c.slice_devices = 0  # devices joined by the fast network; 0: the calibration's (8 per host)
+    c.planner = True  # also planner.plan of the scanned model on every mesh of the grid
     return c

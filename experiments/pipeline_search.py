@@ -21,6 +21,14 @@ Configurations over the calibration's memory do not fit.
 The result (``summary.json``, ``report.md``): per model, the best configuration that fits against
 the best pure data, tensor and pipeline parallelism (``K = 8 P`` for the latter, DistIR's
 expert heuristic, as in its Table 2).
+
+With ``config.planner`` (the default), :func:`planner.plan` also plans the same model written
+as people write it for a pipeline (:func:`mlp_step`: the layers stacked under ``lax.scan``) from
+shapes on every ``d x p x t`` mesh of the grid, free to pipeline the layers over ``p`` and to
+split everything else its own way; the best of those plans is reported beside the grid. The
+planner prices the pipeline its lowering runs, whose weight gradients are all-reduced on every
+tick (no accumulation across microbatches before one all-reduce, which the grid's formula
+assumes), so it pipelines less where the batch is also split over ``d``.
 """
 
 from __future__ import annotations
@@ -96,6 +104,57 @@ def evaluate(cfg: dict, model: dict, cal) -> dict:
             "fits": memory <= cal.memory_bytes, "microbatch_s": pred.time_s}  # fmt: skip
 
 
+def mlp_step(ws, x, y):
+    """The family's training step as people write it for a pipeline: the layers stacked and run
+    with ``lax.scan``, squared loss, SGD."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def loss(ws):
+        h, _ = lax.scan(lambda h, w: (jax.nn.relu(h @ w), None), x, ws)
+        return jnp.sum((h - y).astype(jnp.float32) ** 2)
+
+    return ws - (0.01 * jax.grad(loss)(ws)).astype(ws.dtype)
+
+
+def planned(model: dict, d: int, t: int, p: int, microbatches, cal) -> dict:
+    """``planner.plan`` of :func:`mlp_step` from shapes on the mesh ``d x p x t`` (weights
+    donated, the calibration's memory as the limit), free to pipeline the layers over ``p``:
+    its predicted step, memory and the microbatches it chose."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    import planner
+
+    layers, hidden, batch = model["layers"], model["hidden"], model["batch"]
+    dtype = jnp.dtype(model["dtype"])
+    f = jax.ShapeDtypeStruct
+    args = (
+        f((layers, hidden, hidden), dtype),
+        f((batch, hidden), dtype),
+        f((batch, hidden), dtype),
+    )
+    sizes = dict(zip(MESH_ORDER, (d, p, t)))
+    ks = [k for k in microbatches if batch % (d * k) == 0] if p > 1 else None
+    start = time.perf_counter()
+    row = {"D": d, "T": t, "P": p}
+    try:
+        plan = planner.plan(mlp_step, *args, mesh=sizes, calibration=cal, donate_argnums=0,
+                            memory_limit_bytes=cal.memory_bytes,
+                            pipeline_axis="p" if p > 1 else None, microbatches=ks or None)  # fmt: skip
+    except ValueError as e:  # nothing fits
+        return {**row, "K": None, "fits": False, "why": str(e).splitlines()[0],
+                "search_s": time.perf_counter() - start}  # fmt: skip
+    stages = plan.schedule.stages
+    return {**row, "K": stages[0].microbatches if stages else 1, "pipelined": bool(stages),
+            "step_s": plan.prediction.time_s, "throughput": batch / plan.prediction.time_s,
+            "memory_bytes": plan.prediction.peak_bytes, "fits": True,
+            "search_s": time.perf_counter() - start}  # fmt: skip
+
+
 def configurations(model: dict, microbatches) -> list[dict]:
     out = []
     for d, t, p in _divisors_of_16():
@@ -147,13 +206,26 @@ def run(config, workdir: str) -> dict:
             entry[kind] = b
             if b and best:
                 entry[f"best_over_{kind}"] = best["throughput"] / b["throughput"]
+        if config.get("planner", True):
+            grid = {(r["D"], r["T"], r["P"]) for r in rows}
+            plans = [{"model": name, "strategy": "planner", **planned(model, *dtp, micro, cal)}
+                     for dtp in sorted(grid)]  # fmt: skip
+            all_rows += plans
+            entry["planner"] = max((r for r in plans if r["fits"]),
+                                   key=lambda r: r["throughput"], default=None)  # fmt: skip
+            entry["planner_search_s"] = sum(r["search_s"] for r in plans)
+            if entry["planner"] and best:
+                entry["planner_over_best"] = entry["planner"]["throughput"] / best["throughput"]
         summary[name] = entry
         lines += [f"## {name}: {layers} layers x {hidden}, batch {batch} "
                   f"({entry['params'] / 1e9:.1f} B parameters)", "",
                   "| strategy | D / T / P / K | step ms | GB per device | fits |",
                   "|---|---|---|---|---|"]  # fmt: skip
         for label, r in (("best found", best), ("pure data", entry["data"]),
-                         ("pure tensor", entry["tensor"]), ("pure pipeline", entry["pipeline"])):  # fmt: skip
+                         ("pure tensor", entry["tensor"]), ("pure pipeline", entry["pipeline"]),
+                         ("planner.plan, best mesh", entry.get("planner"))):  # fmt: skip
+            if label.startswith("planner") and "planner" not in entry:
+                continue
             if r is None:
                 lines.append(f"| {label} | - | - | - | none fits |")
                 continue

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import networkx as nx
 
@@ -90,9 +90,9 @@ def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes) -
 
 
 class _Evaluator:
-    def __init__(self, prog, mesh, cal, limit, groups):
+    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None):
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
-        self.groups = groups
+        self.groups, self.priced_as = groups, priced_as
         self.cache: dict = {}
         self.best_peak = math.inf
         self.best_peak_schedule: Schedule | None = None
@@ -116,9 +116,10 @@ class _Evaluator:
         """A complete schedule (one made elsewhere too, an expert strategy's), scored; its donated
         state stored as the step leaves it (:func:`planner.donation.keep_state_layouts`)."""
         sched = keep_state_layouts(self.prog, sched)
-        pred = simulate(self.prog, sched, self.cal)
+        priced = self.priced_as(sched) if self.priced_as else sched
+        pred = simulate(self.prog, priced, self.cal)
         if pred.peak_bytes < self.best_peak:
-            self.best_peak, self.best_peak_schedule = pred.peak_bytes, sched
+            self.best_peak, self.best_peak_schedule = pred.peak_bytes, priced
         if self.limit is not None and pred.peak_bytes > self.limit:
             return (math.inf, pred.peak_bytes, sched, pred)
         return (pred.time_s, pred.peak_bytes, sched, pred)
@@ -192,8 +193,13 @@ def search(
     step_limit: int = 64,
     greedy_ops: int = 150,
     dp: bool = True,
+    priced_as: Callable[[Schedule], Schedule] | None = None,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
+
+    ``priced_as``: each candidate is priced (and held to the memory limit) as the schedule this
+    makes of it, e.g. :func:`planner.staging.staged` pipelining its scans over another axis;
+    the candidate itself is returned, with the prediction of what it was priced as.
 
     Raises:
         planner.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
@@ -205,7 +211,7 @@ def search(
     cal = calibration or Calibration.default()
     grouped = groups(prog)
     ops = [g[0] for g in grouped]
-    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped)
+    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as)
     empty: Assignment = {o.name: {} for o in ops}
 
     classes = interchangeable(shape, cal)

@@ -256,3 +256,20 @@ def test_pod_plans_measures_the_model_with_remat_where_nothing_fits(tmp_path, mo
     asked.clear()
     pod_plans.run(config, str(tmp_path / "off"))
     assert asked == ["lm_tiny"]
+
+
+def test_pipeline_search_smoke(tmp_path):
+    """DistIR's grid on a small MLP, with planner.plan of the scanned model on every mesh: the
+    planner's best plan is at least as fast as the best pure data, tensor and pipeline
+    strategy the grid prices."""
+    from configs import pipeline_search as ps_config
+    from experiments import pipeline_search
+
+    config = ps_config.get_config()
+    config.update(models="mlp_tiny=8x1024x4096", microbatches="2,4,8")
+    summary = pipeline_search.run(config, str(tmp_path))["mlp_tiny"]
+    assert summary["planner"] is not None and summary["planner"]["fits"]
+    for kind in ("data", "tensor", "pipeline"):
+        if summary[kind] is not None:
+            assert summary["planner"]["throughput"] >= summary[kind]["throughput"], kind
+    assert "planner.plan, best mesh" in (tmp_path / "report.md").read_text()
