@@ -526,14 +526,17 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
         if key in params:
             params[key] = None
     args = list(args)
+    crops = []
     if local_out is not None and op.windows and step is not None:
-        _with_halos(op, args, params, step)
+        crops = _with_halos(op, args, params, step)
     if pending and op.primitive in SCATTER_ADD:  # the operand is added once, not once per part
         args[0] = jnp.where(_first_device(pending), args[0], jnp.zeros_like(args[0]))
     it = iter(args)
     full = [v.val if isinstance(v, jcore.Literal) else next(it) for v in eqn.invars]
     out = eqn.primitive.bind(*full, **params)
     outs = list(out) if eqn.primitive.multiple_results else [out]
+    for dim, start, size in crops:  # a max-pool gradient's rows that are this device's
+        outs[0] = lax.slice_in_dim(outs[0], start, start + size, axis=dim)
     if pending:
         for k, x in enumerate(outs):
             if step.scatter[k] is not None:
@@ -550,7 +553,7 @@ def _spatially_split(step: OpStep) -> bool:
     exchange of :func:`_with_halos` under every backend (XLA's SPMD partitioner, as of jaxlib
     0.10, computes a kernel's gradient wrongly when its input and the output gradient are both
     split along a spatial dimension)."""
-    return any(step.in_specs[0][w.dim] for w in step.op.windows)
+    return any(step.in_specs[w.input][w.dim] for w in step.op.windows)
 
 
 def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
@@ -573,36 +576,53 @@ def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
             for t in range(len(coords)) if 0 <= t + shift < len(coords)]  # fmt: skip
 
 
-def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> None:
+def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> list[tuple[int, int, int]]:
     """A convolution or pooling on local tiles: each split spatial dimension of its input
     extended by the halo its neighbours send (``ppermute``; at the ends, the padding value: 0,
     or a max-pool's -inf) and padded as :func:`planner.halo.split` says; a grouped convolution's
-    group count is that of the local tile."""
+    group count is that of the local tile. A max-pool's gradient (``select_and_scatter_add``)
+    gets its source's windows too; returns the ``(dimension, start, size)`` crops of its result
+    to the device's own rows."""
     padding = list(params["padding"])
     fill = POOLS.get(op.primitive, 0.0)
+    if op.primitive == "select_and_scatter_add":
+        fill = float("-inf") if params["select_prim"] is lax.ge_p else float("inf")
+    crops = []
     for k, w in enumerate(op.windows):
-        x, tile = args[0], args[0].shape[w.dim]
+        tile = args[w.input].shape[w.dim]
         parts = w.size // tile
         if parts == 1:
             continue
         cut = split(w, parts)
-        axes = step.in_specs[0][w.dim]
-        pieces = [x]
-        if cut.left:
-            border = lax.slice_in_dim(x, tile - cut.left, tile, axis=w.dim)
-            border = lax.ppermute(border, axes, _to_neighbour(axes, +1))
-            pieces.insert(0, _at_the_end(border, axes, 0, fill))
-        if cut.right:
-            border = lax.slice_in_dim(x, 0, cut.right, axis=w.dim)
-            border = lax.ppermute(border, axes, _to_neighbour(axes, -1))
-            pieces.append(_at_the_end(border, axes, parts - 1, fill))
-        args[0] = jnp.concatenate(pieces, axis=w.dim)
-        padding[w.dim if op.primitive in POOLS else k] = cut.pad
+        axes = step.in_specs[w.input][w.dim]
+        args[w.input] = _extend(args[w.input], w.dim, cut.left, cut.right, axes, parts, fill)
+        if w.scatters:
+            args[0] = _extend(args[0], w.dim, *cut.source, axes, parts, 0.0)
+            crops.append((w.dim, cut.left, tile))
+        padding[w.dim if op.primitive in POOLS or w.scatters else k] = cut.pad
     params["padding"] = tuple(padding)
     if params.get("feature_group_count", 1) > 1:
         dn = params["dimension_numbers"]
         per_group = args[1].shape[dn.rhs_spec[1]]
         params["feature_group_count"] = args[0].shape[dn.lhs_spec[1]] // per_group
+    return crops
+
+
+def _extend(x, dim: int, left: int, right: int, axes, parts: int, fill: float):
+    """``x`` (a tile along ``dim``, split over ``axes`` in ``parts``) with the last ``left``
+    elements of its left neighbour's tile before it and the first ``right`` of its right
+    neighbour's after it (``fill`` at the ends)."""
+    tile = x.shape[dim]
+    pieces = [x]
+    if left:
+        border = lax.slice_in_dim(x, tile - left, tile, axis=dim)
+        border = lax.ppermute(border, axes, _to_neighbour(axes, +1))
+        pieces.insert(0, _at_the_end(border, axes, 0, fill))
+    if right:
+        border = lax.slice_in_dim(x, 0, right, axis=dim)
+        border = lax.ppermute(border, axes, _to_neighbour(axes, -1))
+        pieces.append(_at_the_end(border, axes, parts - 1, fill))
+    return jnp.concatenate(pieces, axis=dim) if len(pieces) > 1 else x
 
 
 def _at_the_end(border, axes: tuple[str, ...], end: int, fill: float):

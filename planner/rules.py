@@ -512,6 +512,29 @@ def reduce_window(name, eqn, ins, outs):
               (_acc(out, dims),), windows=tuple(windows))  # fmt: skip
 
 
+def select_and_scatter_add(name, eqn, ins, outs):
+    """A max-pool's gradient: the source (one value per window) added where each window of the
+    operand has its maximum. One loop per operand (and result) dimension; a windowed one splits
+    the operand and the source with halos (:func:`planner.halo.scatter_split`)."""
+    p = eqn.params
+    source, x, out = ins[0], ins[1], outs[0]
+    loops, dims, windows = [], [], []
+    for d, (n, n_src) in enumerate(zip(x.shape, source.shape)):
+        loops.append(Loop(f"i{d}", n))
+        dims.append((f"i{d}",))
+        w = Window(d, f"i{d}", True, n, n_src, p["window_dimensions"][d], p["window_strides"][d],
+                   1, 1, tuple(p["padding"][d]), scatters=True)  # fmt: skip
+        if (w.window, w.stride, w.pad) != (1, 1, (0, 0)):
+            windows.append(w)
+    halo = [(0, 0)] * len(x.shape)
+    for w in windows:
+        reach = w.window - 1
+        halo[w.dim] = (reach // 2, reach - reach // 2)
+    return Op(name, eqn.primitive.name, tuple(loops),
+              (_acc(source, dims), Access(x, tuple(dims), tuple(halo))), (_acc(out, dims),),
+              windows=tuple(windows))  # fmt: skip
+
+
 def rule_for(primitive: str) -> Rule | None:
     if primitive in ELEMENTWISE:
         return elementwise
@@ -543,4 +566,5 @@ def rule_for(primitive: str) -> Rule | None:
         "iota": iota,
         "conv_general_dilated": conv_general_dilated,
         **dict.fromkeys(POOLS, reduce_window),
+        "select_and_scatter_add": select_and_scatter_add,
     }.get(primitive)

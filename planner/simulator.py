@@ -180,13 +180,13 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     extended = 0  # a convolution's input tile with its halo, made before the kernel runs
     for w in op.windows:
         axes = sched.axes_of(op, w.owner)
-        borders = halo_bytes(w, math.prod(sizes[a] for a in axes), ins[0])
+        borders = halo_bytes(w, math.prod(sizes[a] for a in axes), ins[w.input])
         for border in borders:
             if border:
                 comm_t += cal.collective_time("collective-permute", border, 2, cal.crosses(m, axes))
                 wire += border
                 accessed += 2 * border
-        extended = max(extended, ins[0] + sum(borders) if any(borders) else 0)
+        extended = max(extended, ins[w.input] + sum(borders) if any(borders) else 0)
     # What the kernel holds while it runs: operands it copies into another order, and a partial
     # result beside its sum (an all-reduce writes a new buffer; a reduce-scatter reads the partial
     # result at its whole size, and where the compiler all-reduces it then slices, writes one).

@@ -413,8 +413,9 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
                 add(kind, seconds * part, sent * part, trips)
         for w in op.windows:  # halos, from each neighbour
             axes = sched.axes_of(op, w.owner)
-            a = op.operands[0].value
-            tile = math.prod(local_shape(a.shape, st.in_specs[0], sched.mesh)) * itemsize(a.dtype)
+            a = op.operands[w.input].value
+            tile = math.prod(local_shape(a.shape, st.in_specs[w.input], sched.mesh))
+            tile *= itemsize(a.dtype)
             for border in halo_bytes(w, math.prod(sched.mesh[x] for x in axes), tile):
                 if border:
                     seconds = cal.collective_time("collective-permute", border, 2,

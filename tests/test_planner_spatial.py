@@ -188,13 +188,21 @@ def test_the_search_splits_rows_when_the_batch_is_too_small(mesh):
 
 
 POOLS = [("max", (3, 3), (1, 1), "SAME"), ("max", (2, 2), (2, 2), "VALID"),
+         ("max", (3, 3), (2, 2), "SAME"), ("max", (3, 3), (2, 2), ((0, 0), (1, 1), (1, 1), (0, 0))),
          ("avg", (3, 3), (2, 2), "SAME"), ("min", (5, 5), (1, 1), "SAME")]  # fmt: skip
 
 
-@pytest.mark.parametrize("pool", POOLS, ids=[f"{p[0]}{p[1][0]}s{p[2][0]}{p[3]}" for p in POOLS])
+def _pool_id(p) -> str:
+    pad = p[3] if isinstance(p[3], str) else "PAD" + "".join(str(a) for a in p[3][1])
+    return f"{p[0]}{p[1][0]}s{p[2][0]}{pad}"
+
+
+@pytest.mark.parametrize("pool", POOLS, ids=[_pool_id(p) for p in POOLS])
 def test_spatially_split_pooling_is_exact_forward_and_gradient(pool, mesh):
     """Max, min and average pooling with their rows and columns split (a max-pool's halo is -inf
-    past the ends, as its padding), lowered both ways, against the unsharded step."""
+    past the ends, as its padding), and a max-pool's gradient (``select_and_scatter_add``: its
+    operand and source windows with halos, its result cropped to each device's rows) split the
+    same way, lowered both ways, against the unsharded step."""
     kind, window, strides, pad = pool
     reducer = {"max": (lax.max, -jnp.inf), "min": (lax.min, jnp.inf), "avg": (lax.add, 0.0)}[kind]
 
@@ -205,17 +213,47 @@ def test_spatially_split_pooling_is_exact_forward_and_gradient(pool, mesh):
     x = np.random.default_rng(len(kind)).standard_normal((2, 16, 16, 4)).astype(np.float32)
     fn = jax.value_and_grad(step)
     prog = planner.analyze(fn, x)
-    op = next(o for o in prog.ops if o.primitive.startswith("reduce_window"))  # the forward
+    windowed = [o for o in prog.ops if o.windows]
+    op = windowed[0]  # the forward
     assert [w.owner for w in op.windows] == ["i1", "i2"]
+    gradient = [o for o in windowed if o.primitive == "select_and_scatter_add"]
+    assert len(gradient) == (kind != "avg")
     want = jax.tree.leaves(fn(x))
     for loops in ({"i1": "a", "i2": ("b", "c")}, {"i1": ("c", "a"), "i0": "b"}):
-        loops = {lp: ax for lp, ax in loops.items()
-                 if lp == "i0" or split(op.windows[int(lp[1]) - 1], 2 ** len(ax)) is not None}  # fmt: skip
-        sched = prog.schedule({op.name: loops}, mesh)
+        assign = {}
+        for o in (op, *gradient):
+            owners = {w.owner: w for w in o.windows}
+            assign[o.name] = {lp: ax for lp, ax in loops.items()
+                              if lp not in owners or split(owners[lp], 2 ** len(ax)) is not None}  # fmt: skip
+        assert all(set(a) == set(loops) for a in assign.values())  # every window split
+        sched = prog.schedule(assign, mesh)
         for backend in ("explicit", "xla"):
             got = jax.tree.leaves(planner.lower(prog, sched, mesh, backend=backend)(x))
             for g, e in zip(got, want):
                 np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+def test_a_max_pool_gradient_splits_where_its_windows_line_up():
+    """The halo of a max-pool's gradient: the windows covering a device's rows and the operand
+    rows they read, for the usual pools; refused where the windows do not line up."""
+    from planner.halo import Window, scatter_split
+
+    def cut(window, stride, pad, size=16, parts=2):
+        out = (size + sum(pad) - window) // stride + 1
+        return scatter_split(Window(1, "i1", True, size, out, window, stride, 1, 1, pad, True), parts)
+
+    # rows 8-15 of 16 on the second device; window j reads rows [j s - lo, j s - lo + w)
+    assert cut(3, 1, (1, 1)) == split_of(2, 2, (1, 1))  # windows 7-16, rows 6-17
+    assert cut(2, 2, (0, 0)) == split_of(0, 0, (0, 0))  # windows inside the tiles: no halo
+    assert cut(3, 2, (0, 1)) == split_of(2, 1, (1, 0))  # windows 3-7, rows 6-16
+    assert cut(3, 2, (1, 1)) == split_of(1, 2, (0, 1))  # windows 4-8, rows 7-17
+    assert cut(3, 2, (0, 0)) is None  # 'VALID' 3x3 stride 2: 7 windows for 16 rows
+
+
+def split_of(left, right, source):
+    from planner.halo import Split
+
+    return Split(left, right, (0, 0), source)
 
 
 def test_batch_and_channel_splits_of_a_convnet_are_exact(mesh):
