@@ -240,7 +240,9 @@ def test_a_max_pool_gradient_splits_where_its_windows_line_up():
 
     def cut(window, stride, pad, size=16, parts=2):
         out = (size + sum(pad) - window) // stride + 1
-        return scatter_split(Window(1, "i1", True, size, out, window, stride, 1, 1, pad, True), parts)
+        return scatter_split(
+            Window(1, "i1", True, size, out, window, stride, 1, 1, pad, True), parts
+        )
 
     # rows 8-15 of 16 on the second device; window j reads rows [j s - lo, j s - lo + w)
     assert cut(3, 1, (1, 1)) == split_of(2, 2, (1, 1))  # windows 7-16, rows 6-17
