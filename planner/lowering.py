@@ -227,10 +227,9 @@ class Lowered:
             consts, carry0, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
 
             def layers(carry, consts_m, bufs, mc, valid, micro_of):
-                """The stage's layers on microbatch ``mc`` (each layer's stacked inputs taken
-                as it runs), each layer's stacked outputs
-                written into its slot of the pipeline's buffers as it is made (in place, where
-                stacking a tick's outputs first would hold them twice)."""
+                """The stage's layers on microbatch ``mc``: each layer's stacked inputs taken,
+                and its stacked outputs written into their slots of the pipeline's buffers, as
+                it runs (in place; stacking a tick's outputs first would hold them twice)."""
 
                 def body(state, layer):
                     c, bs = state
