@@ -285,7 +285,7 @@ class Lowered:
             bufs0 = []
             for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
                 v = e.results[0].value
-                local = (per, *self._tile(e.results[0].value.shape[1:], e))
+                local = (per, *self._tile(v.shape[1:], e))
                 if mb.exits[k] == "batch":
                     bufs0.append(microbatch_buffer(local, v.dtype, exit_dim(k), exit_rows(k), k_mb))
                 else:

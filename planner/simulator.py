@@ -396,17 +396,35 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     return members, spans
 
 
-def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration, m) -> list:
+def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[tuple]:
+    """Per pipeline of ``sched``: ``(ticks, seconds, bytes)`` of handing one microbatch's carry
+    to the next stage each tick (a collective-permute over the stage axis, on its link)."""
+    m = redist.MeshShape.of(sched.mesh)
+    out = []
+    for st in sched.stages:
+        r = region_of(prog, st)
+        axes = stage_factors(st.axis, sched.mesh)
+        p, k = math.prod(sched.mesh[a] for a in axes), st.microbatches
+        nc = r.eqn.params["num_consts"]
+        carry = sum(_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
+                    for st_ in steps[r.start + nc : r.body]
+                    for v in [st_.op.results[0].value]
+                    if st_.op.primitive == "scan_carry")  # fmt: skip
+        seconds = cal.collective_time("collective-permute", carry / k, p, cal.crosses(m, axes))
+        out.append((k + p - 1, seconds, carry / k))
+    return out
+
+
+def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration,
+               runs: dict, micro: dict) -> list:  # fmt: skip
     """``costs`` with the ops of pipelined scans (:class:`planner.pipeline.Stages`) priced as
     GPipe runs them (:class:`planner.staging.Runs`): work and the communication of
     batch-carrying values at ``(K + P - 1) / (K P)`` of the whole loop's (the bubble being
     ``(P - 1) / (K + P - 1)`` of it), communication of whole values (a layer's weights gathered,
-    its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's; plus one
-    hand-over of each microbatch's carry to the next stage per tick (a collective-permute over
-    the stage axis, on its link)."""
+    its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's; plus the
+    stage :func:`hand_overs`."""
     if not sched.stages:
         return costs
-    runs, micro = pipeline_runs(prog, sched)
     costs = list(costs)
     for i, st in enumerate(steps):
         run = runs.get(st.op.name)
@@ -420,19 +438,9 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
                                        comm_s=c.comm_s * comm, comm_bytes=c.comm_bytes * comm,
                                        flops=c.flops * run.share,
                                        bytes_accessed=c.bytes_accessed * run.share)  # fmt: skip
-    for st in sched.stages:
-        r = region_of(prog, st)
-        axes = stage_factors(st.axis, sched.mesh)
-        p, k = math.prod(sched.mesh[a] for a in axes), st.microbatches
-        nc = r.eqn.params["num_consts"]
-        carry = sum(_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
-                    for st_ in steps[r.start + nc : r.body]
-                    for v in [st_.op.results[0].value]
-                    if st_.op.primitive == "scan_carry")  # fmt: skip
-        ticks, crosses = k + p - 1, cal.crosses(m, axes)
-        hand = cal.collective_time("collective-permute", carry / k, p, crosses)
-        costs.append(OpCost(f"pipeline hand-overs of {st.axis}", 0.0, ticks * hand,
-                            ticks * carry / k, 0))  # fmt: skip
+    for st, (ticks, seconds, sent) in zip(sched.stages, hand_overs(prog, sched, steps, cal)):
+        costs.append(OpCost(f"pipeline hand-overs of {st.axis}", 0.0, ticks * seconds,
+                            ticks * sent, 0))  # fmt: skip
     return costs
 
 
@@ -450,7 +458,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     base = sum(fixed.values())
     n = len(steps)
     grow, release = [0] * n, [0] * n
-    micro = pipeline_runs(prog, sched)[1]
+    runs, micro = pipeline_runs(prog, sched)
     chains = [
         (b, e, size // micro.get(n, 1), n) for b, e, size, n in _chains(prog, lt, priced, outputs)
     ]
@@ -518,7 +526,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
                             counts[2] * st.op.trips))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
-    costs = _pipelined(prog, sched, costs, steps, cal, m)
+    costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
     total = sum(c.compute_s + c.comm_s for c in costs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
                       sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),

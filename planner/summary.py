@@ -42,8 +42,8 @@ from planner.dataflow import dataflow, input_spec, output_specs
 from planner.halo import halo_bytes, split
 from planner.ir import Op, Program, is_key, itemsize
 from planner.schedule import Schedule, Spec, local_shape, make_schedule
-from planner.simulator import Prediction, simulate, step_costs
-from planner.staging import pipeline_runs, region_of
+from planner.simulator import Prediction, hand_overs, simulate, step_costs
+from planner.staging import pipeline_runs
 from redist.calibration import Calibration, wire_bytes
 from redist.types import MeshShape
 
@@ -432,11 +432,8 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
                 nbytes /= micro.get(r.value.name, 1)
                 add(kind, cal.collective_time(kind, nbytes, n, crosses),
                     wire_bytes(kind, nbytes, n), trips)  # fmt: skip
-    if sched.stages:  # the hand-overs, one per tick, as the simulator prices them
-        hands = [c for c in simulate(prog, sched, cal).ops if c.op.startswith("pipeline hand")]
-        for st, c in zip(sched.stages, hands):
-            ticks = st.microbatches + runs[prog.ops[region_of(prog, st).body].name].stages - 1
-            add("collective-permute", c.comm_s / ticks, c.comm_bytes / ticks, ticks)
+    for ticks, seconds, sent in hand_overs(prog, sched, steps, cal):  # pipeline stages
+        add("collective-permute", seconds, sent, ticks)
     return out
 
 
