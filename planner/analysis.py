@@ -28,6 +28,7 @@ from jax.extend import core as jcore
 from planner import discover as discovery
 from planner import rules
 from planner.ir import Access, Loop, Op, Program, Region, Value, is_key
+from planner.pad_folding import fold_zero_pads
 
 INLINED = frozenset("pjit jit closed_call core_call custom_lin".split())
 KEPT = {
@@ -122,7 +123,7 @@ class _Builder:
 
     def walk(self, jaxpr, env: dict, trips: int = 1) -> None:
         outer = self.where
-        for eqn in jaxpr.eqns:
+        for eqn in fold_zero_pads(jaxpr):
             self.where = _source(eqn, outer)  # nested bodies fall back on their construct's
             name = eqn.primitive.name
             if name in ("scan", "while", "cond"):

@@ -528,6 +528,8 @@ def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
     crops = []
     if local_out is not None and op.windows and step is not None:
         crops = _with_halos(op, args, params, step)
+    if local_out is not None and op.primitive == "conv_general_dilated":
+        _local_groups(params, args, local_out)
     if pending and op.primitive in SCATTER_ADD:  # the operand is added once, not once per part
         args[0] = jnp.where(_first_device(pending), args[0], jnp.zeros_like(args[0]))
     it = iter(args)
@@ -578,10 +580,9 @@ def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
 def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> list[tuple[int, int, int]]:
     """A convolution or pooling on local tiles: each split spatial dimension of its input
     extended by the halo its neighbours send (``ppermute``; at the ends, the padding value: 0,
-    or a max-pool's -inf) and padded as :func:`planner.halo.split` says; a grouped convolution's
-    group count is that of the local tile. A max-pool's gradient (``select_and_scatter_add``)
-    gets its source's windows too; returns the ``(dimension, start, size)`` crops of its result
-    to the device's own rows."""
+    or a max-pool's -inf) and padded as :func:`planner.halo.split` says. A max-pool's gradient
+    (``select_and_scatter_add``) gets its source's windows too; returns the ``(dimension, start,
+    size)`` crops of its result to the device's own rows."""
     padding = list(params["padding"])
     fill = POOLS.get(op.primitive, 0.0)
     if op.primitive == "select_and_scatter_add":
@@ -600,11 +601,20 @@ def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> list[tuple[in
             crops.append((w.dim, cut.left, tile))
         padding[w.dim if op.primitive in POOLS or w.scatters else k] = cut.pad
     params["padding"] = tuple(padding)
+    return crops
+
+
+def _local_groups(params: dict, args: list, local_out) -> None:
+    """A grouped convolution's group count on local tiles: its input's local features over the
+    kernel's features per group (``feature_group_count``), or its input's local batch over the
+    output's (``batch_group_count``, a grouped convolution's kernel gradient)."""
+    dn = params["dimension_numbers"]
     if params.get("feature_group_count", 1) > 1:
-        dn = params["dimension_numbers"]
         per_group = args[1].shape[dn.rhs_spec[1]]
         params["feature_group_count"] = args[0].shape[dn.lhs_spec[1]] // per_group
-    return crops
+    if params.get("batch_group_count", 1) > 1:
+        per_group = local_out[0][dn.out_spec[0]]
+        params["batch_group_count"] = args[0].shape[dn.lhs_spec[0]] // per_group
 
 
 def _extend(x, dim: int, left: int, right: int, axes, parts: int, fill: float):

@@ -436,18 +436,20 @@ def conv_general_dilated(name, eqn, ins, outs):
     an output loop ``s*`` and a window loop ``w*`` (a sum). The larger of the two owns the input's
     spatial dimension: split, it splits the input with a halo (:mod:`planner.halo`); the other
     stays whole. Grouped convolutions (``feature_group_count`` ``G > 1``, depthwise ones too) add
-    a group loop ``g``, major in the input's and output's features."""
+    a group loop ``g``, major in the input's and output's features; so do the kernel gradients
+    of grouped convolutions (``batch_group_count`` ``G > 1``: group ``g`` of the output features
+    reads block ``g`` of the input's batch), major in the input's batch."""
     p = eqn.params
-    if p.get("batch_group_count", 1) != 1:
-        return None
-    groups = p.get("feature_group_count", 1)
+    batch_groups = p.get("batch_group_count", 1)
+    groups = max(p.get("feature_group_count", 1), batch_groups)
     lhs, rhs = ins
     out = outs[0]
     dn = p["dimension_numbers"]
     lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     nsp = len(lspec) - 2
-    feats = ("g",) if groups > 1 else ()
-    loops = [Loop("n", lhs.shape[lspec[0]]), *(Loop("g", groups) for _ in feats),
+    feats = ("g",) if groups > 1 and batch_groups == 1 else ()
+    blocks = ("g",) if batch_groups > 1 else ()
+    loops = [Loop("n", lhs.shape[lspec[0]] // batch_groups), *(Loop("g", groups) for _ in feats + blocks),
              Loop("o", rhs.shape[rspec[0]] // groups)]  # fmt: skip
     windows, spatial = [], []
     for k in range(nsp):
@@ -469,9 +471,9 @@ def conv_general_dilated(name, eqn, ins, outs):
     ldims: list = [()] * len(lhs.shape)
     rdims: list = [()] * len(rhs.shape)
     odims: list = [()] * len(out.shape)
-    ldims[lspec[0]], ldims[lspec[1]] = ("n",), (*feats, "i")
-    rdims[rspec[0]], rdims[rspec[1]] = (*feats, "o"), ("i",)
-    odims[ospec[0]], odims[ospec[1]] = ("n",), (*feats, "o")
+    ldims[lspec[0]], ldims[lspec[1]] = (*blocks, "n"), (*feats, "i")
+    rdims[rspec[0]], rdims[rspec[1]] = (*feats, *blocks, "o"), ("i",)
+    odims[ospec[0]], odims[ospec[1]] = ("n",), (*feats, *blocks, "o")
     halo = [(0, 0)] * len(lhs.shape)
     for k, w in enumerate(windows):
         ldims[w.dim] = (w.owner,)

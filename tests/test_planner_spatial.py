@@ -128,6 +128,7 @@ def test_spatially_split_convolutions_are_exact_forward_and_gradient(case, mesh)
     prog = planner.analyze(fn, *args)
     want = jax.tree.leaves(fn(*args))
     convs = [o for o in prog.ops if o.primitive == "conv_general_dilated"]
+    assert all(o.windows for o in convs)  # every one has its rule, the kernel gradients too
     assign, spatial = {}, 0
     for o in convs:
         axes = list(rng.permutation(["a", "b", "c"]))
@@ -136,7 +137,8 @@ def test_spatially_split_convolutions_are_exact_forward_and_gradient(case, mesh)
             take = tuple(axes[: rng.integers(1, 3)])
             if split(w, 2 ** len(take)) is not None:
                 loops[w.owner], axes = take, axes[len(take) :]
-        for lp in ("n", "g", "o"):
+        minor = {lp for a in o.operands + o.results for d in a.dims for lp in d[1:]}
+        for lp in sorted({"n", "g", "o"} - minor):
             if axes and lp in o.loop and o.loop[lp].extent % 2 == 0 and rng.random() < 0.5:
                 loops[lp], axes = axes[0], axes[1:]
         spatial += any(w.owner in loops for w in o.windows)
@@ -187,6 +189,31 @@ def test_the_search_splits_rows_when_the_batch_is_too_small(mesh):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
 
 
+def test_a_depthwise_kernel_gradient_splits_its_groups_and_rows(mesh):
+    """A depthwise convolution's kernel gradient (``batch_group_count`` 4: group ``g`` of the
+    output features reads channel ``g`` of the input) with its groups, its window (the output
+    gradient's rows) and its images split, lowered both ways, exact."""
+
+    def step(x, k):
+        y = lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=DN,
+                                     feature_group_count=4)  # fmt: skip
+        return jnp.sum(jnp.sin(y) * y)
+
+    rng = np.random.default_rng(3)
+    args = [rng.standard_normal(sh).astype(np.float32) for sh in [(4, 16, 16, 4), (3, 3, 1, 8)]]
+    fn = jax.value_and_grad(step, argnums=(0, 1))
+    prog = planner.analyze(fn, *args)
+    (kernel_gradient,) = [o for o in prog.ops if o.eqn.params.get("batch_group_count", 1) > 1]
+    assert [w.owner for w in kernel_gradient.windows] == ["w0", "w1"]
+    assert kernel_gradient.loop["g"].extent == 4
+    sched = prog.schedule({kernel_gradient.name: {"g": "a", "w0": "b", "i": "c"}}, mesh)
+    want = jax.tree.leaves(fn(*args))
+    for backend in ("explicit", "xla"):
+        got = jax.tree.leaves(planner.lower(prog, sched, mesh, backend=backend)(*args))
+        for g, e in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-4)
+
+
 POOLS = [("max", (3, 3), (1, 1), "SAME"), ("max", (2, 2), (2, 2), "VALID"),
          ("max", (3, 3), (2, 2), "SAME"), ("max", (3, 3), (2, 2), ((0, 0), (1, 1), (1, 1), (0, 0))),
          ("avg", (3, 3), (2, 2), "SAME"), ("min", (5, 5), (1, 1), "SAME")]  # fmt: skip
@@ -200,9 +227,10 @@ def _pool_id(p) -> str:
 @pytest.mark.parametrize("pool", POOLS, ids=[_pool_id(p) for p in POOLS])
 def test_spatially_split_pooling_is_exact_forward_and_gradient(pool, mesh):
     """Max, min and average pooling with their rows and columns split (a max-pool's halo is -inf
-    past the ends, as its padding), and a max-pool's gradient (``select_and_scatter_add``: its
-    operand and source windows with halos, its result cropped to each device's rows) split the
-    same way, lowered both ways, against the unsharded step."""
+    past the ends, as its padding), and their gradients split the same way: a max-pool's
+    (``select_and_scatter_add``: its operand and source windows with halos, its result cropped
+    to each device's rows) and an average pool's (a window sum over the output gradient dilated
+    by the stride), lowered both ways, against the unsharded step."""
     kind, window, strides, pad = pool
     reducer = {"max": (lax.max, -jnp.inf), "min": (lax.min, jnp.inf), "avg": (lax.add, 0.0)}[kind]
 
@@ -216,8 +244,13 @@ def test_spatially_split_pooling_is_exact_forward_and_gradient(pool, mesh):
     windowed = [o for o in prog.ops if o.windows]
     op = windowed[0]  # the forward
     assert [w.owner for w in op.windows] == ["i1", "i2"]
-    gradient = [o for o in windowed if o.primitive == "select_and_scatter_add"]
-    assert len(gradient) == (kind != "avg")
+    # the gradient: a max- or min-pool's select_and_scatter_add; an average pool's pad and
+    # stride-1 window sum, folded into one window sum over the output gradient dilated by the stride
+    gradient = windowed[1:]
+    want_gradient = "reduce_window_sum" if kind == "avg" else "select_and_scatter_add"
+    assert [o.primitive for o in gradient] == [want_gradient]
+    assert kind != "avg" or [w.lhs_dilation for w in gradient[0].windows] == list(strides)
+    assert not [o for o in prog.ops if o.primitive == "pad"]
     want = jax.tree.leaves(fn(x))
     for loops in ({"i1": "a", "i2": ("b", "c")}, {"i1": ("c", "a"), "i0": "b"}):
         assign = {}
@@ -271,3 +304,27 @@ def test_batch_and_channel_splits_of_a_convnet_are_exact(mesh):
     got = planner.lower(prog, prog.schedule(assign, mesh), mesh)(*args)
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fn)(*args))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
+
+
+def test_a_pad_folds_into_a_window_sum_only_when_zero_and_read_once(mesh):
+    """A zero pad read only by a window sum becomes the sum's base dilation and padding; a pad
+    of another value, or one read twice, stays an op of its own; all exact under a row split."""
+
+    def pooled(x, value, twice):
+        k = lax.pad(x, jnp.asarray(value, x.dtype), ((0, 0, 0), (2, 1, 1), (2, 1, 1), (0, 0, 0)))
+        y = lax.reduce_window(k, 0.0, lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "VALID")
+        return (y, k) if twice else y
+
+    x = np.random.default_rng(4).standard_normal((2, 8, 8, 4)).astype(np.float32)
+    for value, twice, folds in ((0.0, False, True), (1.0, False, False), (0.0, True, False)):
+        fn = functools.partial(pooled, value=value, twice=twice)
+        prog = planner.analyze(fn, x)
+        (window_sum,) = [o for o in prog.ops if o.primitive == "reduce_window_sum"]
+        assert bool([o for o in prog.ops if o.primitive == "pad"]) != folds
+        assert [w.lhs_dilation for w in window_sum.windows] == ([2, 2] if folds else [1, 1])
+        sched = prog.schedule({window_sum.name: {"i0": "a"}}, mesh)
+        if folds:
+            sched = prog.schedule({window_sum.name: {"i1": "b", "i2": "c", "i0": "a"}}, mesh)
+        for g, e in zip(jax.tree.leaves(planner.lower(prog, sched, mesh)(x)),
+                        jax.tree.leaves(jax.jit(fn)(x))):  # fmt: skip
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
