@@ -63,7 +63,7 @@ def _spec_mesh(types: list[DistType], mesh: MeshShape) -> MeshShape:
     return MeshShape(tuple(axes))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity, as jax.jit(plan) needs
 class AutoPlan:
     """A searched schedule with its prediction; callable: calling it runs :meth:`jit` (compiled on
     first use), and ``plan.lowered`` is the explicit lowering of the same schedule.

@@ -103,8 +103,19 @@ class Lowered:
                     key = (mv.value.name, mv.src, mv.dst)
                     if key not in self.choices:
                         self.choices[key] = choose(mesh, mv, cal, probe=moves == "auto")
-        self.body = {"explicit": self._one_region, "xla-inputs": self._xla}.get(backend, self._walk)
+        bodies = {"explicit": self._one_region, "xla-inputs": self._xla}
+        self._body = bodies.get(backend, self._walk)
         self._jitted = jax.jit(self.body, in_shardings=in_shardings)
+
+    def body(self, *flat):
+        """The program on its inputs (to trace), the factored mesh being the context: under
+        ``jax.set_mesh(mesh)`` the context is the user's mesh, whose axes of non-prime sizes the
+        ``shard_map``s over their prime factors would not match."""
+        ambient = jax.sharding.get_abstract_mesh()
+        if ambient.empty or ambient == self.mesh.abstract_mesh or self.backend == "xla-inputs":
+            return self._body(*flat)
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+            return self._body(*flat)
 
     def __call__(self, *args):
         outs = self._jitted(*self._placed(args))
@@ -219,10 +230,9 @@ class Lowered:
                 index = index * self.sizes[a] + lax.axis_index(a)
             return index
 
-        def run_stage(values):
-            """This device's stage on every tick; ``values`` as ``entered``, ``xs`` holding
-            this stage's layers."""
-            s = stage_index()
+        def run_stage(values, s):
+            """This device's stage ``s`` on every tick; ``values`` as ``entered``, ``xs``
+            holding this stage's layers."""
             pos = stages - 1 - s if reverse else s
             consts, carry0, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
 
@@ -300,15 +310,15 @@ class Lowered:
 
         values = [env[n] for n in entered]
         if self.local:  # inside the program's shard_map, stacked tiles are the stage's layers
-            carry_out, ys = run_stage(values)
-        else:
-            split = PartitionSpec(axes)
-            specs = [PartitionSpec()] * (nc + nk) + [split] * (len(values) - nc - nk)
+            carry_out, ys = run_stage(values, stage_index())
+        else:  # the stage index enters as data: axis_index in a shard_map manual over some
+            split = PartitionSpec(axes)  # axes lowers on the mesh jax.set_mesh sets (jax 0.10)
+            specs = [PartitionSpec()] * (nc + nk) + [split] * (len(values) - nc - nk + 1)
             carry_out, ys = jax.shard_map(
-                lambda *v: run_stage(list(v)), mesh=self.mesh, in_specs=tuple(specs),
-                out_specs=([PartitionSpec()] * nk, [split] * n_ys), axis_names=set(axes),
-                check_vma=False,
-            )(*values)  # fmt: skip
+                lambda *v: run_stage(list(v[:-1]), v[-1][0]), mesh=self.mesh,
+                in_specs=tuple(specs), out_specs=([PartitionSpec()] * nk, [split] * n_ys),
+                axis_names=set(axes), check_vma=False,
+            )(*values, jnp.arange(stages, dtype=jnp.int32))  # fmt: skip
         env.update(zip(exits, [*carry_out, *ys]))
 
     def _tile(self, shape, exit_op: Op) -> tuple[int, ...]:
@@ -413,7 +423,7 @@ class Lowered:
         if self.xla:  # XLA makes the change (asked by a constraint), unless redist is chosen
             choice = self.choices.get((mv.value.name, mv.src, mv.dst))
             if choice is None or not choice.use_redist or self.micro is not None:
-                return lax.with_sharding_constraint(x, NamedSharding(self.mesh, _pspec(mv.dst)))
+                return self._constrain(x, mv.dst)
         if not self.local:
             return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
         v, sizes = mv.value, self.sizes
@@ -460,10 +470,16 @@ class Lowered:
                     check_vma=False,
                 )(*args)
         if self.xla and op.how != "region":  # a boundary op keeps its operand's constraint
-            outs = [lax.with_sharding_constraint(x, NamedSharding(mesh, _pspec(sp)))
-                    for x, sp in zip(outs, step.out_specs)]  # fmt: skip
+            outs = [self._constrain(x, sp) for x, sp in zip(outs, step.out_specs)]
         for r, x in zip(op.results, outs):
             env[r.value.name] = x
+
+    def _constrain(self, x, spec: Spec):
+        """``x`` constrained to ``spec`` (backend ``"xla"``): on the mesh, or inside a pipeline's
+        ``shard_map`` on the mesh it traces under, whose stage axes are manual (the transposes of
+        ops, under ``jax.grad``, check their operands' meshes against it)."""
+        mesh = jax.sharding.get_abstract_mesh() if self.micro is not None else self.mesh
+        return lax.with_sharding_constraint(x, NamedSharding(mesh, _pspec(spec)))
 
     # ----- the baseline: XLA propagates from the inputs -----
     def _xla(self, *flat):
