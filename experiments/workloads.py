@@ -14,6 +14,10 @@
 |             |                                         | integer labels); lm_scan: layers scanned    |
 | convnet     | batch x image size x channels x layers  | 3x3 "SAME" ReLU convolutions on NHWC images |
 |             |                                         | training step (grad + SGD)                  |
+| convpool    | batch x image size x channels x layers  | per layer: 3x3 convolution, ReLU, 3x3       |
+|             |                                         | depthwise convolution, 3x3 max pool (stride |
+|             |                                         | 1), 2x2 average pool (stride 2); training   |
+|             |                                         | step (grad + SGD)                           |
 
 Example:
     >>> fn, args = workload("mlp", [64, 16, 2], np.random.default_rng(0))   # doctest: +SKIP
@@ -34,13 +38,14 @@ def parse_workload(text: str) -> tuple[str, str, list[int]]:
 
 
 _SIZES = {"mlp": 3, "transformer": 5, "moe": 4, "matmul": 3, "attention": 4, "lm": 6, "lm_scan": 6,
-          "convnet": 4}  # fmt: skip
+          "convnet": 4, "convpool": 4}  # fmt: skip
 _LAYERS_AT = {
     "mlp": 2,
     "transformer": 4,
     "lm": 4,
     "lm_scan": 4,
     "convnet": 3,
+    "convpool": 3,
 }  # where the depth goes
 
 
@@ -85,6 +90,21 @@ def _rms_norm(x):
     import jax.numpy as jnp
 
     return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _convpool_loss(kernels, x, y):
+    """Per layer: convolution, ReLU, depthwise convolution, max pool, average pool (halving)."""
+    import jax
+    import jax.numpy as jnp
+
+    dn = ("NHWC", "HWIO", "NHWC")
+    for k, depthwise in kernels:
+        x = jax.nn.relu(jax.lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn))
+        x = jax.lax.conv_general_dilated(x, depthwise, (1, 1), "SAME", dimension_numbers=dn,
+                                         feature_group_count=x.shape[-1])  # fmt: skip
+        x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+        x = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+    return jnp.mean((x - y) ** 2)
 
 
 def _moe_loss(params, x, y):
@@ -174,6 +194,12 @@ def workload(kind: str, sizes: list[int], rng):
             return jnp.mean((x - y) ** 2)
 
         return _sgd(loss), (kernels, r(b, size, size, c), r(b, size, size, c))
+    if kind == "convpool":
+        b, size, c, layers = sizes
+        kernels = [(r(3 * 3 * c, c).reshape(3, 3, c, c), r(3 * 3, c).reshape(3, 3, 1, c) / 3)
+                   for _ in range(layers)]  # fmt: skip
+        small = size >> layers
+        return _sgd(_convpool_loss), (kernels, r(b, size, size, c), r(b, small, small, c))
     if kind == "matmul":
         m, k, n = sizes
         return (lambda x, w: jnp.tanh(x @ w)), (r(m, k), r(k, n))

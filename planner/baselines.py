@@ -73,9 +73,10 @@ def batch_and_channels(
     prog: Program, batch_axes: Sequence[str], channel_axes: Sequence[str], sizes: dict[str, int]
 ) -> dict:
     """What one splits a convolutional network by without spatial partitioning: every
-    convolution's batch over ``batch_axes`` and its output channels over ``channel_axes`` (a
-    kernel's gradient, whose batch is its reduction ``i``, splits that and its output channels),
-    the other ops following. Loops whose extents the axes (of ``sizes``) do not divide stay whole.
+    convolution's batch over ``batch_axes`` and its output channels (a grouped one's groups)
+    over ``channel_axes`` (a kernel's gradient, whose batch is its reduction ``i``, splits that
+    and its output channels), the other ops following. Loops whose extents the axes (of
+    ``sizes``) do not divide stay whole.
 
     Example:
         >>> prog.schedule(batch_and_channels(prog, ("a",), ("b", "c"), sizes), sizes)  # doctest: +SKIP
@@ -86,7 +87,33 @@ def batch_and_channels(
     out = {}
     for o in convs:
         by_window = any(not w.by_output for w in o.windows)
-        wanted = {"i" if by_window else "n": tuple(batch_axes), "o": tuple(channel_axes)}
+        channels = "g" if "g" in o.loop else "o"  # a grouped convolution's channels: its groups
+        wanted = {"i" if by_window else "n": tuple(batch_axes), channels: tuple(channel_axes)}
+        out[o.name] = _valid(o, {lp: axes for lp, axes in wanted.items() if axes}, sizes)
+    return out
+
+
+def batch_and_rows(
+    prog: Program, batch_axes: Sequence[str], row_axes: Sequence[str], sizes: dict[str, int]
+) -> dict:
+    """Spatial partitioning as one writes it by hand: every windowed op (convolutions, pools
+    and their gradients) with its batch over ``batch_axes`` and its first spatial dimension,
+    the rows, over ``row_axes`` (with halos, :mod:`planner.halo`), the other ops following.
+    Splits whose tiles do not line up, or whose extents the axes do not divide, stay whole.
+
+    Example:
+        >>> prog.schedule(batch_and_rows(prog, ("a",), ("b", "c"), sizes), sizes)  # doctest: +SKIP
+    """
+    windowed = [o for o in prog.ops if o.windows]
+    if not windowed:
+        raise ValueError("batch_and_rows needs a convolution or pooling in the program")
+    out = {}
+    for o in windowed:
+        if o.primitive == "conv_general_dilated":
+            batch = "n" if all(w.by_output for w in o.windows) else "i"
+        else:  # pools and their gradients: one loop per dimension, the batch first
+            batch = o.loops[0].name
+        wanted = {batch: tuple(batch_axes), o.windows[0].owner: tuple(row_axes)}
         out[o.name] = _valid(o, {lp: axes for lp, axes in wanted.items() if axes}, sizes)
     return out
 

@@ -328,3 +328,29 @@ def test_a_pad_folds_into_a_window_sum_only_when_zero_and_read_once(mesh):
         for g, e in zip(jax.tree.leaves(planner.lower(prog, sched, mesh)(x)),
                         jax.tree.leaves(jax.jit(fn)(x))):  # fmt: skip
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hand", ["batch_and_channels", "batch_and_rows"])
+def test_hand_splits_of_a_convnet_with_pools_are_exact(hand, mesh):
+    """The two hand strategies of the spatial benchmark on a network with depthwise
+    convolutions, max and average pools: batch over one axis, channels (groups) or rows over
+    the others; lowered both ways, exact."""
+    from experiments.workloads import workload
+    from planner import baselines
+
+    fn, args = workload("convpool", [2, 16, 8, 2], np.random.default_rng(5))
+    prog = planner.analyze(fn, *args)
+    assign = getattr(baselines, hand)(prog, ("a",), ("b", "c"), dict(mesh.shape))
+    chosen = [o for o in prog.ops if o.windows]  # pools follow the convolutions' channels
+    if hand == "batch_and_channels":
+        chosen = [o for o in chosen if o.primitive == "conv_general_dilated"]
+    assert set(assign) == {o.name for o in chosen}
+    split_by_hand = [o for o in chosen if set(assign[o.name].values()) >= {("a",), ("b", "c")}]
+    assert len(split_by_hand) >= len(chosen) // 2
+    if hand == "batch_and_rows":
+        assert all(assign[o.name].get(o.windows[0].owner) == ("b", "c") for o in split_by_hand)
+    want = jax.tree.leaves(jax.jit(fn)(*args))
+    for backend in ("explicit", "xla"):
+        got = planner.lower(prog, prog.schedule(assign, mesh), mesh, backend=backend)(*args)
+        for g, e in zip(jax.tree.leaves(got), want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
