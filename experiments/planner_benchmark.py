@@ -58,7 +58,9 @@ def schedule_for(strategy: str, prog, mesh, axes, limit: int | None = None):
         "batch_x_channels": lambda: baselines.batch_and_channels(
             prog, axes[:1], axes[1:], dict(mesh.shape)
         ),
-        "batch_x_rows": lambda: baselines.batch_and_rows(prog, axes[:1], axes[1:], dict(mesh.shape)),
+        "batch_x_rows": lambda: baselines.batch_and_rows(
+            prog, axes[:1], axes[1:], dict(mesh.shape)
+        ),
     }[strategy]()
     default = "replicate" if strategy == "replicated" else "propagate"
     return prog.schedule(assign, mesh, default=default), 0.0, "explicit"
