@@ -161,14 +161,18 @@ def spatial_section(workdir: str) -> list[str]:
         return []
     rows = [json.loads(line) for line in open(path)]
     lines = ["", "## Spatial partitioning (`planner_spatial/`)", "",
-             "A 3x3 convolutional network's training step on two 256x256 images over 8 simulated "
-             "CPU devices (the batch splits 2 ways): the searched plan (rows split with halos) "
-             "against batch x channels and replication, timed interleaved.", "",
-             "| strategy | measured ms | predicted ms | device MiB |", "|---|---|---|---|"]  # fmt: skip
+             "Training steps on two 256x256 images over 8 simulated CPU devices (the batch "
+             "splits 2 ways) of a 3x3 convolutional network (`convnet`) and of one with a "
+             "depthwise convolution, a 3x3 max pool and a 2x2 average pool per layer "
+             "(`convpool`): the searched plan against batch x channels (groups), batch x rows "
+             "(every convolution and pool, and their gradients, split by rows with halos) and "
+             "replication, timed interleaved.", "",
+             "| workload | strategy | measured ms | predicted ms | device MiB |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if r.get("measured_s") is None:
             continue
-        lines.append(f"| {r['strategy']} | {r['measured_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.1f} | "
                      f"{r['predicted_s'] * 1e3:.1f} | {r['device_bytes'] / 2**20:.1f} |")  # fmt: skip
     return lines
 

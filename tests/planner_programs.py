@@ -89,6 +89,17 @@ def _doubled(x):
 
 _doubled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
 
+
+def _convpool(k, dw, x):
+    """A convolution, a depthwise one, a 3x3 max pool and a 2x2 average pool, squared."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    y = jax.nn.relu(lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=dn))
+    y = lax.conv_general_dilated(y, dw, (1, 1), "SAME", dimension_numbers=dn,
+                                 feature_group_count=y.shape[-1])  # fmt: skip
+    y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+    return jnp.sum(lax.reduce_window(y, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") ** 2)
+
+
 Make = Callable[[np.random.Generator], tuple]
 PROGRAMS: dict[str, tuple[Callable, Make]] = {
     "matmul_tanh": (lambda x, w: jnp.tanh(x @ w), lambda r: (_f(r, 12, 24), _f(r, 24, 12))),
@@ -146,4 +157,6 @@ PROGRAMS: dict[str, tuple[Callable, Make]] = {
     "mlp_training_step": (_mlp_step, lambda r: ([_f(r, 24, 12), _f(r, 12, 24)], _f(r, 12, 24),
                                                 _f(r, 12, 24))),
     "causal_attention": (_attention, lambda r: (_f(r, 2, 12, 24), _f(r, 24, 24), _f(r, 24, 24))),
+    "convpool_grad": (jax.value_and_grad(_convpool, argnums=(0, 1, 2)),
+                      lambda r: (_f(r, 3, 3, 4, 6) / 3, _f(r, 3, 3, 1, 6) / 3, _f(r, 2, 12, 12, 4))),
 }  # fmt: skip
