@@ -54,11 +54,14 @@ def fold_zero_pads(jaxpr) -> list:
     )
     uses.update(v for v in jaxpr.outvars if not isinstance(v, jcore.Literal))
     pads = {e.outvars[0]: e for e in jaxpr.eqns if e.primitive.name == "pad"}
+    if not pads:
+        return list(jaxpr.eqns)
     folded, dropped = {}, set()
     for e in jaxpr.eqns:
         if e.primitive.name != "reduce_window_sum" or isinstance(e.invars[0], jcore.Literal):
             continue
         pad = pads.get(e.invars[0])
         if pad is not None and uses[e.invars[0]] == 1 and _folds(pad, e):
-            folded[id(e)], dropped = _folded(pad, e), dropped | {id(pad)}
+            folded[id(e)] = _folded(pad, e)
+            dropped.add(id(pad))
     return [folded.get(id(e), e) for e in jaxpr.eqns if id(e) not in dropped]
