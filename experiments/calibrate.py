@@ -7,7 +7,9 @@ Measures per-device dense matmul throughput, local copy bandwidth (read + write 
 and streaming read bandwidth (a column sum of a resident buffer) with all devices working at
 once (simulated CPU devices share the host's cores), and for every collective kind over all
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
-``redist.calibration``).
+``redist.calibration``). Collectives need two devices or more: on one, compute and memory rates
+are measured and the collectives' figures are those of the shipped calibration for the device
+(or the backend's default), as the log says.
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ def measure(repeats: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax import lax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from experiments.measure import interleaved_times
-    from redist.calibration import KINDS, Calibration, wire_bytes
+    from redist.calibration import Calibration
 
     def seconds(f, *args):
         return interleaved_times([lambda: f(*args)], repeats, 2)[0]["median"]
@@ -52,6 +53,36 @@ def measure(repeats: int):
     wide = jax.device_put(np.ones((n * 2048, 1024), np.float32), NamedSharding(mesh, P("d")))
     reduce, wide = on_all(lambda t: jnp.sum(t, axis=0, keepdims=True), wide)
     read_bw = (wide.nbytes // n) / seconds(reduce, wide)
+
+    latency, bandwidth = _collectives(mesh, n, seconds) if n > 1 else _shipped_collectives()
+    cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw)
+    return _with_memory(cal, jax.devices()[0].device_kind)
+
+
+def _shipped_collectives() -> tuple[dict, dict]:
+    """Latency and bandwidth per collective kind of the shipped calibration for this device
+    (one device moves no bytes between devices, so none are measured)."""
+    import jax
+
+    from redist.calibration import Calibration
+
+    kind = jax.devices()[0].device_kind
+    shipped = Calibration.for_device_kind(kind) or Calibration.default()
+    logging.warning("one device: collectives need two or more devices to measure; their figures "
+                    "are those of the shipped %r calibration", shipped.backend)  # fmt: skip
+    return dict(shipped.latency_s), dict(shipped.bytes_per_s)
+
+
+def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
+    """Latency and bandwidth per collective kind over the ``n`` devices of ``mesh``, fitted to
+    a small and a large size."""
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from redist.calibration import KINDS, wire_bytes
 
     perm = [(i, (i + 1) % n) for i in range(n)]
     bodies = {
@@ -75,8 +106,7 @@ def measure(repeats: int):
         bw = (b1 - b0) / max(t1 - t0, 1e-9)
         latency[kind] = max(t0 - b0 / bw, 1e-7)
         bandwidth[kind] = bw
-    cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw)
-    return _with_memory(cal, jax.devices()[0].device_kind)
+    return latency, bandwidth
 
 
 def _with_memory(cal, device_kind: str):

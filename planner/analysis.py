@@ -28,6 +28,7 @@ from jax.extend import core as jcore
 from planner import discover as discovery
 from planner import rules
 from planner.ir import Access, Loop, Op, Program, Region, Value, is_key
+from planner.jaxpr_params import inner_jaxpr, scan_split
 from planner.pad_folding import fold_zero_pads
 
 INLINED = frozenset("pjit jit closed_call core_call custom_lin".split())
@@ -46,14 +47,11 @@ def _inner(eqn) -> tuple[object, tuple] | None:
         inner = eqn.params.get(key)
         if inner is None:
             continue
-        if hasattr(inner, "jaxpr") and hasattr(inner, "consts"):  # ClosedJaxpr
-            jaxpr, consts = inner.jaxpr, inner.consts
-        elif hasattr(inner, "eqns"):
-            jaxpr, consts = inner, ()
-        else:
+        if not hasattr(inner, "jaxpr") and not hasattr(inner, "eqns"):
             continue
+        jaxpr, consts = inner_jaxpr(inner)
         if len(jaxpr.invars) == len(eqn.invars):
-            return jaxpr, tuple(consts)
+            return jaxpr, consts
     return None
 
 
@@ -155,10 +153,10 @@ class _Builder:
 
     def scan(self, eqn, env: dict, trips: int) -> None:
         p = eqn.params
-        closed = p["jaxpr"]
-        inner, length = closed.jaxpr, int(p["length"])
-        nc, nk = p["num_consts"], p["num_carry"]
-        inner_env = {var: self.const(var, c) for var, c in zip(inner.constvars, closed.consts)}
+        (inner, consts), length = inner_jaxpr(p["jaxpr"]), int(p["length"])
+        split = scan_split(eqn)
+        nc, nk = split.consts, split.carry
+        inner_env = {var: self.const(var, c) for var, c in zip(inner.constvars, consts)}
         ins = [self.read(env, v) for v in eqn.invars]
         start = len(self.ops)
         entry = []

@@ -163,7 +163,9 @@ class AutoPlan:
     @functools.cached_property
     def lowered(self) -> Lowered:
         self._concrete_spec_mesh()  # a clear error on meshes without devices
-        return lower(self.program, self.schedule, self.mesh)
+        lowered = lower(self.program, self.schedule, self.mesh)
+        lowered.signature = self._signature
+        return lowered
 
     def jit(self, moves: str = "auto", **jit_kwargs):
         """The user's function as a ``jax.jit`` with this plan's shardings, run by XLA's SPMD

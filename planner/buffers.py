@@ -86,7 +86,7 @@ CHEAP = frozenset(
     convert_element_type dynamic_slice eq floor gather ge gt imag integer_pow iota is_finite le lt
     max min mul ne neg nextafter not or pad population_count real reduce_precision rev round
     scan_xs select_n shift_left shift_right_arithmetic shift_right_logical sign slice split
-    square stop_gradient sub xor""".split()
+    square stop_gradient sub xor one_minus_square""".split()
 )
 FUSIBLE = CHEAP | EXPENSIVE
 FUSING = frozenset(

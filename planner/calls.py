@@ -38,6 +38,10 @@ def _is_array(x) -> bool:
 
 @functools.cache
 def _canonical(dtype):
+    """``dtype`` as JAX canonicalises it; an extended dtype (a typed PRNG key's ``key<fry>``)
+    as it is."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
     return jax.dtypes.canonicalize_dtype(dtype)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import importlib.util
 import math
 import os
@@ -36,6 +37,23 @@ from redist.calibration import Calibration
 from redist.hlo import hlo_collectives
 
 TPU_EXTRA = 'pip install "redist[tpu]"'
+
+
+def quiet_libtpu_without_a_tpu() -> None:
+    """On a host without TPU chips, tell libtpu the host it would look for as it loads.
+
+    Installed (the test extra has it, for compiling ahead of time for TPU topologies), libtpu
+    loads with JAX's backends and, finding no TPU host, prints alarming lines ("Failed to find
+    host bounds for accelerator type", "E0000 ... unexpected worker hostname") though nothing
+    fails. Naming a single local host silences them and changes nothing libtpu compiles for a
+    topology (the same memory and HLO on v5p and v6e). Values already set are kept, and nothing
+    is set where TPU chips are attached (``/dev/accel*``, ``/dev/vfio``). Called on importing
+    :mod:`planner`; it only helps where JAX's backends are not started yet.
+    """
+    if glob.glob("/dev/accel*") or os.path.isdir("/dev/vfio"):
+        return
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
 
 
 def _libtpu_missing() -> bool:
@@ -303,7 +321,17 @@ def compile_and_report(
 
 
 def input_structs(plan) -> tuple:
-    """``jax.ShapeDtypeStruct``s of the plan's arguments, in the structure ``plan.jit()`` takes."""
+    """The plan's positional arguments as ``plan.jit()`` takes them: ``jax.ShapeDtypeStruct``s
+    for arrays, static arguments as they were (see :func:`keyword_structs` for keywords)."""
+    return _structs(plan)[0]
+
+
+def keyword_structs(plan) -> dict:
+    """The plan's keyword arguments, as :func:`input_structs` gives positional ones."""
+    return _structs(plan)[1]
+
+
+def _structs(plan) -> tuple[tuple, dict]:
     from planner.ir import is_key
 
     def struct(v):
@@ -313,11 +341,19 @@ def input_structs(plan) -> tuple:
             return jax.ShapeDtypeStruct(v.shape, dtype)
         return jax.ShapeDtypeStruct(v.shape, np.dtype(v.dtype))
 
-    return tuple(jax.tree.unflatten(plan.in_tree, [struct(v) for v in plan.program.inputs]))
+    leaves = iter(map(struct, plan.program.inputs))
+    sig = plan._signature
+    values = [a.value if a.static else jax.tree.unflatten(a.tree, [next(leaves) for _ in a.leaves])
+              for a in sig.every]  # fmt: skip
+    n = len(sig.args)
+    return tuple(values[:n]), dict(zip(sig.names, values[n:]))
 
 
 def plan_compiled_report(plan, mesh=None, moves: str = "auto") -> CompiledReport:
     """:meth:`planner.AutoPlan.compiled_report`: ``plan.jit(moves)`` bound to ``mesh`` (default:
     the plan's own mesh), compiled on the plan's argument shapes."""
     bound = plan if mesh is None or mesh is plan.mesh else plan.bind(mesh)
-    return compiled_report(bound.jit(moves), *input_structs(bound))
+    return compiled_report(bound.jit(moves), *input_structs(bound), **keyword_structs(bound))
+
+
+quiet_libtpu_without_a_tpu()  # on importing planner, before JAX starts its backends

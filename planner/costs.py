@@ -60,6 +60,7 @@ EXPANDED = {
     "exp2": (1.0, 1.0),  # exp(x * ln 2)
     "erf_inv": (37.0, 2.0),
     "threefry2x32": (117.0, 0.0),  # 20 rounds of add, rotate, xor (jax.random.bits)
+    "one_minus_square": (2.0, 0.0),  # 1 - x * x (tanh's derivative, JAX >= 0.12)
 }
 ARG_REDUCTION_FLOPS = 9.0  # compare and select of value and index per reduced element (measured)
 # Elementwise ops the compiler does not copy into several consumers (XLA's "expensive" ops).

@@ -42,6 +42,7 @@ from planner.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
 from planner.halo import split
 from planner.ir import Op, Program, Region
+from planner.jaxpr_params import scan_split, with_body
 from planner.microbatch import microbatching
 from planner.pipeline import (
     merge_microbatches,
@@ -69,7 +70,13 @@ def _pspec(spec: Spec) -> PartitionSpec:
 
 
 class Lowered:
-    """A scheduled program as a jitted function, with ``explain()`` and ``in_specs``."""
+    """A scheduled program as a jitted function, with ``explain()`` and ``in_specs``.
+
+    Called (or ``lower``-ed) on the program's input arrays, flat; given the ``signature`` of
+    the user's function (:class:`planner.calls.Signature`, as :attr:`planner.AutoPlan.lowered`
+    has), on the user's own arguments, static ones included."""
+
+    signature = None  # the user's arguments (planner.calls.Signature), when known
 
     def __init__(self, prog: Program, sched: Schedule, mesh, backend: str = "explicit",
                  moves: str = "auto", calibration: Calibration | None = None):  # fmt: skip
@@ -117,18 +124,25 @@ class Lowered:
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             return self._body(*flat)
 
-    def __call__(self, *args):
-        outs = self._jitted(*self._placed(args))
+    def __call__(self, *args, **kwargs):
+        outs = self._jitted(*self._placed(args, kwargs))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def lower(self, *args):
-        return self._jitted.lower(*self._placed(args))
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*self._placed(args, kwargs))
 
-    def _placed(self, args) -> list:
+    def _placed(self, args, kwargs) -> list:
         """The arrays of ``args``, those not yet on devices (numpy arrays, Python numbers) put
         where the schedule stores them: on a mesh of Explicit axes ``jax.jit`` would trace them
         unsharded, which the ``shard_map``'s ``in_specs`` refuse."""
-        flat = jax.tree.leaves(args)
+        if self.signature is not None:
+            self.signature.check(args, kwargs)
+            flat = self.signature.arrays(args, kwargs)
+        elif kwargs:
+            raise TypeError(f"this lowering takes the program's arrays, flat; got keyword "
+                            f"arguments {sorted(kwargs)}")  # fmt: skip
+        else:
+            flat = jax.tree.leaves(args)
         if len(flat) != len(self.prog.inputs):
             raise ValueError(f"expected {len(self.prog.inputs)} arrays, got {len(flat)}")
         out = []
@@ -186,8 +200,8 @@ class Lowered:
         return [s.op.results[0].value.name for s in self.steps[r.stop - len(r.outputs) : r.stop]]
 
     def _run_scan(self, r: Region, env, inside) -> None:
-        p = r.eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        p, split = r.eqn.params, scan_split(r.eqn)
+        nc, nk = split.consts, split.carry
         entered, exits = self._enter(r, env), self._exits(r)
         carry_in, xs_in = entered[nc : nc + nk], entered[nc + nk :]
 
@@ -207,7 +221,8 @@ class Lowered:
         backward pass of a pipelined forward one) with ``ppermute``; stacked outputs are kept
         per stage (split over the stage axis), weight gradients summed over microbatches."""
         st, p = self.stages[r.start], r.eqn.params
-        nc, nk, length, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+        split, length, reverse = scan_split(r.eqn), p["length"], p["reverse"]
+        nc, nk = split.consts, split.carry
         axes = stage_factors(st.axis, self.sizes)
         stages, k_mb = math.prod(self.sizes[a] for a in axes), st.microbatches
         mb = microbatching(self.prog, r)
@@ -400,17 +415,9 @@ class Lowered:
             return [inner[v.name] for v in r.outputs]
 
         args = [env[n] for n in names]
-        closed = jax.make_jaxpr(body)(*args)
         eqn = r.eqn
-        params = dict(eqn.params)
-        key = next(k for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params)
-        if not hasattr(params[key], "consts"):  # an open jaxpr: constants become operands
-            from jax._src.interpreters import partial_eval as pe
-
-            params[key] = pe.convert_constvars_jaxpr(closed.jaxpr)
-            args = [*closed.consts, *args]
-        else:
-            params[key] = closed
+        params, consts = with_body(eqn, jax.make_jaxpr(body)(*args))
+        args = [*consts, *args]
         bind_params = eqn.primitive.get_bind_params(params)
         subfuns = ()
         if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
@@ -573,10 +580,13 @@ def _spatially_split(step: OpStep) -> bool:
     return any(step.in_specs[w.input][w.dim] for w in step.op.windows)
 
 
-def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
-    """``ppermute`` pairs sending each tile of a dimension split over ``axes`` (major first) to
-    the tile ``shift`` further on. ``ppermute`` numbers the devices of several axes in the
-    mesh's axis order, whatever order ``axes`` come in, so the pairs are written in that one."""
+def _to_neighbour(
+    axes: tuple[str, ...], shift: int
+) -> tuple[tuple[str, ...], list[tuple[int, int]]]:
+    """``(axis names, pairs)`` for a ``ppermute`` sending each tile of a dimension split over
+    ``axes`` (major first) to the tile ``shift`` further on. ``ppermute`` numbers the devices of
+    several axes in the mesh's axis order (JAX 0.12 requires the names in that order too), so
+    the names and pairs are written in that one."""
     mesh = jax.sharding.get_abstract_mesh()
     size = dict(zip(mesh.axis_names, mesh.axis_sizes))
     in_mesh_order = [a for a in mesh.axis_names if a in axes]
@@ -589,8 +599,8 @@ def _to_neighbour(axes: tuple[str, ...], shift: int) -> list[tuple[int, int]]:
             index = index * size[a] + at[a]
         return index
 
-    return [(device(coords[t]), device(coords[t + shift]))
-            for t in range(len(coords)) if 0 <= t + shift < len(coords)]  # fmt: skip
+    return tuple(in_mesh_order), [(device(coords[t]), device(coords[t + shift]))
+                                  for t in range(len(coords)) if 0 <= t + shift < len(coords)]  # fmt: skip
 
 
 def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> list[tuple[int, int, int]]:
@@ -641,11 +651,11 @@ def _extend(x, dim: int, left: int, right: int, axes, parts: int, fill: float):
     pieces = [x]
     if left:
         border = lax.slice_in_dim(x, tile - left, tile, axis=dim)
-        border = lax.ppermute(border, axes, _to_neighbour(axes, +1))
+        border = lax.ppermute(border, *_to_neighbour(axes, +1))
         pieces.insert(0, _at_the_end(border, axes, 0, fill))
     if right:
         border = lax.slice_in_dim(x, 0, right, axis=dim)
-        border = lax.ppermute(border, axes, _to_neighbour(axes, -1))
+        border = lax.ppermute(border, *_to_neighbour(axes, -1))
         pieces.append(_at_the_end(border, axes, parts - 1, fill))
     return jnp.concatenate(pieces, axis=dim) if len(pieces) > 1 else x
 

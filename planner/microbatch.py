@@ -24,6 +24,7 @@ import dataclasses
 from networkx.utils import UnionFind
 
 from planner.ir import Op, Program, Region
+from planner.jaxpr_params import scan_split
 
 LINEAR = frozenset(
     "add sub neg transpose reshape convert_element_type copy copy_p squeeze expand_dims "
@@ -102,8 +103,8 @@ def microbatching(prog: Program, region: Region) -> Microbatching:
 def _prove(prog: Program, region: Region) -> Microbatching:
     if region.kind != "scan":
         raise NotPipelinable(f"only a scan's layers can be pipelined, not a {region.kind}")
-    p = region.eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    split = scan_split(region.eqn)
+    nc, nk = split.consts, split.carry
     entries = prog.ops[region.start : region.body]
     n_out = len(region.outputs)
     body = prog.ops[region.body : region.stop - n_out]

@@ -135,13 +135,13 @@ def _program_differences(doc: dict, prog: Program) -> str:
         k = next(
             (k for k, (a, b) in enumerate(zip(saved, ours)) if a != b), min(len(saved), len(ours))
         )
-        parts = [] if len(ours) == len(saved) else [f"{len(ours)} ops, the plan's has {len(saved)}"]
+        parts = [] if len(ours) == len(saved) else [f"has {len(ours)} ops, the plan's {len(saved)}"]
         here = repr(ours[k]) if k < len(ours) else "missing"
         parts.append(f"op {k} is {here}, the plan's is {saved[k]!r}" if k < len(saved) else
                      f"op {k} is {here}, the plan has none")  # fmt: skip
         how = "; ".join(parts)
     else:
-        how = "the same ops, with other parameters, literals or constants' shapes"
+        how = "has the same ops, with other parameters, literals or constants' shapes"
     if doc.get("jax_version") != jax.__version__:
         how += f" (the plan was saved with jax {doc.get('jax_version')}, this is {jax.__version__})"
     return how
@@ -194,7 +194,7 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
     prog = analyze(traced, *values)
     if fingerprint(prog) != doc["program"]["fingerprint"]:
         raise ValueError(
-            f"{path} was made for another program: this one has " + _program_differences(doc, prog)
+            f"{path} was made for another program: this one " + _program_differences(doc, prog)
         )
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     if str(out_tree) != doc["outputs"]:

@@ -41,7 +41,7 @@ ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type
     copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag add_any
     bitcast_convert_type threefry2x32 polygamma igamma igammac igamma_grad_a random_gamma_grad
-    bessel_i0e bessel_i1e zeta regularized_incomplete_beta clz square
+    bessel_i0e bessel_i1e zeta regularized_incomplete_beta clz square one_minus_square
     integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or
     population_count pow real reduce_precision rem round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan

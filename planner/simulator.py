@@ -45,6 +45,7 @@ from planner.costs import fusion, op_bytes, op_flops
 from planner.dataflow import dataflow, input_spec
 from planner.halo import halo_bytes
 from planner.ir import Program, itemsize
+from planner.jaxpr_params import scan_split
 from planner.pipeline import stage_factors
 from planner.schedule import Schedule, Spec, local_shape
 from planner.staging import pipeline_runs, region_of
@@ -405,7 +406,7 @@ def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[
         r = region_of(prog, st)
         axes = stage_factors(st.axis, sched.mesh)
         p, k = math.prod(sched.mesh[a] for a in axes), st.microbatches
-        nc = r.eqn.params["num_consts"]
+        nc = scan_split(r.eqn).consts
         carry = sum(_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
                     for st_ in steps[r.start + nc : r.body]
                     for v in [st_.op.results[0].value]

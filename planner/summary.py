@@ -128,6 +128,18 @@ _DTYPE = {"float32": "f32", "float64": "f64", "bfloat16": "bf16", "float16": "f1
           "int32": "i32", "int64": "i64", "int8": "i8", "uint32": "u32", "uint8": "u8"}  # fmt: skip
 
 
+def _times(a: float, b: float) -> str:
+    """``a / b`` as ``"1.25x"``; two zeros (a program that computes nothing) are ``"1.00x"``.
+
+    Example:
+        >>> _times(3.0, 2.0), _times(0.0, 0.0), _times(1.0, 0.0)
+        ('1.50x', '1.00x', 'infx')
+    """
+    if b == 0:
+        return "1.00x" if a == 0 else "infx"
+    return f"{a / b:.2f}x"
+
+
 def _shape(v) -> str:
     dtype = "key" if is_key(v.dtype) else _DTYPE.get(v.dtype, v.dtype)
     return f"{dtype}[{','.join(map(str, v.shape))}]"
@@ -197,17 +209,21 @@ def state_pairs(prog: Program, in_tree, out_tree) -> list[tuple[int, int]]:
     """``(input, output)`` positions of the arrays a step returns in place of an argument: the
     argument's leaves against those of the first output node (the output, or an element of it
     down to two levels of tuples, lists and dicts; not a lone output array) that has the
-    argument's tree structure, shapes and dtypes."""
+    argument's tree structure, shapes and dtypes. Each output is returned in place of one
+    argument at most: arguments with more leaves claim theirs first (the parameters a step
+    returns, not a batch array of the shape of one of them)."""
     args = jax.tree_util.tree_unflatten(in_tree, list(range(len(prog.inputs))))
     outs = jax.tree_util.tree_unflatten(out_tree, list(range(len(prog.outputs))))
     nodes = [t for t in _nodes(outs, 2) if t is not outs or not isinstance(t, int)]
-    pairs = []
-    for arg in args:
+    pairs, claimed = [], set()
+    for arg in sorted(args, key=lambda a: -len(jax.tree_util.tree_leaves(a))):
         sig = _signature(arg, prog.inputs)
-        node = next((t for t in nodes if _signature(t, prog.outputs) == sig), None)
+        node = next((t for t in nodes if _signature(t, prog.outputs) == sig
+                     and claimed.isdisjoint(jax.tree_util.tree_leaves(t))), None)  # fmt: skip
         if node is not None:
+            claimed.update(jax.tree_util.tree_leaves(node))
             pairs += zip(jax.tree_util.tree_leaves(arg), jax.tree_util.tree_leaves(node))
-    return pairs
+    return sorted(pairs)
 
 
 def classify(prog: Program, in_tree, out_tree) -> list[Leaf]:
@@ -522,8 +538,8 @@ class Summary:
                 continue
             line = f"  {row['name']:<34} {_ms(row['time_s']):>10} {_mib(row['peak_bytes']):>11}"
             if row["name"] != "this plan":
-                line += (f"   this plan {row['time_s'] / self.time_s:.2f}x as fast, "
-                         f"{self.memory['peak_bytes'] / max(row['peak_bytes'], 1):.2f}x the "
+                line += (f"   this plan {_times(row['time_s'], self.time_s)} as fast, "
+                         f"{_times(self.memory['peak_bytes'], row['peak_bytes'])} the "
                          "memory")  # fmt: skip
             pred.append(line)
         pred += list(self.pipelines)

@@ -50,7 +50,9 @@ def _resolve_mesh(x, src, dst, mesh):
                 f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}"
             )
         candidates.append(("mesh", mesh))
-    if isinstance(x, jax.core.Tracer):  # inside jit: the mesh of the value's type, if it has one
+    if isinstance(x, jax.core.Tracer) and _known_value(x) is None:
+        # inside jit: the mesh of the value's type, if it has one (an eager jax.grad knows x's
+        # value, whose mesh has devices)
         traced = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
         if traced is not None and not traced.empty:
             candidates.append(("x's type", _with_devices(traced)))
@@ -184,14 +186,18 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
         move.check_traceable()
     elif donate:
         return move.eager(x, donate=True)
-    if isinstance(x, jax.core.Tracer) and not is_explicit(mesh) and not s.pending:
+    # Hints for jit's inference of shardings, where a trace has no values. Not for an eager
+    # jax.grad (x's value known): there the cotangent of a constant (the ones of a sum) lives on
+    # one device, which a constraint's transpose cannot take.
+    hint = isinstance(x, jax.core.Tracer) and _known_value(x) is None and not is_explicit(mesh)
+    if hint and not s.pending:
         # Auto axes: say where x is (it is there already), so that jit places the program on
         # these devices even where x is not needed (a constant cotangent). jit writes every
         # output sharding it infers on the mesh of the first such hint: across meshes that is
         # the prime-factor mesh the plan runs on, where both layouts can be written.
         x = jax.lax.with_sharding_constraint(x, move.source_hint())
     y = redistribute_p.bind(x, move=move)
-    if isinstance(y, jax.core.Tracer) and not is_explicit(mesh) and same_mesh(mesh, target.mesh):
+    if hint and same_mesh(mesh, target.mesh):
         # Auto axes: the placement is not in the result's type; say it where jit reads it when
         # it infers out_shardings (the same placement, so nothing moves). Not onto another mesh:
         # jit writes every inferred output sharding on the mesh of the first such hint, and a

@@ -178,6 +178,11 @@ class Move:
     def eager(self, x, donate: bool = False):
         """The move of a concrete array ``x`` (``donate`` gives its buffers to the call)."""
         kind, plan, run_mesh = self._route
+        if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) and \
+                len(device_ids(self.mesh)) > 1:  # fmt: skip
+            # A cotangent an eager jax.grad made on one device (the ones of a sum): its value,
+            # placed as the move's source.
+            x = jax.device_put(x, NamedSharding(self.mesh, self.src))
         if kind == "place":
             return jax.device_put(x, self.dst, donate=donate)
         if kind == "transfer":

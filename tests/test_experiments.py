@@ -273,3 +273,25 @@ def test_pipeline_search_smoke(tmp_path):
         if summary[kind] is not None:
             assert summary["planner"]["throughput"] >= summary[kind]["throughput"], kind
     assert "planner.plan, best mesh" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_calibrate_on_one_device_measures_rates_and_borrows_collectives(tmp_path):
+    """A collective over one device moves no bytes: compute and memory rates are measured there,
+    and the collectives' figures come from the shipped calibration, as the log says."""
+    import subprocess
+    import sys
+
+    from redist.calibration import Calibration
+
+    out = tmp_path / "one.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-m", "experiments.calibrate", "--devices=1", "--repeats=2", f"--out={out}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "collectives need two or more devices" in run.stderr
+    cal = Calibration.from_json(out.read_text())
+    assert cal.flops_per_s > 0 and cal.copy_bytes_per_s > 0
+    assert cal.bytes_per_s == Calibration.named("cpu").bytes_per_s

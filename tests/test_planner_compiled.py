@@ -135,3 +135,23 @@ def test_a_plan_on_a_topology_mesh_is_priced_as_that_tpu():
     assert planner.plan(lambda v: v * 2, x, mesh=jax.make_mesh((8,), ("d",))).calibration == (
         Calibration.default()
     )
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_libtpu_loads_quietly_where_no_tpu_is_attached():
+    """Importing planner before JAX starts its backends: libtpu, loading, prints none of the
+    lines about the TPU host it cannot find, and the compile works."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jax, planner; jax.devices(); "
+            "m = planner.topology_mesh('v5p:2x2x2', {'a': 8}); print(len(m.devices.flat))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE")}  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.split() == ["8"], run.stderr[-2000:]
+    for alarm in ("Failed to find host bounds", "unexpected worker hostname"):
+        assert alarm not in run.stderr

@@ -137,3 +137,54 @@ def test_keyword_arguments_are_pytrees_of_arrays_or_static(mesh):
     close(g(x, w=w), layer(x, w=w))
     close(g(x, w=w, scale=3.0), layer(x, w=w, scale=3.0))
     assert len(g.plans) == 2
+
+
+def test_static_arguments_are_static_everywhere(mesh, tmp_path):
+    """A string and an integer used as a shape, through every way of running a plan."""
+    x = rand(16, 8)
+
+    def f(x, act, reps):
+        return jnp.tile(getattr(jnp, act)(x), reps)
+
+    want = f(x, "tanh", 2)
+    p = planner.plan(f, x, "tanh", 2, mesh=mesh)
+    close(p(x, "tanh", 2), want)
+    close(p.lowered(x, "tanh", 2), want)  # the explicit lowering takes the user's arguments
+    close(p.jit()(x, "tanh", 2), want)
+    close(planner.auto_shard(f, mesh=mesh)(x, "tanh", 2), want)
+    assert p.compiled_report().fits  # compiled on the static values the plan was made for
+    p.save(str(tmp_path / "plan.json"))
+    close(planner.load(str(tmp_path / "plan.json"), f, x, "tanh", 2, mesh=mesh)(x, "tanh", 2), want)
+    with pytest.raises(ValueError, match=r"args\[2\] is the static value 3"):
+        p.lowered(x, "tanh", 3)
+
+
+def test_a_typed_prng_key_is_an_argument_like_any_other(mesh, tmp_path):
+    """``jax.random.key`` (what equinox, haiku and nnx pass to a step) as a plan argument."""
+    x, w = rand(16, 16), rand(16, 16)
+
+    def step(w, x, key):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.sum(jnp.where(keep, jnp.tanh(x @ w), 0.0) ** 2)
+
+    g, key = jax.grad(step), jax.random.key(0)
+    want = g(w, x, key)
+    p = planner.plan(g, w, x, key, mesh=mesh)
+    close(p(w, x, key), want)
+    close(p.lowered(w, x, key), want)
+    close(planner.auto_shard(g, mesh=mesh)(w, x, key), want)
+    p.save(str(tmp_path / "plan.json"))
+    close(planner.load(str(tmp_path / "plan.json"), g, w, x, key, mesh=mesh)(w, x, key), want)
+    with pytest.raises(ValueError, match=r"args\[2\] has dtype key<rbg>, the plan.s is key<fry>"):
+        p(w, x, jax.random.key(0, impl="rbg"))
+
+
+@pytest.mark.parametrize(
+    "fn", [lambda x: x, lambda x: None, lambda x: 1.0], ids=["identity", "none", "scalar"]
+)
+def test_a_program_without_work_is_explained(mesh, fn):
+    x = rand(16, 8)
+    p = planner.plan(fn, x, mesh=mesh)
+    text = p.explain()
+    assert "this plan 1.00x as fast, 1.00x the memory" in text
+    close(p(x), fn(x))

@@ -99,7 +99,8 @@ def _resized(k, n):
         (_variant(jnp.tanh, 2), shapes(), {"lr": 0.1}, ABSTRACT,
          r"another program: this one has the same ops, with other parameters"),
         (_variant(jax.nn.relu, 1), shapes(), {"lr": 0.1}, ABSTRACT,
-         r"another program: this one has op 1 is 'max_1', the plan's is 'tanh_1'"),
+         r"another program: this one (has \d+ ops, the plan's \d+; )?op 1 is 'max_1', the plan's "
+         r"is 'tanh_1'"),
         (sgd, _resized("w2", 64), {"lr": 0.1}, ABSTRACT,
          r"args\[0\]\['w2'\] has shape \(512, 64\), the plan's is \(512, 128\)"),
         (sgd, shapes(jnp.bfloat16), {"lr": 0.1}, ABSTRACT,
@@ -127,7 +128,7 @@ def test_load_names_the_first_op_that_differs(saved, no_search):
         return jax.tree.map(jnp.sin, sgd(params, x, lr=lr))
 
     with pytest.raises(
-        ValueError, match=r"25 ops, the plan's has 23; op 23 is 'sin_23', the plan has none"
+        ValueError, match=r"has \d+ ops, the plan's (\d+); op \1 is 'sin_\1', the plan has none"
     ):
         planner.load(path, longer, *shapes(), lr=0.1, mesh=ABSTRACT)
 

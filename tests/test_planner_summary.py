@@ -135,3 +135,25 @@ def test_a_strategy_that_does_not_apply_says_so():
     text = p.explain()
     assert "data parallelism (4-way batch)" in text and "n/a: the batch does not split" in text
     assert "Plan for <lambda> on a:4" in text
+
+
+def test_a_batch_of_a_parameters_shape_is_not_state():
+    """``sgd(params, x)`` returns ``params``; ``x`` has ``w2``'s shape but is not returned: two
+    state arrays, not three."""
+    from planner.summary import state_pairs
+
+    def sgd(params, x):
+        def loss(p):
+            return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, jax.grad(loss)(params))
+
+    f = jax.ShapeDtypeStruct
+    params = {"w1": f((64, 256), jnp.float32), "w2": f((256, 64), jnp.float32)}
+    p = planner.plan(sgd, params, f((256, 64), jnp.float32), mesh={"data": 2, "model": 4})
+    assert state_pairs(p.program, p.in_tree, p.out_tree) == [(0, 0), (1, 1)]
+    kinds = [leaf.kind for leaf in classify(p.program, p.in_tree, p.out_tree)]
+    assert kinds == ["parameters", "parameters", "batch"]
+    text = p.explain()
+    assert "of the 3 state arrays" not in text
+    assert "the state it returns keeps these layouts" in text or "of the 2 state arrays" in text

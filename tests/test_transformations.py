@@ -76,6 +76,21 @@ def test_gradient_on_an_axis_of_size_3_is_bit_exact():
     np.testing.assert_array_equal(np.asarray(g), w)
 
 
+@pytest.mark.parametrize("dst", [P(("a", "b", "c")), P("c", None), P(None, ("c", "a"))], ids=str)
+def test_two_argument_form_under_grad_on_auto_axes_outside_set_mesh(dst):
+    """The source read from ``x.sharding``; the cotangent of a sum (ones JAX makes on one device)
+    and of a product come back exact, on ``x``'s layout."""
+    m = Mesh(DEVICES.reshape(2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+    src = NamedSharding(m, P("a", "b"))
+    x = jax.device_put(np.arange(256, dtype=np.float32).reshape(16, 16) / 7, src)
+    w = np.arange(256, dtype=np.float32).reshape(16, 16) / 3
+    g = jax.grad(lambda v: jnp.sum(redist.redistribute(v, dst)))(x)
+    np.testing.assert_array_equal(np.asarray(g), np.ones((16, 16), np.float32))
+    g = jax.grad(lambda v: jnp.sum(redist.redistribute(v, dst) * w))(x)
+    np.testing.assert_array_equal(np.asarray(g), w)
+    assert g.sharding.is_equivalent_to(src, 2)
+
+
 def test_two_argument_form_in_jit_under_set_mesh_on_a_non_prime_axis():
     m = _explicit((4,), ("m0",))
     x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(m, P("m0")))
