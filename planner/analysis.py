@@ -28,7 +28,7 @@ from jax.extend import core as jcore
 from planner import discover as discovery
 from planner import rules
 from planner.ir import Access, Loop, Op, Program, Region, Value, is_key
-from planner.jaxpr_params import inner_jaxpr, scan_split
+from planner.jaxpr_params import inner_jaxpr, live, scan_split
 from planner.pad_folding import fold_zero_pads
 
 INLINED = frozenset("pjit jit closed_call core_call custom_lin".split())
@@ -286,7 +286,7 @@ def analyze(fn: Callable, *args, **kwargs) -> Program:
         The program: ops in order, with loops, access maps, reductions and regions. Warns (a
         ``UserWarning``) naming the ops that run replicated because they are not understood.
     """
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    closed = live(jax.make_jaxpr(fn)(*args, **kwargs))  # as XLA would, plan no dead code
     b = _Builder()
     env = {var: b.const(var, c) for var, c in zip(closed.jaxpr.constvars, closed.consts)}
     inputs = []

@@ -82,3 +82,19 @@ def with_body(eqn, closed) -> tuple[dict, tuple]:
         return params, consts
     params[key] = closed
     return params, ()
+
+
+def live(closed):
+    """``closed`` (a top-level jaxpr: ``ClosedJaxpr`` up to 0.11, ``Jaxpr`` on 0.12) without the
+    equations no output depends on (dead code, which XLA drops too: the loss a ``jax.grad``
+    step computes and discards); inputs and constants are kept, effectful equations too.
+
+    Example:
+        >>> live(jax.make_jaxpr(lambda x: (jnp.sin(x), 2 * x)[1])(1.0))  # doctest: +SKIP
+        { lambda ; a:f32[]. let b:f32[] = mul 2.0:f32[] a in (b,) }
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    inner = getattr(closed, "jaxpr", closed)
+    kept, _ = pe.dce_jaxpr(inner, [True] * len(inner.outvars), instantiate=True)
+    return kept if inner is closed else closed.replace(jaxpr=kept)

@@ -200,3 +200,20 @@ def test_program_prints_one_line_per_op():
 def test_iota_counted_dimension_is_not_partitionable():
     io = op_of(only(lambda: lax.broadcasted_iota(jnp.int32, (4, 6), 1)), "iota")
     assert io.loop["i0"].partitionable and not io.loop["i1"].partitionable
+
+
+def _mlp_sgd(params, x):
+    loss = lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])  # noqa: E731
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, jax.grad(loss)(params))
+
+
+def test_dead_code_is_not_planned():
+    """A gradient step computes its loss and drops it; XLA removes that code, and so does
+    analyze (else the plan prices a product and the moves that feed it)."""
+    params = {"w1": jax.ShapeDtypeStruct((16, 64), F), "w2": jax.ShapeDtypeStruct((64, 16), F)}
+    prog = planner.analyze(_mlp_sgd, params, jax.ShapeDtypeStruct((64, 16), F))
+    outputs = {v.name for v in prog.outputs}
+    for o in prog.ops:
+        assert any(r.value.name in prog.uses or r.value.name in outputs for r in o.results), o
+    assert [o.primitive for o in prog.ops].count("dot_general") == 4  # of five traced
+    assert [v.shape for v in prog.inputs] == [(16, 64), (64, 16), (64, 16)]  # all kept

@@ -137,6 +137,29 @@ def test_a_plan_on_a_topology_mesh_is_priced_as_that_tpu():
     )
 
 
+def _mlp_sgd(params, x):
+    loss = lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])  # noqa: E731
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, jax.grad(loss)(params))
+
+
+@needs_libtpu
+def test_a_step_that_discards_its_loss_is_predicted_as_compiled():
+    """The loss the step computes and drops is dead code that XLA removes: the plan no longer
+    prices its product (an all-to-all of 7 MiB to feed it, an all-reduce of the loss), and it
+    predicts the collectives the compiled program has (none)."""
+    from planner.summary import collectives
+
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    params, x = {"w1": f32(1024, 4096), "w2": f32(4096, 1024)}, f32(4096, 1024)
+    p = planner.plan(_mlp_sgd, params, x, mesh=AXES, calibration=Calibration.named("tpu_v5p"))
+    predicted = set(collectives(p.program, p.schedule, p.calibration)) - {"copy"}
+    report = p.compiled_report(mesh=planner.topology_mesh("v5p:2x2x2", AXES))
+    assert report.error is None and report.fits
+    assert predicted == set(report.collectives_by_kind) == set()
+    assert p.prediction.comm_bytes == 0
+    assert 0.5 < p.prediction.time_s / report.optimal_seconds < 2
+
+
 @needs_libtpu
 @pytest.mark.slow
 def test_libtpu_loads_quietly_where_no_tpu_is_attached():

@@ -360,3 +360,22 @@ def test_xla_backend_leaves_xla_the_changes_it_makes_well(mesh):
     np.testing.assert_allclose(f(x), fn(x), rtol=1e-6)
     with pytest.raises(ValueError, match="moves must be one of"):
         planner.lower(prog, sched, mesh, backend="xla", moves="sometimes")
+
+
+def _mlp_sgd(params, x):
+    loss = lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])  # noqa: E731
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, jax.grad(loss)(params))
+
+
+def test_a_step_that_discards_its_loss_computes_the_step():
+    """The loss the step drops is not planned (dead code); both lowerings still compute the
+    step exactly, on the mesh and calibration of the TPU case."""
+    from redist.calibration import Calibration
+
+    params, x = {"w1": rand(16, 64), "w2": rand(64, 16)}, rand(64, 16)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    p = planner.plan(_mlp_sgd, params, x, mesh=mesh, calibration=Calibration.named("tpu_v5p"))
+    want = jax.jit(_mlp_sgd)(params, x)
+    for got in (p(params, x), p.lowered(params, x)):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
