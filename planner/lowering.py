@@ -72,9 +72,10 @@ def _pspec(spec: Spec) -> PartitionSpec:
 class Lowered:
     """A scheduled program as a jitted function, with ``explain()`` and ``in_specs``.
 
-    Called (or ``lower``-ed) on the program's input arrays, flat; given the ``signature`` of
-    the user's function (:class:`planner.calls.Signature`, as :attr:`planner.AutoPlan.lowered`
-    has), on the user's own arguments, static ones included."""
+    Called (or ``lower``-ed) on the program's input arrays (pytrees of them, flattened); given
+    the ``signature`` of the user's function (:class:`planner.calls.Signature`, as
+    :attr:`planner.AutoPlan.lowered` has), also on the user's own arguments, static ones
+    included."""
 
     signature = None  # the user's arguments (planner.calls.Signature), when known
 
@@ -135,14 +136,14 @@ class Lowered:
         """The arrays of ``args``, those not yet on devices (numpy arrays, Python numbers) put
         where the schedule stores them: on a mesh of Explicit axes ``jax.jit`` would trace them
         unsharded, which the ``shard_map``'s ``in_specs`` refuse."""
-        if self.signature is not None:
-            self.signature.check(args, kwargs)
+        flat = jax.tree.leaves(args)
+        arrays_only = all(hasattr(x, "shape") for x in flat) and len(flat) == len(self.prog.inputs)
+        if self.signature is not None and (kwargs or not arrays_only):
+            self.signature.check(args, kwargs)  # the user's arguments, static ones included
             flat = self.signature.arrays(args, kwargs)
         elif kwargs:
             raise TypeError(f"this lowering takes the program's arrays, flat; got keyword "
                             f"arguments {sorted(kwargs)}")  # fmt: skip
-        else:
-            flat = jax.tree.leaves(args)
         if len(flat) != len(self.prog.inputs):
             raise ValueError(f"expected {len(self.prog.inputs)} arrays, got {len(flat)}")
         out = []
