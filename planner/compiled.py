@@ -353,7 +353,8 @@ def plan_compiled_report(plan, mesh=None, moves: str = "auto") -> CompiledReport
     """:meth:`planner.AutoPlan.compiled_report`: ``plan.jit(moves)`` bound to ``mesh`` (default:
     the plan's own mesh), compiled on the plan's argument shapes."""
     bound = plan if mesh is None or mesh is plan.mesh else plan.bind(mesh)
-    return compiled_report(bound.jit(moves), *input_structs(bound), **keyword_structs(bound))
+    args, kwargs = _structs(bound)
+    return compiled_report(bound.jit(moves), *args, **kwargs)
 
 
 quiet_libtpu_without_a_tpu()  # on importing planner, before JAX starts its backends

@@ -11,13 +11,12 @@ its own constants on 0.12; both answer ``.jaxpr`` and ``.consts``.
 
 Example:
     >>> split = scan_split(eqn)  # doctest: +SKIP
-    >>> consts, carry, xs = split.of(eqn.invars)  # doctest: +SKIP
+    >>> carry = eqn.invars[split.consts : split.consts + split.carry]  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +26,6 @@ class ScanSplit:
     consts: int
     carry: int
     xs: int
-
-    def of(self, operands: Sequence) -> tuple[list, list, list]:
-        """``operands`` (in the equation's order) cut into ``(consts, carry, xs)``."""
-        nc, nk = self.consts, self.carry
-        return list(operands[:nc]), list(operands[nc : nc + nk]), list(operands[nc + nk :])
 
 
 def scan_split(eqn) -> ScanSplit:
