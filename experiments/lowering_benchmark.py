@@ -50,7 +50,7 @@ def run(config, workdir: str) -> dict:
     import planner
     from experiments.measure import auto_mesh, hlo_collectives, interleaved_times
     from planner import baselines
-    from planner.schedule_search import search
+    from planner.solver.schedule_search import search
 
     mesh = auto_mesh(config.mesh)
     sizes, axes = dict(mesh.shape), tuple(mesh.axis_names)

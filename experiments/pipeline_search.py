@@ -10,12 +10,12 @@ SGD) and every power-of-two ``D x T x P = 16`` (data, tensor, pipeline degrees) 
 ``config.microbatches`` ``K`` for ``P > 1``: one pipeline stage's training work on one
 microbatch (its ``L / P`` layers, forward and backward, ``B / (D K)`` rows) is analysed from
 shapes and priced by :func:`planner.simulate` with its products split Megatron-style over a
-tensor axis of size ``T`` (:func:`planner.baselines.megatron`). The step is then GPipe over
-``P`` stages (:func:`planner.pipeline.gpipe_seconds`: ``K + P - 1`` ticks each way, the
+tensor axis of size ``T`` (:func:`planner.solver.strategies.megatron`). The step is then GPipe over
+``P`` stages (:func:`planner.cost.pipeline.gpipe_seconds`: ``K + P - 1`` ticks each way, the
 activation handed to the next stage each tick at the calibration's price for the link it
 crosses), plus the gradients' all-reduce over ``D`` and the SGD update. Memory per device: the
 stage's weights, gradients and one microbatch's peak from the simulator, plus the residuals of
-the other ``K - 1`` microbatches GPipe keeps (:func:`planner.pipeline.gpipe_activation_bytes`).
+the other ``K - 1`` microbatches GPipe keeps (:func:`planner.cost.pipeline.gpipe_activation_bytes`).
 Configurations over the calibration's memory do not fit.
 
 The result (``summary.json``, ``report.md``): per model, the best configuration that fits against
@@ -74,9 +74,9 @@ def evaluate(cfg: dict, model: dict, cal) -> dict:
     """Step time and memory per device of one ``D x T x P`` configuration with ``K``
     microbatches (see the module docs)."""
     import planner
-    from planner.baselines import megatron
-    from planner.ir import itemsize
-    from planner.pipeline import gpipe_activation_bytes, gpipe_seconds
+    from planner.cost.pipeline import gpipe_activation_bytes, gpipe_seconds
+    from planner.program.ops import itemsize
+    from planner.solver.strategies import megatron
     from redist.types import MeshShape
 
     d, t, p, k = cfg["D"], cfg["T"], cfg["P"], cfg["K"]

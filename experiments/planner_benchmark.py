@@ -34,7 +34,7 @@ def memory_limit(prog, mesh, fraction: float) -> int:
 def schedule_for(strategy: str, prog, mesh, axes, limit: int | None = None):
     """``(schedule, search seconds, backend)``; ``auto_memory`` searches under ``limit`` bytes."""
     from planner import baselines
-    from planner.schedule_search import search
+    from planner.solver.schedule_search import search
 
     if strategy in ("auto", "auto_memory"):
         limit = limit if strategy == "auto_memory" else None

@@ -135,12 +135,12 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
     when its layouts do not carry (a split layer dimension)."""
     import jax
 
-    from planner.analysis import analyze
-    from planner.auto import AutoPlan
+    from planner.autoplan import AutoPlan
     from planner.calls import Signature
     from planner.compiled import input_structs
     from planner.compiled_time import compiled_time
-    from planner.schedule import Schedule
+    from planner.program.analysis import analyze
+    from planner.program.schedule import Schedule
 
     times = []
     for depth in (1, 2):
@@ -171,7 +171,7 @@ def measure(
     ``explain()``."""
     import planner
     from planner.baselines import expert_plans
-    from planner.memory import MemoryLimitError, default_calibration
+    from planner.cost.memory import MemoryLimitError, default_calibration
 
     todo = [s for s in strategies if (model, topology, s) not in done]
     if not todo:

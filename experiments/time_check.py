@@ -42,8 +42,8 @@ def _lm(config, unroll):
     import numpy as np
 
     from experiments.language_model import lm_step
-    from planner.analysis import analyze
     from planner.calls import Signature
+    from planner.program.analysis import analyze
 
     b, s, d, h, layers, vocab = (int(n) for n in config.lm.split("x"))
     step, args = lm_step(b, s, d, h, layers, vocab, True, np.random.default_rng(0), unroll=unroll)
@@ -57,8 +57,8 @@ def _lm(config, unroll):
 def random_anchor_plan(prog, sizes: dict[str, int], rng: random.Random) -> dict:
     """A random point of the search's space: each anchor group's product (with its siblings)
     gets each whole mesh axis on a random partitionable loop, or none; the rest propagates."""
-    from planner.chain import with_siblings
-    from planner.schedule_search import groups
+    from planner.solver.chain import with_siblings
+    from planner.solver.schedule_search import groups
 
     gs = groups(prog)
     assign = {}
@@ -78,7 +78,7 @@ def random_anchor_plan(prog, sizes: dict[str, int], rng: random.Random) -> dict:
 def random_op_plan(prog, sizes: dict[str, int], rng: random.Random) -> dict:
     """Every op split at random, whole mesh axes on random loops (as the random-schedule tests
     do with prime factors); ops left unsplit run replicated."""
-    from planner.schedule import check_assignment
+    from planner.program.schedule import check_assignment
     from redist.types import MeshShape
 
     shape = MeshShape.of(sizes)
@@ -106,8 +106,8 @@ def random_op_plan(prog, sizes: dict[str, int], rng: random.Random) -> dict:
 def plans(prog, sizes: dict[str, int], config, cal) -> list[tuple[str, str, object]]:
     """``(name, kind, schedule)`` of every plan to check: searched, baselines, random."""
     from planner import baselines
-    from planner.memory import search_within
-    from planner.schedule import make_schedule
+    from planner.program.schedule import make_schedule
+    from planner.solver.schedule_search import search_within
 
     axes = tuple(sizes)
     out = []
@@ -158,10 +158,10 @@ def _key(sched) -> str:
 def compile_plan(sched, compiled_prog, sig, out_tree, mesh, cal) -> dict:
     """The compiler's verdict on one schedule: ``plan.jit()`` bound to ``mesh`` and compiled on
     the argument shapes (of ``compiled_prog``, the planned program or its unrolled twin)."""
-    from planner.auto import AutoPlan
+    from planner.autoplan import AutoPlan
     from planner.compiled import compiled_report, input_structs
     from planner.compiled_time import compiled_time
-    from planner.schedule import Schedule
+    from planner.program.schedule import Schedule
 
     target = Schedule(compiled_prog, sched.mesh, sched.assign, sched.stored)
     plan = AutoPlan(compiled_prog, target, None, mesh, 0.0, sig.in_tree, out_tree, None, cal, sig)
@@ -181,7 +181,7 @@ def compile_plan(sched, compiled_prog, sig, out_tree, mesh, cal) -> dict:
 
 def predict_plan(sched, prog, cal) -> dict:
     """The simulator's prediction of one schedule, per device."""
-    from planner.simulator import simulate
+    from planner.cost.simulator import simulate
 
     pred = simulate(prog, sched, cal)
     compute_s = sum(c.compute_s for c in pred.ops)

@@ -3,25 +3,34 @@
 :func:`analyze` turns a function into a :class:`Program` of loop nests with access maps;
 ``program.schedule(...)`` assigns mesh axes to loops (:class:`Schedule`); :func:`lower` runs it as
 one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (calibrated cost model,
-``python -m experiments.calibrate``). :func:`plan` / :func:`auto_shard` search a schedule (:func:`search`) and run it,
-within a memory limit (:mod:`planner.memory`). :func:`topology_mesh` / :func:`compiled_report` compile a
-plan or any jitted program for a TPU topology on any host and read the compiler's verdict;
-``plan.save(path)`` and :func:`load` keep a plan in a file and restore it without searching.
-:func:`planner.baselines.expert_plans` gives the hand strategies (data parallelism, FSDP, FSDP +
-tensor parallelism) as plans of the same kind, to compare with.
+``python -m experiments.calibrate``). :func:`plan` / :func:`auto_shard` search a schedule
+(:func:`search`) and run it, within a memory limit (:mod:`planner.cost.memory`).
+:func:`topology_mesh` / :func:`compiled_report` compile a plan or any jitted program for a TPU
+topology on any host and read the compiler's verdict; ``plan.save(path)`` and :func:`load` keep a
+plan in a file and restore it without searching. :func:`expert_plans` gives the hand strategies
+(data parallelism, FSDP, FSDP + tensor parallelism) as plans of the same kind, to compare with.
+
+The stages, each a package importing only those before it:
+
+1. :mod:`planner.program`: the function as a :class:`Program`, and the schedules valid for it;
+2. :mod:`planner.layout`: what a schedule implies (data flow, collectives, donation, stages);
+3. :mod:`planner.cost`: its predicted time and memory (pure, no JAX);
+4. :mod:`planner.solver` (the search) and :mod:`planner.lowering` (running a schedule);
+5. here, the user's objects: :func:`plan`, :class:`AutoPlan` (:mod:`planner.autoplan`), calls
+   (:mod:`planner.calls`), saved plans (:mod:`planner.persistence`), the summary
+   (:mod:`planner.summary`), compiled reports (:mod:`planner.compiled`,
+   :mod:`planner.compiled_time`) and the experts' plans (:mod:`planner.baselines`).
 """
 
 from planner import baselines
-from planner.analysis import analyze
-from planner.auto import AutoPlan, auto_shard, plan
+from planner.auto import auto_shard, load, plan
+from planner.autoplan import AutoPlan
+from planner.baselines import expert_plans
 from planner.compiled import CompiledReport, compiled_report, topology_mesh
-from planner.ir import Access, Loop, Op, Program, Value
+from planner.cost import MEMORY_RESERVE, MemoryLimitError, Prediction, simulate
 from planner.lowering import Lowered, lower
-from planner.memory import MEMORY_RESERVE, MemoryLimitError
-from planner.persistence import load
-from planner.schedule import Schedule, make_schedule
-from planner.schedule_search import search
-from planner.simulator import Prediction, simulate
+from planner.program import Access, Loop, Op, Program, Schedule, Value, analyze, make_schedule
+from planner.solver import search
 
 __all__ = [
     "Access",
@@ -39,6 +48,7 @@ __all__ = [
     "simulate",
     "AutoPlan",
     "auto_shard",
+    "expert_plans",
     "load",
     "plan",
     "search",

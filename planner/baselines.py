@@ -1,29 +1,10 @@
-"""Hand-written parallel strategies as schedules, lowered like any other (so they compare fairly).
+"""The experts' strategies, to compare plans with: hand-written schedules, and plans made of them.
 
-The expert strategies, complete plans of a training step (:func:`expert_plans`, or
-:func:`expert_schedules` of an analysed program); every op is laid out by the program's logical
-axes, as MaxText's logical axis rules do, in scanned and unscanned layers alike:
-
-| name            | layouts                                                                   |
-|-----------------|---------------------------------------------------------------------------|
-| data_parallel   | batch over ``data_axes``; parameters and optimizer replicated             |
-| fsdp            | and parameters, gradients and optimizer state split over ``data_axes`` on |
-|                 | their embedding width (ZeRO-3: gathered per layer, reduce-scattered)      |
-| fsdp_tensor     | and heads, MLP hidden and vocabulary over ``tensor_axis`` (Megatron)      |
-
-Partial strategies (a few ops named, everything else follows by propagation), also the search's
-starting points:
-
-| strategy        | what it names                                                             |
-|-----------------|---------------------------------------------------------------------------|
-| data_parallel   | the batch (first free) loop of the first dense op, over the given axes    |
-| megatron        | dense ops whose weight is a program input (or a view of one: a scan's     |
-|                 | stacked weight one layer at a time, a transpose, a cast): by output       |
-|                 | columns (``n``), or by the contraction (``k``, then an all-reduce) when   |
-|                 | their input derives from a column-split layer (MLPs alternate;            |
-|                 | attention: heads, then rows)                                              |
-| data_and_model  | both: batch over ``data_axes``, Megatron over ``model_axes``              |
-| fsdp_stored     | with data_parallel: weights stored split on their first dim (ZeRO-3)      |
+:func:`expert_plans` gives data parallelism, FSDP and FSDP + tensor parallelism of a training step
+as :class:`planner.autoplan.AutoPlan`s that run, compile and predict like a searched plan; the
+schedules themselves (:func:`expert_schedules`, and the partial strategies the search starts
+from: :func:`data_parallel`, :func:`megatron`, :func:`data_and_model`, :func:`fsdp_stored`, ...)
+are :mod:`planner.solver.strategies`, named here too.
 
 Example:
     >>> plans = expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))  # doctest: +SKIP
@@ -32,371 +13,45 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
 
-from planner.ir import ENTRIES, Op, Program, Value
-from planner.rules import COMBINABLE
-from planner.schedule import Schedule, _try, make_schedule
+import jax
 
+from planner.auto import _argnums, donating
+from planner.autoplan import AutoPlan
+from planner.cost.memory import default_calibration
+from planner.cost.simulator import simulate
+from planner.program.analysis import analyze
+from planner.program.schedule import make_schedule
+from planner.solver.strategies import (
+    STRATEGIES,
+    VIEWS,
+    batch_and_channels,
+    batch_and_rows,
+    batch_extent,
+    data_and_model,
+    data_parallel,
+    expert_schedules,
+    fsdp_stored,
+    megatron,
+    weight_views,
+)
+from redist.specs import mesh_shape
 
-def _dense(prog: Program) -> list[Op]:
-    return [o for o in prog.ops if o.dense]
-
-
-def _batch_loop(op: Op) -> str:
-    for name in (
-        ("n", "m", "m0", "b0") if op.primitive == "conv_general_dilated" else ("m0", "m", "b0")
-    ):
-        if name in op.loop:
-            return name
-    raise ValueError(f"op {op.name!r} has no batch-like loop among {[lp.name for lp in op.loops]}")
-
-
-def batch_extent(prog: Program) -> int | None:
-    """The batch size the expert strategies split: the first product's batch loop's extent (None
-    without a product). Raises ``ValueError`` if that product has no batch-like loop."""
-    dense = _dense(prog)
-    return dense[0].loop[_batch_loop(dense[0])].extent if dense else None
-
-
-def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
-    """Split the batch loop of the first dense op over ``axes``."""
-    dense = _dense(prog)
-    if not dense:
-        raise ValueError("data_parallel needs a dot_general or convolution in the program")
-    return {dense[0].name: {_batch_loop(dense[0]): tuple(axes)}}
-
-
-def batch_and_channels(
-    prog: Program, batch_axes: Sequence[str], channel_axes: Sequence[str], sizes: dict[str, int]
-) -> dict:
-    """What one splits a convolutional network by without spatial partitioning: every
-    convolution's batch over ``batch_axes`` and its output channels (a grouped one's groups)
-    over ``channel_axes`` (a kernel's gradient, whose batch is its reduction ``i``, splits that
-    and its output channels), the other ops following. Loops whose extents the axes (of
-    ``sizes``) do not divide stay whole.
-
-    Example:
-        >>> prog.schedule(batch_and_channels(prog, ("a",), ("b", "c"), sizes), sizes)  # doctest: +SKIP
-    """
-    convs = [o for o in prog.ops if o.primitive == "conv_general_dilated"]
-    if not convs:
-        raise ValueError("batch_and_channels needs a convolution in the program")
-    out = {}
-    for o in convs:
-        by_window = any(not w.by_output for w in o.windows)
-        channels = "g" if "g" in o.loop else "o"  # a grouped convolution's channels: its groups
-        wanted = {"i" if by_window else "n": tuple(batch_axes), channels: tuple(channel_axes)}
-        out[o.name] = _valid(o, {lp: axes for lp, axes in wanted.items() if axes}, sizes)
-    return out
-
-
-def batch_and_rows(
-    prog: Program, batch_axes: Sequence[str], row_axes: Sequence[str], sizes: dict[str, int]
-) -> dict:
-    """Spatial partitioning as one writes it by hand: every windowed op (convolutions, pools
-    and their gradients) with its batch over ``batch_axes`` and its first spatial dimension,
-    the rows, over ``row_axes`` (with halos, :mod:`planner.halo`), the other ops following.
-    Splits whose tiles do not line up, or whose extents the axes do not divide, stay whole.
-
-    Example:
-        >>> prog.schedule(batch_and_rows(prog, ("a",), ("b", "c"), sizes), sizes)  # doctest: +SKIP
-    """
-    windowed = [o for o in prog.ops if o.windows]
-    if not windowed:
-        raise ValueError("batch_and_rows needs a convolution or pooling in the program")
-    out = {}
-    for o in windowed:
-        if o.primitive == "conv_general_dilated":
-            batch = "n" if all(w.by_output for w in o.windows) else "i"
-        else:  # pools and their gradients: one loop per dimension, the batch first
-            batch = o.loops[0].name
-        wanted = {batch: tuple(batch_axes), o.windows[0].owner: tuple(row_axes)}
-        out[o.name] = _valid(o, {lp: axes for lp, axes in wanted.items() if axes}, sizes)
-    return out
-
-
-VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reduce_precision"})
-"""Ops whose result is their operand relabelled (dims permuted, elements cast): a weight read
-through them (``embedding.T``, a cast to bfloat16) is still the weight."""
-
-
-def weight_views(prog: Program) -> dict[str, tuple[Value, tuple[int, ...]]]:
-    """Value name -> ``(program input, input dimension of each of the value's dimensions)`` for
-    every value that is a program input or a view of one: entered into a region's body (a scan's
-    stacked ``xs`` lose their leading, layer axis, so a stacked weight is seen one layer at a
-    time), transposed or cast (:data:`VIEWS`)."""
-    out = {v.name: (v, tuple(range(len(v.shape)))) for v in prog.inputs}
-    for o in prog.ops:
-        entry = o.how == "region" and o.primitive in ENTRIES
-        if not (entry or (o.primitive in VIEWS and len(o.operands) == 1 and len(o.results) == 1)):
-            continue
-        src, dst = o.operands[0], o.results[0]
-        if src.value.name not in out or any(len(d) > 1 for d in src.dims + dst.dims):
-            continue
-        where = {d[0]: k for k, d in enumerate(src.dims) if d}
-        if not all(d and d[0] in where for d in dst.dims):
-            continue
-        weight, dims = out[src.value.name]
-        out[dst.value.name] = (weight, tuple(dims[where[d[0]]] for d in dst.dims))
-    return out
-
-
-def _weight_ops(prog: Program) -> list[tuple[Op, int]]:
-    """Forward layer products ``x @ W`` as ``(op, weight operand position)``: the first product
-    that reads a program input, or a view of one (:func:`weight_views`: through scans, transposes,
-    casts), with that operand contracted on its leading dimensions is a layer of that weight."""
-    views = weight_views(prog)
-    seen: set[str] = set()
-    out = []
-    for o in prog.ops:
-        if o.primitive != "dot_general" or len(o.operands) != 2:
-            continue
-        for pos, acc in enumerate(o.operands):
-            view = views.get(acc.value.name)
-            if view is None or view[0].name in seen:
-                continue
-            seen.add(view[0].name)
-            contract = o.eqn.params["dimension_numbers"][0][pos]
-            if contract and sorted(contract) == list(range(len(contract))):
-                out.append((o, pos))
-                break
-    return out
-
-
-def _layers(prog: Program) -> list[tuple[Op, int, bool]]:
-    """The layer products as ``(op, weight position, row)``: Megatron's column layers (their input
-    is whole, ``row`` False) and row layers (their input derives from a column layer's output)."""
-    layers = dict(_weight_ops(prog))  # op -> position of its weight operand
-    split: set[str] = set()  # values derived from a column-split layer's output
-    out = []
-    for op in prog.ops:
-        if op in layers:
-            row = op.operands[1 - layers[op]].value.name in split
-            out.append((op, layers[op], row))
-            if not row:
-                split.update(r.value.name for r in op.results)
-        elif any(a.value.name in split for a in op.operands):
-            split.update(r.value.name for r in op.results)
-    return out
-
-
-def _weight_loops(op: Op, pos: int) -> tuple[list[str], list[str]]:
-    """The loops indexing the weight operand's dimensions: ``(contracted, free)``, in its order."""
-    summed = {name for name, _ in op.reductions}
-    dims = [d[0] for d in op.operands[pos].dims if d]
-    return [d for d in dims if d in summed], [d for d in dims if d not in summed]
-
-
-def megatron(prog: Program, axes: Sequence[str]) -> dict:
-    """Column (``n``) splits for layers whose input is whole, row (``k``) splits for layers whose
-    input derives from a column-split layer's output (then an all-reduce): an MLP alternates; in
-    attention the q, k, v projections are split by heads and the output projection by rows.
-    Weights inside scans (stacked over layers) count: the body's products are the layers."""
-    out = {}
-    for op, pos, row in _layers(prog):
-        # Row: the weight's leading (contracted) dimension; column: its first free one.
-        contracted, free = _weight_loops(op, pos)
-        loops = contracted if row else free
-        if loops:
-            out[op.name] = {loops[0]: tuple(axes)}
-    if not out:
-        raise ValueError("megatron needs products with a program input (a weight) as right operand")
-    return out
-
-
-def fsdp_stored(prog: Program, axes: Sequence[str], mesh_sizes: dict[str, int]) -> dict:
-    """FSDP / ZeRO-3: the layers' weights stored split along their first dimension over ``axes``
-    (gathered before use by the data flow); use with :func:`data_parallel`. A weight stacked over
-    a scan's layers is split along its first dimension within a layer (its layer axis stays
-    whole, so that each layer is gathered inside the scan, when it runs)."""
-    parts = 1
-    for a in axes:
-        parts *= mesh_sizes[a]
-    views = weight_views(prog)
-    out = {}
-    for op, pos in _weight_ops(prog):
-        w, dims = views[op.operands[pos].value.name]
-        for d in sorted(dims):
-            if w.shape[d] % parts == 0:
-                out[w.name] = tuple(tuple(axes) if k == d else () for k in range(len(w.shape)))
-                break
-    return out
-
-
-def data_and_model(prog: Program, data_axes: Sequence[str], model_axes: Sequence[str]) -> dict:
-    """Batch over ``data_axes`` on the first dense op, Megatron over ``model_axes``."""
-    out = megatron(prog, model_axes)
-    first, loops = next(iter(data_parallel(prog, data_axes).items()))
-    out.setdefault(first, {}).update(loops)
-    return out
-
-
-# ----------------------------------------------------------------- expert strategies, MaxText-style
-
-
-class _Classes:
-    """Union-find over loops (``(op name, loop)``) and array dimensions (``(value name, dim)``):
-    a dimension joins the major loop indexing it in its producer and in each of its consumers, so
-    that a class is one logical axis of the program (its batch, its heads, its MLP hidden
-    dimension, its embedding width), as MaxText names them by hand."""
-
-    def __init__(self, prog: Program):
-        self.parent: dict = {}
-        for o in prog.ops:
-            for acc in o.operands + o.results:
-                for d, loops in enumerate(acc.dims):
-                    if loops:
-                        self.union((o.name, loops[0]), (acc.value.name, d))
-
-    def find(self, node):
-        root = node
-        while self.parent.get(root, root) != root:
-            root = self.parent[root]
-        while node != root:  # path compression
-            self.parent[node], node = root, self.parent.get(node, node)
-        return root
-
-    def union(self, a, b) -> None:
-        a, b = self.find(a), self.find(b)
-        if a != b:
-            self.parent[b] = a
-
-
-STRATEGIES = ("data_parallel", "fsdp", "fsdp_tensor")
-"""The names :func:`expert_schedules` and :func:`expert_plans` return, in order."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-    """One strategy as MaxText's logical axis rules: logical axis (a class of
-    :class:`_Classes`) -> mesh axes, for activations (values with a batch dimension) and for
-    parameters, their gradients and optimizer state (values without one)."""
-
-    batch: object  # the batch class: over ``data`` in activations
-    data: tuple[str, ...]
-    model: frozenset  # heads, MLP hidden, vocabulary: over ``tensor`` everywhere
-    tensor: str | None
-    width: frozenset  # the embedding width: over ``data`` in parameters (FSDP)
-    stacked: frozenset  # the layer axes of weights stacked for a scan
-
-    def __call__(self, extents, classes) -> list[tuple[str, ...]]:
-        """The mesh axes of each dimension (or loop) of the given extents and classes."""
-        activation = self.batch in classes
-        # A per-layer vector (a norm's scale, a bias) stays whole on the data axes, as ZeRO-3
-        # keeps parameters under its persistence threshold and MaxText keeps norm scales off
-        # its FSDP axes: a gather per tiny vector costs more than it saves.
-        vector = sum(n > 1 and c not in self.stacked for n, c in zip(extents, classes)) < 2
-        out: list[tuple[str, ...]] = []
-        taken: set[str] = set()
-        for c in classes:
-            axes: tuple[str, ...] = ()
-            if c in self.model:
-                axes = (self.tensor,)
-            elif activation and c == self.batch:
-                axes = self.data
-            elif not activation and not vector and c in self.width:
-                axes = self.data
-            if taken & set(axes):
-                axes = ()
-            taken.update(axes)
-            out.append(axes)
-        return out
-
-
-def _valid(op: Op, wanted: dict[str, tuple[str, ...]], sizes) -> dict[str, tuple[str, ...]]:
-    """The wanted loops ``op`` can take (partitionable, divisible, each mesh axis once, the major
-    loop of merged dimensions, one kind of partitioned reduction), greedily in loop order."""
-    out = _try(op, sizes, wanted)
-    kinds = dict(op.reductions)
-    kept = None
-    for lp in list(out):
-        if lp in kinds:
-            if kinds[lp] not in COMBINABLE or kept not in (None, kinds[lp]):
-                del out[lp]
-            else:
-                kept = kinds[lp]
-    return out
-
-
-def _schedule(prog: Program, classes: _Classes, rule: _Rule, sizes) -> Schedule:
-    """Every op and every parameter input laid out by ``rule``."""
-    assign = {}
-    for o in prog.ops:
-        axes = rule(
-            [lp.extent for lp in o.loops], [classes.find((o.name, lp.name)) for lp in o.loops]
-        )
-        assign[o.name] = _valid(o, {lp.name: a for lp, a in zip(o.loops, axes) if a}, sizes)
-    stored = {}
-    for v in prog.inputs:
-        cls = [classes.find((v.name, d)) for d in range(len(v.shape))]
-        if rule.batch in cls:
-            continue  # a batch input: laid out as its first consumer reads it
-        spec = rule(v.shape, cls)
-        stored[v.name] = tuple(a if n % math.prod(sizes[x] for x in a) == 0 else ()
-                               for n, a in zip(v.shape, spec))  # fmt: skip
-    return make_schedule(prog, assign, sizes, default="replicate", stored=stored)
-
-
-def expert_schedules(
-    prog: Program,
-    mesh,
-    data_axes: Sequence[str] = ("data", "fsdp"),
-    tensor_axis: str | None = "tensor",
-) -> dict[str, Schedule]:
-    """The hand strategies an expert writes for a training step, as complete schedules of
-    ``prog`` (name -> :class:`planner.schedule.Schedule`, see :func:`expert_plans`).
-
-    Every op is named, as MaxText's logical axis rules constrain every activation and parameter
-    (:class:`_Rule`): the loops of one logical axis (:class:`_Classes`: the batch of the first
-    product; the heads, MLP hidden and vocabulary dimensions Megatron splits; the embedding width
-    FSDP stores split) take the same mesh axes wherever they occur, inside scans too.
-    ``fsdp_tensor`` is left out when ``tensor_axis`` is ``None`` or not a mesh axis of size > 1.
-
-    Raises:
-        ValueError: a data or tensor axis that is not on the mesh, a program without a product
-            with a batch loop, or (``fsdp_tensor``) one whose Megatron dimensions are its batch.
-    """
-    sizes = dict(getattr(mesh, "shape", mesh))
-    data = tuple(data_axes)
-    for a in (*data, *([tensor_axis] if tensor_axis else [])):
-        if a not in sizes:
-            raise ValueError(f"mesh axis {a!r} is not on the mesh {sizes}")
-    if tensor_axis in data:
-        raise ValueError(f"tensor axis {tensor_axis!r} is also a data axis")
-    dense = _dense(prog)
-    if not dense:
-        raise ValueError("expert strategies need a dot_general or convolution in the program")
-    classes = _Classes(prog)
-    batch = classes.find((dense[0].name, _batch_loop(dense[0])))
-    model, width = set(), set()
-    for op, pos, row in _layers(prog):
-        contracted, free = _weight_loops(op, pos)
-        # Column layers: heads / hidden are the weight's first free dimension, the embedding
-        # width its contracted one; row layers the other way round.
-        heads, embed = (contracted, free) if row else (free, contracted)
-        if heads:
-            model.add(classes.find((op.name, heads[0])))
-        if embed:
-            width.add(classes.find((op.name, embed[0])))
-    width.discard(batch)
-    stacked = frozenset(
-        classes.find((o.operands[0].value.name, d))
-        for o in prog.ops if o.how == "region" and o.primitive in ENTRIES
-        for d, loops in enumerate(o.operands[0].dims) if not loops
-    )  # fmt: skip
-    rules = {
-        "data_parallel": _Rule(batch, data, frozenset(), None, frozenset(), stacked),
-        "fsdp": _Rule(batch, data, frozenset(), None, frozenset(width), stacked),
-    }
-    if tensor_axis and sizes.get(tensor_axis, 1) > 1:
-        if batch in model:
-            raise ValueError("the Megatron dimensions of this program are linked to its batch")
-        rules["fsdp_tensor"] = _Rule(batch, data, frozenset(model), tensor_axis,
-                                     frozenset(width - model), stacked)  # fmt: skip
-    return {name: _schedule(prog, classes, rule, sizes) for name, rule in rules.items()}
+__all__ = [
+    "STRATEGIES",
+    "VIEWS",
+    "batch_and_channels",
+    "batch_and_rows",
+    "batch_extent",
+    "data_and_model",
+    "data_parallel",
+    "expert_plans",
+    "expert_schedules",
+    "fsdp_stored",
+    "megatron",
+    "weight_views",
+]
 
 
 def expert_plans(
@@ -439,13 +94,6 @@ def expert_plans(
         >>> {name: p.prediction.time_s for name, p in plans.items()}
         >>> plans["fsdp_tensor"].in_specs
     """
-    import jax
-
-    from planner.analysis import analyze
-    from planner.auto import AutoPlan, _argnums, donating
-    from planner.memory import default_calibration
-    from planner.simulator import simulate
-    from redist.specs import mesh_shape
 
     prog = donating(analyze(fn, *args), args, donate_argnums)
     donated = _argnums(donate_argnums, len(args))

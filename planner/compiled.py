@@ -31,8 +31,10 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils, topologies
 from jax.sharding import AxisType, Mesh
 
+from planner.program.ops import is_key
 from redist.calibration import Calibration
 from redist.hlo import hlo_collectives
 
@@ -62,8 +64,6 @@ def _libtpu_missing() -> bool:
 
 @functools.cache
 def _topology_devices(topology: str, kwargs: tuple) -> tuple:
-    from jax.experimental import topologies
-
     if jax.default_backend() != "tpu":
         # No TPU attached: libtpu only compiles here, so it need not hold the host-wide lock
         # that keeps two processes off one TPU (other processes may have libtpu loaded).
@@ -110,8 +110,6 @@ def topology_mesh(
             f"mesh axes {axes} multiply to {math.prod(sizes)} devices; topology {topology!r} "
             f"has {len(devices)} ({devices[0].device_kind})"
         )
-    from jax.experimental import mesh_utils
-
     try:
         grid = mesh_utils.create_device_mesh(sizes, list(devices))
     except (ValueError, NotImplementedError, AssertionError):
@@ -332,7 +330,6 @@ def keyword_structs(plan) -> dict:
 
 
 def _structs(plan) -> tuple[tuple, dict]:
-    from planner.ir import is_key
 
     def struct(v):
         if is_key(v.dtype):

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import re
 
+from planner.compiled import _devices_of
 from redist.calibration import Calibration
 from redist.hlo import KINDS, Collective, hlo_collectives
 
@@ -172,8 +173,6 @@ def compiled_time(
     """:class:`CompiledTime` of a ``jax`` ``Compiled`` (``jit(f).lower(...).compile()``)."""
     cost = _cost(compiled)
     if num_devices is None:
-        from planner.compiled import _devices_of
-
         num_devices = len(_devices_of(compiled, ())) or 1
     counted = counted_collectives(compiled.as_text())
     kernels, source = kernel_seconds(cost, calibration)

@@ -1,12 +1,11 @@
-"""Plans kept in files and carried to other meshes: ``plan.save(path)``, :func:`load` and
-``plan.bind(mesh)``.
+"""Plans kept in files: what ``plan.save(path)`` writes and :func:`planner.load` checks.
 
 A saved plan is plain JSON (``"format": "redist.planner.plan"``, ``"version": 1``): the schedule
 (every op's loop -> mesh factor assignment, the inputs' layouts at rest), a fingerprint of the
 program (a hash of its jaxpr's text without source information, the same in every process and on
 every host), the arguments (pytree structure, shapes and dtypes, static values), the structure of
 the outputs, the mesh's axis names and sizes, the calibration (its shipped name and its figures)
-and the prediction. :func:`load` traces the function again but does not search: it refuses, with a
+and the prediction. :func:`planner.load` traces the function again but does not search: it refuses, with a
 ``ValueError`` saying what differs, another program, other arguments or another mesh.
 
 Example:
@@ -22,21 +21,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import warnings
-from collections.abc import Callable
 
 import jax
 
-from planner.analysis import analyze
-from planner.auto import AutoPlan, _devices
-from planner.calls import Signature, differences, without_addresses
-from planner.ir import Program
-from planner.pipeline import Stages
-from planner.schedule import Schedule, make_schedule
-from planner.simulator import simulate
-from planner.staging import check_stages
+from planner.calls import without_addresses
+from planner.layout.staging import check_stages
+from planner.program.ir import Program
+from planner.program.schedule import Schedule, Stages
 from redist.calibration import Calibration
-from redist.specs import mesh_shape
 from redist.types import MeshShape
 
 FORMAT = "redist.planner.plan"
@@ -65,20 +57,6 @@ def mesh_differences(planned: MeshShape, given: MeshShape) -> list[str]:
     return out
 
 
-def bind(plan: AutoPlan, mesh) -> AutoPlan:
-    """``plan`` (made for an ``AbstractMesh`` or ``{name: size}``) on ``mesh``, a
-    ``jax.sharding.Mesh`` of the same axis names and sizes: a new plan that has shardings and
-    runs. Raises ``ValueError`` naming what differs."""
-    if _devices(mesh) is None:
-        raise ValueError(f"bind needs a jax.sharding.Mesh with devices; got {type(mesh).__name__}")
-    problems = mesh_differences(plan.mesh_shape, mesh_shape(mesh))
-    if problems:
-        raise ValueError(
-            f"this plan was made for the mesh {plan.mesh_shape}: " + "; ".join(problems)
-        )
-    return dataclasses.replace(plan, mesh=mesh)
-
-
 def _shipped_name(cal: Calibration) -> str | None:
     folder = os.path.join(os.path.dirname(__import__("redist").__file__), "calibrations")
     for name in sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json")):
@@ -87,14 +65,14 @@ def _shipped_name(cal: Calibration) -> str | None:
     return None
 
 
-def _prediction(pred) -> dict | None:
+def prediction_record(pred) -> dict | None:
     if pred is None:
         return None
     return {"time_s": pred.time_s, "comm_bytes": pred.comm_bytes, "peak_bytes": pred.peak_bytes}
 
 
-def document(plan: AutoPlan) -> dict:
-    """The plan as plain data (what :func:`save` writes)."""
+def document(plan) -> dict:
+    """An :class:`planner.autoplan.AutoPlan` as plain data (what :func:`save` writes)."""
     sched, cal = plan.schedule, plan.calibration or Calibration.for_backend()
     return {
         "format": FORMAT,
@@ -108,8 +86,8 @@ def document(plan: AutoPlan) -> dict:
         "outputs": str(plan.out_tree),
         "mesh": [[name, size] for name, size in plan.mesh_shape.axes],
         "calibration": {"name": _shipped_name(cal), "figures": json.loads(cal.to_json())},
-        "prediction": _prediction(plan.prediction),
-        "replicated": _prediction(plan.replicated),
+        "prediction": prediction_record(plan.prediction),
+        "replicated": prediction_record(plan.replicated),
         "search_s": plan.search_s,
         "schedule": {
             "assign": {
@@ -122,14 +100,14 @@ def document(plan: AutoPlan) -> dict:
     }
 
 
-def save(plan: AutoPlan, path: str) -> None:
+def save(plan, path: str) -> None:
     """Write ``plan`` to ``path`` as JSON (see the module docstring)."""
     with open(path, "w") as f:
         json.dump(document(plan), f, indent=1)
         f.write("\n")
 
 
-def _program_differences(doc: dict, prog: Program) -> str:
+def program_differences(doc: dict, prog: Program) -> str:
     saved, ours = doc["program"]["ops"], [o.name for o in prog.ops]
     if saved != ours:
         k = next(
@@ -147,7 +125,7 @@ def _program_differences(doc: dict, prog: Program) -> str:
     return how
 
 
-def _schedule(doc: dict, prog: Program, shape: MeshShape) -> Schedule:
+def saved_schedule(doc: dict, prog: Program, shape: MeshShape) -> Schedule:
     sizes = shape.factor_size
     ops = {o.name: o for o in prog.ops}
     assign = {}
@@ -168,49 +146,3 @@ def _schedule(doc: dict, prog: Program, shape: MeshShape) -> Schedule:
     sched = Schedule(prog, sizes, assign, stored, stages)
     check_stages(prog, sched)
     return sched
-
-
-def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
-    """The plan saved at ``path`` for ``fn(*args, **kwargs)`` on ``mesh`` (a ``Mesh``, an
-    ``AbstractMesh`` or ``{name: size}`` of the axis names and sizes it was made for), without
-    searching. Raises ``ValueError`` saying what differs when the program, the arguments' structure,
-    shapes, dtypes or static values, or the mesh's axes are not those of the plan."""
-    with open(path) as f:
-        doc = json.load(f)
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-        raise ValueError(
-            f"{path} is not a saved plan of format {FORMAT!r} version {VERSION} (it says "
-            f"{doc.get('format')!r} version {doc.get('version')!r})"
-        )
-    sig = Signature.of(args, kwargs)
-    problems = differences(doc["arguments"], sig.describe())
-    if problems:
-        raise ValueError(f"{path} was made for other arguments: " + "; ".join(problems))
-    shape, saved_shape = mesh_shape(mesh), MeshShape(tuple((n, s) for n, s in doc["mesh"]))
-    problems = mesh_differences(saved_shape, shape)
-    if problems:
-        raise ValueError(f"{path} was made for the mesh {saved_shape}: " + "; ".join(problems))
-    traced, values = sig.traced(fn, args, kwargs)
-    prog = analyze(traced, *values)
-    if fingerprint(prog) != doc["program"]["fingerprint"]:
-        raise ValueError(
-            f"{path} was made for another program: this one " + _program_differences(doc, prog)
-        )
-    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
-    if str(out_tree) != doc["outputs"]:
-        raise ValueError(
-            f"{path} was made for a function returning {doc['outputs']}; this one returns "
-            f"{out_tree}"
-        )
-    sched = _schedule(doc, prog, shape)
-    cal = Calibration.from_json(json.dumps(doc["calibration"]["figures"]))
-    pred = simulate(prog, sched, cal)
-    if _prediction(pred) != doc["prediction"]:
-        warnings.warn(
-            f"{path}: the simulator now predicts {pred} for this plan; the file says "
-            f"{doc['prediction']}",
-            stacklevel=2,
-        )
-    replicated = simulate(prog, make_schedule(prog, {}, shape.sizes, default="replicate"), cal)
-    return AutoPlan(prog, sched, pred, mesh, doc["search_s"], sig.in_tree, out_tree, replicated,
-                    cal, sig)  # fmt: skip

@@ -37,13 +37,16 @@ import os
 import jax
 
 import redist
-from planner import baselines
-from planner.dataflow import dataflow, input_spec, output_specs
-from planner.halo import halo_bytes, split
-from planner.ir import Op, Program, is_key, itemsize
-from planner.schedule import Schedule, Spec, local_shape, make_schedule
-from planner.simulator import Prediction, hand_overs, simulate, step_costs
-from planner.staging import pipeline_runs
+from planner.cost.pipeline import bubble
+from planner.cost.simulator import Prediction, hand_overs, simulate, step_costs
+from planner.layout.dataflow import dataflow, input_spec, output_specs
+from planner.layout.staging import pipeline_runs, region_of
+from planner.program.halo import halo_bytes, split
+from planner.program.ir import Program
+from planner.program.microbatch import microbatching
+from planner.program.ops import Op, is_key, itemsize
+from planner.program.schedule import Schedule, Spec, local_shape, make_schedule, stage_factors
+from planner.solver import strategies
 from redist.calibration import Calibration, wire_bytes
 from redist.types import MeshShape
 
@@ -458,7 +461,7 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
 
 def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, object]:
     """Label -> Prediction, or a short reason why the strategy does not apply: the expert
-    strategies of :func:`planner.baselines.expert_schedules` (data parallelism and FSDP over
+    strategies of :func:`planner.solver.strategies.expert_schedules` (data parallelism and FSDP over
     every axis; FSDP over the others with tensor parallelism over the last axis)."""
     axes = tuple(a for a, n in mesh.axes if n > 1)
     ways = mesh.num_devices
@@ -466,10 +469,10 @@ def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, ob
               "fsdp": f"FSDP ({ways}-way, weights split)"}  # fmt: skip
     out: dict[str, object] = {}
     try:
-        batch = baselines.batch_extent(prog)
+        batch = strategies.batch_extent(prog)
         if batch is not None and batch % ways:
             return {label: _reason(ValueError("not divisible"), mesh) for label in labels.values()}
-        found = baselines.expert_schedules(prog, mesh.sizes, axes, None) if axes else {}
+        found = strategies.expert_schedules(prog, mesh.sizes, axes, None) if axes else {}
     except (ValueError, KeyError, AttributeError) as e:
         return {label: _reason(e, mesh) for label in labels.values()}
     for name, label in labels.items():
@@ -477,7 +480,7 @@ def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, ob
     if len(axes) > 1:
         label = f"FSDP x tensor ({'x'.join(axes[:-1])} x {axes[-1]})"
         try:
-            sched = baselines.expert_schedules(prog, mesh.sizes, axes[:-1], axes[-1])
+            sched = strategies.expert_schedules(prog, mesh.sizes, axes[:-1], axes[-1])
             out[label] = simulate(prog, sched["fsdp_tensor"], cal)
         except (ValueError, KeyError, AttributeError) as e:
             out[label] = _reason(e, mesh)
@@ -614,7 +617,7 @@ def _shorten(lines: list[tuple], room: int) -> list[tuple]:
 
 
 def summarize(plan) -> Summary:
-    """The summary of an :class:`planner.auto.AutoPlan` (cached on it)."""
+    """The summary of an :class:`planner.autoplan.AutoPlan` (cached on it)."""
     cached = plan.__dict__.get("_summary")
     if cached is not None:
         return cached
@@ -730,9 +733,6 @@ def pipeline_words(prog: Program, sched: Schedule) -> tuple[str, ...]:
         ``Pipeline (scan at model.py:92, backward): layers 0-1 on stage 0 of `pipe`, 2-3 on
         stage 1; 8 microbatches of 2 rows, GPipe bubble 11%``
     """
-    from planner.microbatch import microbatching
-    from planner.pipeline import bubble, stage_factors
-    from planner.staging import region_of
 
     lines = []
     for st in sched.stages:

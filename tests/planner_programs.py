@@ -2,7 +2,7 @@
 
 ``random_schedule`` draws an assignment for *every* op of a program, built generically from the IR
 (no knowledge of primitives): each prime factor of the mesh goes to a random loop the op allows
-(or to none), as :func:`planner.schedule.check_assignment` validates it. Every schedule it draws is
+(or to none), as :func:`planner.program.schedule.check_assignment` validates it. Every schedule it draws is
 one the planner could produce, so lowering it must reproduce the unsharded program.
 
 Example:
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from planner.ir import Program
-from planner.schedule import check_assignment
+from planner.program.ir import Program
+from planner.program.schedule import check_assignment
 from redist.types import MeshShape
 
 

@@ -167,7 +167,7 @@ def test_nested_jaxprs_are_inlined():
 )
 def test_generic_discovery_of_unknown_primitives(fn, shapes, expect, monkeypatch):
     # The table knows these primitives; without it, discovery must find the same loops.
-    monkeypatch.setattr(planner.rules, "rule_for", lambda primitive: None)
+    monkeypatch.setattr(planner.program.rules, "rule_for", lambda primitive: None)
     prog = planner.analyze(fn, *(jnp.abs(jnp.ones(s)) + 0.5 for s in shapes))
     op = prog.ops[-1]
     assert op.how == "discovered", prog

@@ -21,7 +21,8 @@ from test_planner_lm import LR, assert_step_equal
 import planner
 from experiments.language_model import lm_step
 from planner import baselines
-from planner.dataflow import dataflow, input_spec
+from planner.layout.dataflow import dataflow, input_spec
+from planner.solver import strategies
 
 DATA, TENSOR = ("a", "b"), "c"
 
@@ -157,7 +158,7 @@ def test_expert_plans_of_the_scanned_flax_lm_are_exact(mesh):
     assert by_name["fsdp_tensor"] < by_name["fsdp"] < by_name["data_parallel"]
     # Megatron: every layer product of the body is split over the tensor axis
     sched = plans["fsdp_tensor"].schedule
-    for op, _, _ in baselines._layers(prog):
+    for op, _, _ in strategies._layers(prog):
         assert any(TENSOR in axes for axes in sched.assign[op.name].values()), op.name
 
 

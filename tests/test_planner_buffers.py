@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import AxisType
 
 import planner
-from planner.buffers import BUFFER, FUSED, VIEW, kernel_copies, lifetimes
-from planner.simulator import peak_buffers
+from planner.cost.buffers import BUFFER, FUSED, VIEW, kernel_copies, lifetimes
+from planner.cost.simulator import peak_buffers
 
 F32 = jnp.float32
 

@@ -1,4 +1,4 @@
-"""planner.chain: segments, the cost decomposition, the DP, and Alpa's 6-layer MLP oracles."""
+"""planner.solver.chain: segments, the cost decomposition, the DP, and Alpa's 6-layer MLP oracles."""
 
 import dataclasses
 import itertools
@@ -9,10 +9,10 @@ from test_planner_search import brute_force, chain, rand
 
 import planner
 from experiments.workloads import workload
-from planner.chain import ChainDP
-from planner.dataflow import dataflow
-from planner.schedule import make_schedule
-from planner.schedule_search import _options, anchors, groups, search
+from planner.layout.dataflow import dataflow
+from planner.program.schedule import make_schedule
+from planner.solver.chain import ChainDP
+from planner.solver.schedule_search import _options, anchors, groups, search
 from redist.calibration import Calibration
 
 MESH = {"a": 2, "b": 2, "c": 2}

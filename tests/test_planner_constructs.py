@@ -13,7 +13,7 @@ from jax.sharding import AxisType
 
 import planner
 from experiments.measure import hlo_collectives
-from planner import discover
+from planner.program import discover
 
 RNG = np.random.default_rng(1)
 
@@ -141,7 +141,7 @@ def test_checkpoint_keeps_its_region_and_barrier(mesh):
 
 
 def test_unknown_ops_run_replicated_and_say_so(mesh, monkeypatch):
-    monkeypatch.setattr(planner.rules, "rule_for", lambda p: None)
+    monkeypatch.setattr(planner.program.rules, "rule_for", lambda p: None)
     monkeypatch.setattr(discover, "discover", lambda *a, **k: None)
     with pytest.warns(UserWarning, match=r"tanh x1 \(\d+\.\d% of flops\)"):
         prog = planner.analyze(lambda x: jnp.tanh(x), rand(4, 4))
@@ -267,7 +267,7 @@ def test_indexing_ops_split_their_free_dimension(fn, mesh):
 
 
 def test_discovery_runs_on_shrunk_shapes(monkeypatch):
-    monkeypatch.setattr(planner.rules, "rule_for", lambda p: None)
+    monkeypatch.setattr(planner.program.rules, "rule_for", lambda p: None)
     x = jnp.ones((1024, 2048))  # 2M elements: above the full-size limit, so only a probe works
     prog = planner.analyze(lambda x: lax.bessel_i0e(x), x)
     assert prog.ops[0].how == "discovered" and all(lp.partitionable for lp in prog.ops[0].loops)

@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 from test_planner_lower import ALL, attention, dots, matmul, rand
 
 import planner
-from planner.simulator import simulate
+from planner.cost.simulator import simulate
 from redist.calibration import KINDS, Calibration, wire_bytes
 
 

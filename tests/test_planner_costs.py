@@ -1,4 +1,4 @@
-"""Flops, transcendentals and bytes per op as the XLA compiler counts them (planner.costs), the
+"""Flops, transcendentals and bytes per op as the XLA compiler counts them (planner.cost.costs), the
 prediction's totals, and pricing a compiled program's collectives (planner.compiled_time).
 CPU only: the numbers in the table are what the TPU compiler's cost_analysis() reports for these
 ops (see tests/test_planner_time.py for the check against the compiler itself)."""
@@ -11,7 +11,7 @@ from jax import lax
 
 import planner
 from planner.compiled_time import CountedCollective, collective_seconds, counted_collectives
-from planner.costs import fusion, op_flops
+from planner.cost.costs import fusion, op_flops
 from redist.calibration import Calibration
 from redist.hlo import Collective
 

@@ -22,7 +22,7 @@ def close(got, want):
 
 
 def test_spec_mesh_names_do_not_collide_with_the_users_axes():
-    from planner.auto import _spec_mesh
+    from planner.autoplan import _spec_mesh
     from redist.types import DistType, MeshShape
 
     m = MeshShape.of({"c": 8, "c_1": 1})

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import planner
-from planner.memory import MEMORY_RESERVE, MemoryLimitError, default_memory_limit
-from planner.simulator import peak_buffers
+from planner.cost.memory import MEMORY_RESERVE, MemoryLimitError, default_memory_limit
+from planner.cost.simulator import peak_buffers
 from redist.calibration import Calibration, host_memory_bytes
 
 

@@ -15,7 +15,8 @@ from jax.sharding import AbstractMesh
 from workers.planner_persistence import SHAPES, X, sgd, shapes
 
 import planner
-from planner import persistence, schedule_search
+from planner import persistence
+from planner.solver import schedule_search
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "planner_persistence.py")
 ABSTRACT = AbstractMesh((2, 2, 2), ("a", "b", "c"))

@@ -9,7 +9,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from planner.pipeline import bubble, gpipe, gpipe_activation_bytes, gpipe_seconds
+from planner.cost.pipeline import bubble, gpipe_activation_bytes, gpipe_seconds
+from planner.lowering.gpipe import gpipe
 
 
 def layer(h, w):

@@ -15,9 +15,8 @@ from jax.sharding import AxisType, Mesh
 from planner_programs import random_schedule
 
 import planner
-from planner.microbatch import NotPipelinable, microbatching
-from planner.pipeline import Stages
-from planner.schedule import make_schedule
+from planner.program.microbatch import NotPipelinable, microbatching
+from planner.program.schedule import Stages, make_schedule
 
 
 def _step(ws, x, y):
@@ -187,7 +186,7 @@ def test_pipelined_memory_is_priced_per_microbatch():
     microbatches both the predicted peak and XLA's compiled total fall (the stacked residuals,
     GPipe's in-flight activations, stay whole), and the prediction stays within 25% of the
     compiled program."""
-    from planner.staging import staged
+    from planner.layout.staging import staged
 
     args = _args(np.random.default_rng(0), layers=4, batch=1024, d=64, hidden=256)
     mesh, stage = _mesh("pipe2xa2xb2")
@@ -206,7 +205,7 @@ def test_a_pipelines_gradient_sums_are_priced_once_per_tick():
     """Inside a pipeline, a layer's weight gradient over a batch split on another axis is
     all-reduced on every tick (whole each time, one microbatch's part), so with more
     microbatches the all-reduces grow as ``(K + P - 1) / P`` while the layers' work shrinks."""
-    from planner.staging import staged
+    from planner.layout.staging import staged
     from planner.summary import collectives
     from redist.calibration import Calibration
 
@@ -231,7 +230,7 @@ def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path)
     pipeline, explains it, and runs it exactly (``plan(...)`` and ``plan.jit()``)."""
     import dataclasses as dc
 
-    from planner.memory import search_within
+    from planner.solver.schedule_search import search_within
     from redist.calibration import Calibration
 
     cal = dc.replace(Calibration.named("tpu_v5p"), domain_devices=4)

@@ -61,7 +61,7 @@ def test_shardings_in_a_plain_jit_compute_the_unsharded_result():
 
 
 def test_specs_split_by_part_of_an_axis_use_a_reshaped_mesh_and_say_so():
-    from planner.auto import _spec_mesh
+    from planner.autoplan import _spec_mesh
     from redist.types import DistType, MeshShape
 
     m = MeshShape.of({"c": 8, "d": 2})
@@ -127,7 +127,7 @@ def test_zero_layouts_at_rest_are_gathered_before_use_and_exact():
     """ZeRO-3 candidates (large inputs stored split, gathered by the data flow): lowered and
     compared with the unsharded step; and offered to the search under a memory limit."""
     from planner import baselines
-    from planner.schedule_search import search, zero_layouts
+    from planner.solver.schedule_search import search, zero_layouts
     from redist.types import MeshShape
 
     mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
@@ -141,8 +141,8 @@ def test_zero_layouts_at_rest_are_gathered_before_use_and_exact():
     got = planner.lower(prog, zero, mesh)(*args)
     for g, w in zip(got, STEP(*args)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
-    from planner.dataflow import input_spec
-    from planner.schedule import local_shape
+    from planner.layout.dataflow import input_spec
+    from planner.program.schedule import local_shape
 
     def at_rest(sc):
         return sum(np.prod(local_shape(v.shape, input_spec(prog, sc, v), sc.mesh))
@@ -160,8 +160,8 @@ def test_zero_update_runs_on_shards_with_reduce_scattered_gradients():
     predicted peak is below data parallelism's; lowered, it is exact."""
     from experiments.workloads import workload
     from planner import baselines
-    from planner.dataflow import dataflow
-    from planner.schedule_search import zero_layouts
+    from planner.layout.dataflow import dataflow
+    from planner.solver.schedule_search import zero_layouts
     from redist.calibration import Calibration
     from redist.types import MeshShape
 
@@ -199,9 +199,9 @@ def test_donated_state_comes_back_in_the_layout_it_went_in():
     returned in that same layout: the next step takes them as they are, and jit writes them into
     the donated buffers, as predicted."""
     from planner import baselines
-    from planner.dataflow import dataflow, input_spec, output_specs
-    from planner.donation import donated_pairs, keep_state_layouts
-    from planner.schedule_search import zero_layouts
+    from planner.layout.dataflow import dataflow, input_spec, output_specs
+    from planner.layout.donation import donated_pairs, keep_state_layouts
+    from planner.solver.schedule_search import zero_layouts
     from redist.types import MeshShape
 
     mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)

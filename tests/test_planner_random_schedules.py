@@ -13,7 +13,7 @@ from jax.sharding import AxisType, Mesh
 from planner_programs import PROGRAMS, random_schedule
 
 import planner
-from planner.schedule import make_schedule
+from planner.program.schedule import make_schedule
 
 MESHES = {"2x2x2": ((2, 2, 2), ("a", "b", "c")), "4x2": ((4, 2), ("a", "b")),
           "2x3": ((2, 3), ("a", "b"))}  # fmt: skip
@@ -72,7 +72,7 @@ def test_random_schedules_are_valid_and_split_something(program):
 
 def test_the_harness_catches_a_wrong_combiner(monkeypatch):
     """A lowering that combines partial maxima with psum (the bug this harness exists for)."""
-    from planner import lowering
+    from planner.lowering import spmd as lowering
 
     monkeypatch.setitem(lowering.COLLECTIVE, "max", "psum")
     fn, make = PROGRAMS["max_of_product"]
@@ -174,7 +174,7 @@ def _random_plans(program: str, count: int):
 
 def test_the_harness_catches_an_operand_added_per_part(monkeypatch):
     """A scatter-add split over its updates must add its operand once, not once per device."""
-    from planner import lowering
+    from planner.lowering import spmd as lowering
 
     monkeypatch.setattr(lowering, "SCATTER_ADD", frozenset())
     fn, make = PROGRAMS["scatter_add_onto_values"]

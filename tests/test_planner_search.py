@@ -10,9 +10,9 @@ from jax.sharding import AxisType
 from test_planner_lower import ALL, _mlp_args, matmul, rand, sgd_step
 
 import planner
-from planner.schedule import make_schedule
-from planner.schedule_search import _options, anchors, search
-from planner.simulator import simulate
+from planner.cost.simulator import simulate
+from planner.program.schedule import make_schedule
+from planner.solver.schedule_search import _options, anchors, search
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_search_is_optimal_on_small_chains(mesh, shapes):
 
 
 def test_equal_plans_prefer_whole_mesh_axes():
-    from planner.schedule_search import _whole_axes, interchangeable
+    from planner.solver.schedule_search import _whole_axes, interchangeable
     from redist.calibration import Calibration
     from redist.types import MeshShape
 

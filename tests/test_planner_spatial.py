@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import AxisType
 
 import planner
-from planner.halo import Window, split
+from planner.program.halo import Window, split
 
 DN = ("NHWC", "HWIO", "NHWC")
 
@@ -46,7 +46,7 @@ def _tiles(x: np.ndarray, parts: int, cut) -> list[np.ndarray]:
 
 
 def test_halo_arithmetic_computes_the_whole_convolution():
-    """Every split :func:`planner.halo.split` accepts, emulated tile by tile: the output's tiles
+    """Every split :func:`planner.program.halo.split` accepts, emulated tile by tile: the output's tiles
     (or, split by the window, the partial sums) make the whole result. The kernel's gradient is
     the convolution JAX's transpose makes (the output gradient as the window)."""
     rng = np.random.default_rng(0)
@@ -269,7 +269,7 @@ def test_spatially_split_pooling_is_exact_forward_and_gradient(pool, mesh):
 def test_a_max_pool_gradient_splits_where_its_windows_line_up():
     """The halo of a max-pool's gradient: the windows covering a device's rows and the operand
     rows they read, for the usual pools; refused where the windows do not line up."""
-    from planner.halo import Window, scatter_split
+    from planner.program.halo import Window, scatter_split
 
     def cut(window, stride, pad, size=16, parts=2):
         out = (size + sum(pad) - window) // stride + 1
@@ -286,7 +286,7 @@ def test_a_max_pool_gradient_splits_where_its_windows_line_up():
 
 
 def split_of(left, right, source):
-    from planner.halo import Split
+    from planner.program.halo import Split
 
     return Split(left, right, (0, 0), source)
 

@@ -16,7 +16,7 @@ from planner_programs import random_schedule
 
 import planner
 from planner.compiled_time import compiled_time, counted_collectives
-from planner.schedule import make_schedule
+from planner.program.schedule import make_schedule
 from redist.calibration import Calibration
 
 needs_libtpu = pytest.mark.skipif(

@@ -13,8 +13,7 @@ from jax import lax
 from jax.sharding import AxisType
 
 import planner
-from planner.pipeline import Stages
-from planner.schedule import make_schedule
+from planner.program.schedule import Stages, make_schedule
 
 
 def _loss(ws, x, y):

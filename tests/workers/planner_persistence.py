@@ -39,7 +39,8 @@ def main(path: str) -> None:
     import numpy as np
 
     import planner
-    from planner import persistence, schedule_search
+    from planner import persistence
+    from planner.solver import schedule_search
 
     def no_search(*args, **kwargs):
         raise AssertionError("load searched")

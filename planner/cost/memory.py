@@ -26,7 +26,7 @@ from redist.calibration import Calibration
 
 MEMORY_RESERVE = 0.10
 """Fraction of a device's memory that the default limit leaves free. The simulator predicts the
-buffers the compiler keeps (:mod:`planner.buffers`), within about a quarter of the compiled total;
+buffers the compiler keeps (:mod:`planner.cost.buffers`), within about a quarter of the compiled total;
 the compiled program also holds what it does not model: padding of arrays to the TPU's tiles, the
 scratch of collectives and fusions, what imperfect packing of buffers wastes, generated code, and
 on GPUs what the CUDA runtime and NCCL keep (the TPU files already give the memory the compiler
@@ -42,7 +42,7 @@ def default_memory_limit(calibration: Calibration, num_devices: int) -> int | No
     calibration states no memory."""
     per_host = num_devices
     if calibration.host_memory:
-        import jax
+        import jax  # only here: the CPU calibration's memory is the host's; prices are pure
 
         try:
             per_host = min(num_devices, jax.local_device_count(backend="cpu"))
@@ -78,7 +78,7 @@ class MemoryLimitError(ValueError):
 
     Attributes:
         limit: the limit, bytes per device.
-        peak: the smallest predicted peak seen (:class:`planner.simulator.Peak`: its bytes, the op
+        peak: the smallest predicted peak seen (:class:`planner.cost.simulator.Peak`: its bytes, the op
             running then, the buffers live then, largest first), or None.
     """
 
@@ -95,27 +95,6 @@ class MemoryLimitError(ValueError):
                      f"({peak.bytes / 2**20:.1f} MiB){where}; its largest buffers:")  # fmt: skip
             text += "".join(f"\n  {b}" for b in peak.buffers[:top])
         super().__init__(text)
-
-
-def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO):
-    """:func:`planner.schedule_search.search` under ``plan``'s ``memory_limit_bytes``."""
-    from planner.schedule_search import search
-
-    num_devices = math.prod(mesh_sizes.values())
-    limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
-    if memory_limit_bytes != AUTO or limit is None:
-        return search(prog, mesh_sizes, calibration, limit)
-    sched, pred = search(prog, mesh_sizes, calibration, None)
-    if pred.peak_bytes <= limit:
-        return sched, pred
-    try:
-        return search(prog, mesh_sizes, calibration, limit)
-    except MemoryLimitError as e:
-        capacity = limit / (1 - MEMORY_RESERVE)
-        note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "
-                f"from the {calibration.backend} calibration; pass another calibration, a larger "
-                "memory_limit_bytes or None for no limit")  # fmt: skip
-        raise MemoryLimitError(e.limit, e.peak, note) from None
 
 
 def default_calibration(mesh) -> Calibration:

@@ -40,8 +40,9 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from planner.ir import Access, Op, Program
-from planner.rules import CUMULATIVE, ELEMENTWISE, REDUCTIONS, SCATTERS
+from planner.program.ir import Program
+from planner.program.ops import Access, Op
+from planner.program.rules import CUMULATIVE, ELEMENTWISE, REDUCTIONS, SCATTERS
 
 # No arithmetic: data movement, index computations the compiler folds, and region boundaries.
 MOVEMENT = frozenset(

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
-from planner.ir import Op, Program, Value
-from planner.schedule import Axes, Schedule, Spec
+from planner.program.ir import Program
+from planner.program.ops import Op, Value
+from planner.program.schedule import Axes, Schedule, Spec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,38 +19,12 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
-
-@dataclasses.dataclass(frozen=True)
-class Stages:
-    """A scan of a planned program run as a GPipe pipeline: the region starting at op index
-    ``region``, its layers cut into stages over mesh axis ``axis`` (one stage per position along
-    it), its batch into ``microbatches`` (see :mod:`planner.microbatch`).
-
-    Example:
-        >>> Stages(region=37, axis="pipe", microbatches=8)
-        Stages(region=37, axis='pipe', microbatches=8)
-    """
-
-    region: int
-    axis: str
-    microbatches: int
-
-
-def stage_factors(axis: str, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The prime factors of mesh axis ``axis`` among a factored mesh's ``sizes`` (major first).
-
-    Example:
-        >>> stage_factors("pipe", {"pipe#0": 2, "pipe#1": 2, "data": 2})
-        ('pipe#0', 'pipe#1')
-    """
-    found = tuple(a for a in sizes if a == axis or a.startswith(f"{axis}#"))
-    if not found:
-        axes = sorted({a.split("#")[0] for a in sizes})
-        raise ValueError(f"pipeline axis {axis!r} is not a mesh axis; the mesh has {axes}")
-    return found
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
 
 def take_microbatch(x, dim: int, per_row: int, microbatches: int, m):
@@ -64,8 +38,6 @@ def take_microbatch(x, dim: int, per_row: int, microbatches: int, m):
         >>> take_microbatch(jnp.arange(6), 0, 1, 2, 1)              # doctest: +SKIP
         Array([1, 3, 5], dtype=int32)
     """
-    from jax import lax
-
     n = x.shape[dim]
     rows = n // per_row
     y = x.reshape(*x.shape[:dim], rows // microbatches, microbatches, per_row, *x.shape[dim + 1 :])
@@ -77,8 +49,6 @@ def microbatch_buffer(shape, dtype, dim: int, per_row: int, microbatches: int):
     """Zeros to collect ``microbatches`` microbatches of an array of ``shape`` into with
     :func:`put_microbatch` (batch dimension ``dim`` kept split; :func:`merge_microbatches`
     gives the array back)."""
-    import jax.numpy as jnp
-
     rows = shape[dim] // per_row
     return jnp.zeros(
         (*shape[:dim], rows // microbatches, microbatches, per_row, *shape[dim + 1 :]), dtype
@@ -103,8 +73,6 @@ def put_microbatch(buffer, x, dim: int, m, where=None, layer=None):
 def put_layer(buffer, x, layer, where=None, add: bool = False):
     """``buffer`` (stacked over layers) with ``x`` at index ``layer``, or added to it (``add``),
     only where ``where`` holds if given; in place, like :func:`put_microbatch`."""
-    from jax import lax
-
     slot = x.reshape(1, *x.shape).astype(buffer.dtype)
     starts = [layer] + [0] * (buffer.ndim - 1)
     if add:
@@ -113,8 +81,6 @@ def put_layer(buffer, x, layer, where=None, add: bool = False):
 
 
 def _put(buffer, slot, starts, where):
-    import jax.numpy as jnp
-    from jax import lax
 
     starts = [jnp.asarray(s, jnp.int32) for s in starts]
     if where is not None:
@@ -127,18 +93,6 @@ def merge_microbatches(buffer, dim: int):
     """The array a :func:`microbatch_buffer` holds."""
     s = buffer.shape
     return buffer.reshape(*s[:dim], s[dim] * s[dim + 1] * s[dim + 2], *s[dim + 3 :])
-
-
-def bubble(stages: int, microbatches: int) -> float:
-    """The fraction of a GPipe step's ticks in which a stage is idle: ``(P - 1) / (K + P - 1)``.
-
-    Example:
-        >>> bubble(4, 12)
-        0.2
-    """
-    if stages < 1 or microbatches < 1:
-        raise ValueError(f"stages={stages} and microbatches={microbatches} must be at least 1")
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def _check(layers: int, batch: int, stages: int, microbatches: int, axis: str) -> None:
@@ -166,11 +120,6 @@ def gpipe(layer: Callable, mesh, axis: str, microbatches: int) -> Callable:
         ValueError: the layers do not split into the axis' size of stages, or the batch into
             ``microbatches``.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
-
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not a mesh axis; the mesh has {mesh.axis_names}")
     stages = dict(mesh.shape)[axis]
@@ -212,24 +161,3 @@ def gpipe(layer: Callable, mesh, axis: str, microbatches: int) -> Callable:
                              axis_names={axis}, check_vma=False)(h, per_stage)  # fmt: skip
 
     return run
-
-
-def gpipe_seconds(stage_s: float, stages: int, microbatches: int, transfer_s: float = 0.0) -> float:
-    """A GPipe training step's time: ``K + P - 1`` ticks forward and as many backward, each
-    as long as one stage's work on one microbatch plus handing its activation (forward) or the
-    activation's gradient (backward) to the neighbouring stage. ``stage_s``: a stage's forward
-    and backward on one microbatch; ``transfer_s``: one such hand-over.
-
-    Example:
-        >>> gpipe_seconds(stage_s=4e-3, stages=4, microbatches=12, transfer_s=1e-4)  # 15 ticks
-        0.063
-    """
-    ticks = microbatches + stages - 1
-    return ticks * stage_s + (2 * ticks * transfer_s if stages > 1 else 0.0)
-
-
-def gpipe_activation_bytes(microbatch_bytes: int, microbatches: int) -> int:
-    """What a stage keeps for its backward pass under GPipe: the residuals of every microbatch
-    (all forward ticks run before the first backward one). ``microbatch_bytes``: the residuals
-    of the stage's layers for one microbatch."""
-    return microbatch_bytes * microbatches

@@ -1,8 +1,8 @@
 """Schedules whose scans run as pipelines: which scans can, and the layer axis split around them.
 
 :func:`staged` turns a schedule that leaves one mesh axis unused into one that runs every
-top-level scan it can (:func:`planner.microbatch.microbatching`) as a GPipe pipeline over that
-axis (:class:`planner.pipeline.Stages`). The scans' stacked inputs and outputs then rest with
+top-level scan it can (:func:`planner.program.microbatch.microbatching`) as a GPipe pipeline over that
+axis (:class:`planner.program.schedule.Stages`). The scans' stacked inputs and outputs then rest with
 their layer axis split over the stages, and so does what the program does with them outside the
 loops: every op that indexes a stacked value's layer axis with a loop of its own (the optimizer's
 update of stacked weights and moments, a cast before the loop) gets the stage axis on that loop,
@@ -20,10 +20,10 @@ import collections
 import dataclasses
 import math
 
-from planner.ir import Program, Region
-from planner.microbatch import NotPipelinable, microbatching
-from planner.pipeline import Stages, stage_factors
-from planner.schedule import Schedule, check_assignment
+from planner.program.ir import Program
+from planner.program.microbatch import NotPipelinable, microbatching
+from planner.program.ops import Region
+from planner.program.schedule import Schedule, Stages, check_assignment, stage_factors
 from redist.types import MeshShape
 
 
@@ -174,61 +174,3 @@ def microbatch_choices(stages: int, given=None) -> tuple[int, ...]:
     if not out or any(not isinstance(k, int) or k < 1 for k in out):
         raise ValueError(f"microbatches must be positive integers, got {given!r}")
     return out
-
-
-def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limit_bytes,
-                  axis: str, microbatches=None):  # fmt: skip
-    """The best pipelined schedule over mesh axis ``axis``, ``(schedule, prediction)``, or
-    ``None`` when no scan can be pipelined or nothing fits ``memory_limit_bytes``.
-
-    The layers (and the rest of the program) are searched on the other mesh axes
-    (:func:`planner.schedule_search.search`), first priced unpipelined; each microbatch count of
-    :func:`microbatch_choices` pipelines that schedule (:func:`staged`, donated state stored as
-    it leaves the step). The search then runs again with every candidate priced as the pipeline
-    of the best count so far (the fastest layouts of a layer differ inside a pipeline, where a
-    layer's weights and gradient sums travel on every tick), and the fastest that fits is
-    kept."""
-    from planner.donation import keep_state_layouts
-    from planner.memory import MemoryLimitError
-    from planner.schedule_search import search
-    from planner.simulator import simulate
-
-    if axis not in sizes:
-        raise ValueError(f"pipeline_axis {axis!r} is not a mesh axis; the mesh has {list(sizes)}")
-    others = {a: n for a, n in sizes.items() if a != axis}
-    factors = MeshShape.of(sizes).factor_size
-
-    def pipelined(sched: Schedule, k: int) -> Schedule | None:
-        full = Schedule(prog, factors, sched.assign, sched.stored)
-        out = staged(prog, full, axis, k)
-        return None if out is None else keep_state_layouts(prog, out)
-
-    best = None
-
-    def consider(base: Schedule, k: int) -> None:
-        nonlocal best
-        sched = pipelined(base, k)
-        if sched is None:
-            return
-        pred = simulate(prog, sched, calibration)
-        fits = memory_limit_bytes is None or pred.peak_bytes <= memory_limit_bytes
-        if fits and (best is None or pred.time_s < best[1].time_s):
-            best = (sched, pred, k)
-
-    try:
-        base, _ = search(prog, others or {"_": 1}, calibration, None)
-    except MemoryLimitError:
-        return None
-    choices = microbatch_choices(sizes[axis], microbatches)
-    for k in choices:
-        consider(base, k)
-    k = best[2] if best else choices[-1]
-    try:
-        again, _ = search(prog, others or {"_": 1}, calibration, memory_limit_bytes,
-                          priced_as=lambda s: pipelined(s, k) or s)  # fmt: skip
-    except MemoryLimitError:
-        again = None
-    if again is not None:
-        for k in choices:
-            consider(again, k)
-    return None if best is None else best[:2]

@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict, deque
 
-from planner.dataflow import dataflow, input_spec
-from planner.ir import Program, Value
-from planner.schedule import Schedule
+from planner.layout.dataflow import dataflow, input_spec
+from planner.program.ir import Program
+from planner.program.ops import Value
+from planner.program.schedule import Schedule
 
 
 def donated_pairs(prog: Program) -> list[tuple[Value, Value]]:

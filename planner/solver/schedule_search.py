@@ -8,7 +8,7 @@ propagation. The objective is the simulator's predicted time (ties: peak memory)
 - Joint space (every factor of every anchor) of at most ``exhaustive_limit`` assignments, up to
   relabelling interchangeable factors (:func:`interchangeable`): all are simulated, which is
   optimal under the simulator; of equal plans, one splitting the fewest mesh axes is returned.
-- Larger: dynamic programming over layer segments (:mod:`planner.chain`: exact on chains such as
+- Larger: dynamic programming over layer segments (:mod:`planner.solver.chain`: exact on chains such as
   MLPs, a documented heuristic on DAGs with residual connections), in passes: the whole mesh as
   one group of factors; one mesh axis at a time; and, on meshes of at most ``PER_FACTOR_MAX``
   prime factors where some axis has several, one prime factor at a time as in Tofu's recursion
@@ -19,6 +19,8 @@ propagation. The objective is the simulator's predicted time (ties: peak memory)
 
 Example:
     >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
+
+:func:`search_within` runs it under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from collections.abc import Callable, Mapping
 
 import networkx as nx
 
-from planner.chain import ChainDP, with_siblings
-from planner.donation import keep_state_layouts
-from planner.ir import Op, Program
-from planner.memory import MemoryLimitError
-from planner.schedule import Schedule, make_schedule
-from planner.simulator import Prediction, peak_buffers, simulate
+from planner.cost.memory import AUTO, MEMORY_RESERVE, MemoryLimitError, resolve_memory_limit
+from planner.cost.simulator import Prediction, peak_buffers, simulate
+from planner.layout.dataflow import input_spec
+from planner.layout.donation import keep_state_layouts
+from planner.program.ir import Program
+from planner.program.ops import Op, itemsize
+from planner.program.schedule import Schedule, make_schedule
+from planner.solver import strategies
+from planner.solver.chain import ChainDP, with_siblings
 from redist.calibration import Calibration
 from redist.types import MeshShape
 
@@ -114,7 +119,7 @@ class _Evaluator:
 
     def schedule(self, sched: Schedule) -> tuple[float, int, Schedule, Prediction]:
         """A complete schedule (one made elsewhere too, an expert strategy's), scored; its donated
-        state stored as the step leaves it (:func:`planner.donation.keep_state_layouts`)."""
+        state stored as the step leaves it (:func:`planner.layout.donation.keep_state_layouts`)."""
         sched = keep_state_layouts(self.prog, sched)
         priced = self.priced_as(sched) if self.priced_as else sched
         pred = simulate(self.prog, priced, self.cal)
@@ -198,11 +203,11 @@ def search(
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
     ``priced_as``: each candidate is priced (and held to the memory limit) as the schedule this
-    makes of it, e.g. :func:`planner.staging.staged` pipelining its scans over another axis;
+    makes of it, e.g. :func:`planner.layout.staging.staged` pipelining its scans over another axis;
     the candidate itself is returned, with the prediction of what it was priced as.
 
     Raises:
-        planner.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
+        planner.cost.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
             ``memory_limit_bytes`` (the message gives the smallest peak seen and its largest
             buffers).
     """
@@ -277,9 +282,6 @@ def zero_layouts(prog: Program, shape: MeshShape, sched: Schedule) -> dict:
     """ZeRO-3 layouts at rest: every input of at least ``ZERO_MIN_BYTES`` that ``sched`` leaves
     whole on some mesh factors is stored split over those factors too, along its first dimension
     they divide (the data flow gathers it before use)."""
-    from planner.dataflow import input_spec
-    from planner.ir import itemsize
-
     out = {}
     for v in prog.inputs:
         if math.prod(v.shape) * itemsize(v.dtype) < ZERO_MIN_BYTES:
@@ -318,7 +320,7 @@ def _zero(prog: Program, shape: MeshShape, results: list, evaluate: _Evaluator) 
 
 
 def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
-    """One DP per factor group (:mod:`planner.chain`); the whole program is simulated under the
+    """One DP per factor group (:mod:`planner.solver.chain`); the whole program is simulated under the
     result, propagated across segments and segment by segment, and the better is kept."""
     for group in factor_groups:
         size = math.prod(sizes[f] for f in group)
@@ -370,16 +372,14 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
     """The hand-written strategies over the whole mesh, simulated as starting points that the
     searched plans must beat (Megatron's q/k/v-by-heads split, for one, is a joint choice of
     several groups that a per-segment search can miss), and the expert strategies of
-    :func:`planner.baselines.expert_schedules` (data parallelism and FSDP over every axis; FSDP
+    :func:`planner.solver.strategies.expert_schedules` (data parallelism and FSDP over every axis; FSDP
     over all but the last axis with tensor parallelism over the last), so that the plan is never
     predicted slower than what an expert writes, nor over the memory limit where theirs fits."""
-    from planner import baselines
-
     axes = shape.axis_names
     makers = [
-        lambda: baselines.data_parallel(prog, axes),
-        lambda: baselines.megatron(prog, axes),
-        lambda: baselines.data_and_model(prog, axes[:1], axes[1:]),
+        lambda: strategies.data_parallel(prog, axes),
+        lambda: strategies.megatron(prog, axes),
+        lambda: strategies.data_and_model(prog, axes[:1], axes[1:]),
     ]
     out = []
     for make in makers:
@@ -390,7 +390,7 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
     layouts = [(axes, None)] + ([(axes[:-1], axes[-1])] if len(axes) > 1 else [])
     for data_axes, tensor_axis in layouts:
         try:
-            experts = baselines.expert_schedules(prog, shape.sizes, data_axes, tensor_axis)
+            experts = strategies.expert_schedules(prog, shape.sizes, data_axes, tensor_axis)
         except ValueError:  # no product with a batch loop, or heads linked to the batch
             continue
         out += [evaluate.schedule(sched) for sched in experts.values()]
@@ -404,3 +404,22 @@ def _result(score, evaluate: _Evaluator, limit):
         peak = None if smallest is None else peak_buffers(evaluate.prog, smallest, evaluate.cal)
         raise MemoryLimitError(limit, peak)
     return sched, pred
+
+
+def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO):
+    """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`)."""
+    num_devices = math.prod(mesh_sizes.values())
+    limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
+    if memory_limit_bytes != AUTO or limit is None:
+        return search(prog, mesh_sizes, calibration, limit)
+    sched, pred = search(prog, mesh_sizes, calibration, None)
+    if pred.peak_bytes <= limit:
+        return sched, pred
+    try:
+        return search(prog, mesh_sizes, calibration, limit)
+    except MemoryLimitError as e:
+        capacity = limit / (1 - MEMORY_RESERVE)
+        note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "
+                f"from the {calibration.backend} calibration; pass another calibration, a larger "
+                "memory_limit_bytes or None for no limit")  # fmt: skip
+        raise MemoryLimitError(e.limit, e.peak, note) from None

@@ -5,7 +5,7 @@ gradient (its interior padding the pool's stride) followed by a stride-1 window 
 result is longer than anything a neighbour's tile lines up with, so split alone it would keep
 its rows whole. Folded, the two are one ``reduce_window_sum`` with ``base_dilation`` (interior
 + 1) and the pad's edges added to its padding, which splits its rows with a halo like a
-transposed convolution (:mod:`planner.halo`).
+transposed convolution (:mod:`planner.program.halo`).
 
 Example (the gradient of a 3x3, stride-2 'SAME' average pool of 16 rows)::
 

@@ -16,7 +16,7 @@ survive.
 Backend ``"xla"`` (what ``AutoPlan.jit`` runs): the original ops with ``with_sharding_constraint``
 on every value, regions included, run by XLA's SPMD partitioner, which makes the layout changes
 except those where it would rematerialise or ``redist`` is predicted faster: ``redist`` makes
-those (``moves``, see :mod:`planner.xla_moves`). Backend ``"xla-inputs"``: only the inputs are
+those (``moves``, see :mod:`planner.lowering.xla_moves`). Backend ``"xla-inputs"``: only the inputs are
 placed as the schedule says and XLA's sharding propagation decides the rest.
 
 Example:
@@ -35,27 +35,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import redist
-from planner.dataflow import OpStep, dataflow, input_spec, output_specs
-from planner.explanation import COLLECTIVE, entries, events, explain_rows, render
-from planner.halo import split
-from planner.ir import Op, Program, Region
-from planner.jaxpr_params import scan_split, with_body
-from planner.microbatch import microbatching
-from planner.pipeline import (
+from planner.layout.dataflow import OpStep, dataflow, input_spec, output_specs
+from planner.layout.explanation import COLLECTIVE, entries, events, explain_rows, render
+from planner.layout.staging import check_stages
+from planner.lowering.gpipe import (
     merge_microbatches,
     microbatch_buffer,
     put_layer,
     put_microbatch,
-    stage_factors,
     take_microbatch,
 )
-from planner.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
-from planner.schedule import Schedule, Spec, local_shape
-from planner.staging import check_stages
-from planner.xla_moves import MoveChoice, choose
+from planner.lowering.xla_moves import MoveChoice, choose
+from planner.program.halo import split
+from planner.program.ir import Program
+from planner.program.jaxpr_params import scan_split, with_body
+from planner.program.microbatch import microbatching
+from planner.program.ops import Op, Region
+from planner.program.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
+from planner.program.schedule import Schedule, Spec, local_shape, stage_factors
 from redist.calibration import Calibration
 from redist.execute import tile_kernel
 
@@ -216,7 +216,7 @@ class Lowered:
         env.update(zip(exits, [*final, *ys]))
 
     def _run_pipelined(self, r: Region, env, inside) -> None:
-        """Run scan ``r`` as a GPipe pipeline (:class:`planner.pipeline.Stages`): stage ``s`` of
+        """Run scan ``r`` as a GPipe pipeline (:class:`planner.program.schedule.Stages`): stage ``s`` of
         the stage axis runs layers ``[s L/P, (s+1) L/P)`` on microbatch ``t - s`` at tick ``t``
         and hands its carry to stage ``s + 1`` (``s - 1`` for a reversed scan, such as the
         backward pass of a pipelined forward one) with ``ppermute``; stacked outputs are kept
@@ -507,8 +507,6 @@ class Lowered:
 
 def factored_mesh(mesh):
     """The same devices with every mesh axis split into its prime factors (``a:4 -> a#0, a#1``)."""
-    from jax.sharding import AxisType, Mesh
-
     shape = redist.MeshShape.of(dict(mesh.shape))
     if shape.factor_names == tuple(mesh.axis_names):
         return mesh
@@ -607,7 +605,7 @@ def _to_neighbour(
 def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> list[tuple[int, int, int]]:
     """A convolution or pooling on local tiles: each split spatial dimension of its input
     extended by the halo its neighbours send (``ppermute``; at the ends, the padding value: 0,
-    or a max-pool's -inf) and padded as :func:`planner.halo.split` says. A max-pool's gradient
+    or a max-pool's -inf) and padded as :func:`planner.program.halo.split` says. A max-pool's gradient
     (``select_and_scatter_add``) gets its source's windows too; returns the ``(dimension, start,
     size)`` crops of its result to the device's own rows."""
     padding = list(params["padding"])
@@ -673,6 +671,6 @@ def lower(prog: Program, sched: Schedule, mesh, backend: str = "explicit", moves
     """One jitted SPMD program for ``prog`` under ``sched`` on ``mesh`` (see module docs).
 
     ``moves`` (backend ``"xla"``): who makes each change of layout: ``"auto"`` (``redist`` where
-    XLA would rematerialise or ``redist`` is predicted faster, see :mod:`planner.xla_moves`),
+    XLA would rematerialise or ``redist`` is predicted faster, see :mod:`planner.lowering.xla_moves`),
     ``"xla"`` or ``"redist"`` (all of them)."""
     return Lowered(prog, sched, mesh, backend, moves, calibration)

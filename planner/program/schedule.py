@@ -9,6 +9,9 @@ annotations).
 
 Example:
     >>> sched = prog.schedule({"dot_general_0": {"m": "a", "n": ("b", "c")}}, mesh)  # doctest: +SKIP
+
+A schedule may run scans as GPipe pipelines (:class:`Stages`: a scan's layers cut into stages
+over a mesh axis, its batch into microbatches; what that implies is in :mod:`planner.layout.staging`).
 """
 
 from __future__ import annotations
@@ -17,11 +20,46 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from planner.halo import split
-from planner.ir import Access, Op, Program
-from planner.rules import COMBINABLE
+from planner.program.halo import split
+from planner.program.ops import Access, Op
+from planner.program.rules import COMBINABLE
 from redist.types import MeshShape
+
+if TYPE_CHECKING:  # Program.schedule makes schedules, so this module sees Program as a type only
+    from planner.program.ir import Program
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A scan of a planned program run as a GPipe pipeline: the region starting at op index
+    ``region``, its layers cut into stages over mesh axis ``axis`` (one stage per position along
+    it), its batch into ``microbatches`` (see :mod:`planner.program.microbatch`).
+
+    Example:
+        >>> Stages(region=37, axis="pipe", microbatches=8)
+        Stages(region=37, axis='pipe', microbatches=8)
+    """
+
+    region: int
+    axis: str
+    microbatches: int
+
+
+def stage_factors(axis: str, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The prime factors of mesh axis ``axis`` among a factored mesh's ``sizes`` (major first).
+
+    Example:
+        >>> stage_factors("pipe", {"pipe#0": 2, "pipe#1": 2, "data": 2})
+        ('pipe#0', 'pipe#1')
+    """
+    found = tuple(a for a in sizes if a == axis or a.startswith(f"{axis}#"))
+    if not found:
+        axes = sorted({a.split("#")[0] for a in sizes})
+        raise ValueError(f"pipeline axis {axis!r} is not a mesh axis; the mesh has {axes}")
+    return found
+
 
 Axes = tuple[str, ...]
 Spec = tuple[Axes, ...]  # per array dimension, the mesh axes splitting it (major first)
@@ -50,7 +88,7 @@ class Schedule:
     stored: dict[str, Spec] = dataclasses.field(
         default_factory=dict
     )  # input name -> at-rest layout
-    stages: tuple = ()  # planner.pipeline.Stages: scans run as pipelines
+    stages: tuple = ()  # planner.program.schedule.Stages: scans run as pipelines
 
     def axes_of(self, op: Op, loop: str) -> Axes:
         return self.assign.get(op.name, {}).get(loop, ())
@@ -68,9 +106,7 @@ class Schedule:
     @functools.cached_property
     def staged(self) -> dict[str, Axes]:
         """Entry (``scan_xs``) and exit (``scan_ys``) op name -> the stage axis' factors, for the
-        scans this schedule runs as pipelines (:class:`planner.pipeline.Stages`)."""
-        from planner.pipeline import stage_factors
-
+        scans this schedule runs as pipelines (:class:`planner.program.schedule.Stages`)."""
         out: dict[str, Axes] = {}
         starts = {st.region: st for st in self.stages}
         for r in self.program.regions:
@@ -249,7 +285,7 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
         for d in acc.dims:
             for lp in d[1:]:
                 out.pop(lp, None)
-    for w in op.windows:  # spatial splits whose tiles do not line up (planner.halo)
+    for w in op.windows:  # spatial splits whose tiles do not line up (planner.program.halo)
         if split(w, math.prod(mesh[a] for a in out.get(w.owner, ()))) is None:
             out.pop(w.owner)
     return out

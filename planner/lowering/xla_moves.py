@@ -1,6 +1,6 @@
 """Which layout changes of a plan XLA's SPMD partitioner should carry out, and which ``redist``.
 
-For each change of layout (a :class:`planner.dataflow.Move`) a one-line program that asks XLA for
+For each change of layout (a :class:`planner.layout.dataflow.Move`) a one-line program that asks XLA for
 that change is compiled (not run) on the plan's mesh, and the collectives in its HLO are read
 (:mod:`redist.hlo`). ``redist`` takes the change when XLA *rematerialises* (one of its
 collectives returns more than the larger of the two tiles: it replicates, then slices) or when
@@ -25,11 +25,11 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
-from planner.dataflow import Move
-from planner.explanation import entries
-from planner.ir import itemsize
-from planner.schedule import local_shape
-from planner.simulator import plan_cost
+from planner.cost.simulator import plan_cost
+from planner.layout.dataflow import Move
+from planner.layout.explanation import entries
+from planner.program.ops import itemsize
+from planner.program.schedule import local_shape
 from redist.calibration import Calibration
 from redist.hlo import Collective, captured_stderr, hlo_collectives
 

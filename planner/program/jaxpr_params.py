@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax._src.interpreters import partial_eval as pe
+
 
 @dataclasses.dataclass(frozen=True)
 class ScanSplit:
@@ -66,8 +68,6 @@ def with_body(eqn, closed) -> tuple[dict, tuple]:
     A call that takes an open jaxpr (``jax.checkpoint``'s; on JAX <= 0.11 any whose param has
     no ``consts``) gets the body's constants as leading operands; one that takes a closed jaxpr
     gets ``closed`` as it is."""
-    from jax._src.interpreters import partial_eval as pe
-
     params = dict(eqn.params)
     key = next(k for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params)
     inner, consts = inner_jaxpr(closed)
@@ -87,8 +87,6 @@ def live(closed):
         >>> live(jax.make_jaxpr(lambda x: (jnp.sin(x), 2 * x)[1])(1.0))  # doctest: +SKIP
         { lambda ; a:f32[]. let b:f32[] = mul 2.0:f32[] a in (b,) }
     """
-    from jax._src.interpreters import partial_eval as pe
-
     inner = getattr(closed, "jaxpr", closed)
     kept, _ = pe.dce_jaxpr(inner, [True] * len(inner.outvars), instantiate=True)
     return kept if inner is closed else closed.replace(jaxpr=kept)

@@ -4,7 +4,7 @@ XLA does not give every jaxpr value a buffer: it fuses producers into their cons
 value is computed where it is read and never stored), folds transposes and reshapes into the
 ops that read them, writes an elementwise result into an operand that dies there, and keeps a
 loop's operands and stacked outputs for the whole loop. :func:`lifetimes` mirrors that closely
-enough for the peak memory per device (:mod:`planner.simulator` sizes each buffer in its
+enough for the peak memory per device (:mod:`planner.cost.simulator` sizes each buffer in its
 layout). The fusion rule, by producer:
 
 | the value of ...                              | is                                              |
@@ -65,7 +65,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from planner.ir import Op, Program
+from planner.program.ir import Program
+from planner.program.ops import Op
 
 BUFFER, FUSED, VIEW = "buffer", "fused", "view"
 

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from planner.ir import Access, Loop, Op
+from planner.program.ops import Access, Loop, Op
 
 MAX_COMBOS = 64
 FULL_SIZE_LIMIT = 1 << 16

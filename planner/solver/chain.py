@@ -1,7 +1,7 @@
 """Dynamic programming over the coarsened graph: one choice per layer group, priced locally.
 
 The program is cut into *segments*, one per group of dense ops (see
-:func:`planner.schedule_search.groups`): every other op joins the group nearest to it in the data-flow
+:func:`planner.solver.schedule_search.groups`): every other op joins the group nearest to it in the data-flow
 graph (breadth-first from all groups at once; ties go to the earlier group). A segment's layouts
 follow from its anchor's choice alone: the anchor and its :func:`siblings` take it, the inputs the
 anchor reads are assumed laid out as it needs them, and the rest of the segment propagates
@@ -39,10 +39,11 @@ import collections
 import math
 from collections.abc import Sequence
 
-from planner.costs import fusion
-from planner.ir import Op, Program, Value
-from planner.schedule import Schedule, make_schedule
-from planner.simulator import op_seconds, simulate
+from planner.cost.costs import fusion
+from planner.cost.simulator import op_seconds, simulate
+from planner.program.ir import Program
+from planner.program.ops import Op, Value
+from planner.program.schedule import Schedule, make_schedule
 from redist.calibration import Calibration
 from redist.types import MeshShape
 
@@ -133,7 +134,7 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
 
 def structure(prog: Program) -> tuple:
     """A key equal for programs that differ only in names (and so cost the same): their ops'
-    kernels included (:func:`planner.costs.fusion`)."""
+    kernels included (:func:`planner.cost.costs.fusion`)."""
     ids: dict[str, int] = {}
 
     def vid(v: Value) -> tuple:

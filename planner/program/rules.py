@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from planner.halo import Window
-from planner.ir import Access, Loop, Op, Value
+from planner.program.halo import Window
+from planner.program.ops import Access, Loop, Op, Value
 
 ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type
@@ -434,7 +434,7 @@ def read_whole(name, eqn, ins, outs):
 def conv_general_dilated(name, eqn, ins, outs):
     """Batch ``n``, output features ``o``, input features ``i`` (a sum), and per spatial dimension
     an output loop ``s*`` and a window loop ``w*`` (a sum). The larger of the two owns the input's
-    spatial dimension: split, it splits the input with a halo (:mod:`planner.halo`); the other
+    spatial dimension: split, it splits the input with a halo (:mod:`planner.program.halo`); the other
     stays whole. Grouped convolutions (``feature_group_count`` ``G > 1``, depthwise ones too) add
     a group loop ``g``, major in the input's and output's features; so do the kernel gradients
     of grouped convolutions (``batch_group_count`` ``G > 1``: group ``g`` of the output features
@@ -495,7 +495,7 @@ POOLS = {"reduce_window_sum": 0.0, "reduce_window_max": -np.inf, "reduce_window_
 
 def reduce_window(name, eqn, ins, outs):
     """Pooling: one loop per output dimension; a windowed one (window, stride, dilation or
-    padding) splits the input with a halo like a convolution's rows (:mod:`planner.halo`)."""
+    padding) splits the input with a halo like a convolution's rows (:mod:`planner.program.halo`)."""
     p = eqn.params
     x, out = ins[0], outs[0]
     loops, dims, halo, windows = [], [], [], []
@@ -517,7 +517,7 @@ def reduce_window(name, eqn, ins, outs):
 def select_and_scatter_add(name, eqn, ins, outs):
     """A max-pool's gradient: the source (one value per window) added where each window of the
     operand has its maximum. One loop per operand (and result) dimension; a windowed one splits
-    the operand and the source with halos (:func:`planner.halo.scatter_split`)."""
+    the operand and the source with halos (:func:`planner.program.halo.scatter_split`)."""
     p = eqn.params
     source, x, out = ins[0], ins[1], outs[0]
     loops, dims, windows = [], [], []

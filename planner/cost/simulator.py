@@ -1,9 +1,9 @@
 """Predict time, bytes and peak memory per device of a scheduled program (DistIR-style).
 
-Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
+Walks the :func:`planner.layout.dataflow.dataflow` of a schedule in program order:
 
 - each op's kernel costs the roofline of its local flops and the bytes it reads and writes in
-  memory, both as the XLA compiler counts them (:mod:`planner.costs`: ``2 M N K`` for products,
+  memory, both as the XLA compiler counts them (:mod:`planner.cost.costs`: ``2 M N K`` for products,
   one per element of arithmetic, none for data movement; a value fused into the kernel that
   consumes it costs no bytes); a region boundary op (a value passing into or out of a scan
   body) costs nothing but its moves;
@@ -15,7 +15,7 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
 - memory, as the compiled program's total (arguments + outputs + temporaries - aliased): the
   inputs it reads and its constants are held throughout, its outputs from the op that makes
   them (their memory holds temporaries before; an output written into a donated input adds
-  nothing); the buffers of :mod:`planner.buffers` (what XLA keeps after fusion: no fused
+  nothing); the buffers of :mod:`planner.cost.buffers` (what XLA keeps after fusion: no fused
   elementwise chain, broadcast, iota or bitcast is stored; a loop's operands and stacked outputs
   for the whole loop; an elementwise result written into a dying operand of its size) from
   their first to their last use; the copy a value is moved into for its readers in another
@@ -24,7 +24,7 @@ Walks the :func:`planner.dataflow.dataflow` of a schedule in program order:
   all-reduce or reduce-scatter. Sums nothing reads before the program's last one (a step's
   gradients) are combined into one collective, as XLA's combiners do: their partial results
   wait for it;
-- a pipelined scan (:class:`planner.pipeline.Stages`) as GPipe runs it: its body's work and
+- a pipelined scan (:class:`planner.program.schedule.Stages`) as GPipe runs it: its body's work and
   communication at ``(K + P - 1) / (K P)`` of the whole loop's, one hand-over of the carry per
   tick over the stage axis, and its body's batch-carrying values at one microbatch's size (the
   stacked outputs, GPipe's in-flight activations, hold all ``K``).
@@ -40,15 +40,15 @@ import dataclasses
 import math
 
 import redist
-from planner.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
-from planner.costs import fusion, op_bytes, op_flops
-from planner.dataflow import dataflow, input_spec
-from planner.halo import halo_bytes
-from planner.ir import Program, itemsize
-from planner.jaxpr_params import scan_split
-from planner.pipeline import stage_factors
-from planner.schedule import Schedule, Spec, local_shape
-from planner.staging import pipeline_runs, region_of
+from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
+from planner.cost.costs import fusion, op_bytes, op_flops
+from planner.layout.dataflow import dataflow, input_spec
+from planner.layout.staging import pipeline_runs, region_of
+from planner.program.halo import halo_bytes
+from planner.program.ir import Program
+from planner.program.jaxpr_params import scan_split
+from planner.program.ops import itemsize
+from planner.program.schedule import Schedule, Spec, local_shape, stage_factors
 from redist.calibration import Calibration, wire_bytes
 
 
@@ -59,7 +59,7 @@ class OpCost:
     comm_s: float
     comm_bytes: float  # wire bytes per device
     memory_bytes: int  # live bytes per device while the op runs
-    flops: float = 0.0  # per device, as the compiler counts them (planner.costs)
+    flops: float = 0.0  # per device, as the compiler counts them (planner.cost.costs)
     bytes_accessed: float = 0.0  # per device: kernel reads and writes, collectives' in and out
 
 
@@ -376,7 +376,7 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     combined collective (their own kernels hold nothing more) and ``(first op, last op, bytes)``
     spans of what they hold: a partial result at its whole size from where it is made, and
     beside the results where the combined collective runs (``whole``: 2 where a reduce-scatter
-    is an all-reduce and a slice, :data:`planner.buffers.ALL_REDUCE_THEN_SLICE`)."""
+    is an all-reduce and a slice, :data:`planner.cost.buffers.ALL_REDUCE_THEN_SLICE`)."""
     summed = [k for k, st in enumerate(steps) if st.pending]
     if len(summed) < 2:
         return set(), []
@@ -418,8 +418,8 @@ def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[
 
 def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration,
                runs: dict, micro: dict) -> list:  # fmt: skip
-    """``costs`` with the ops of pipelined scans (:class:`planner.pipeline.Stages`) priced as
-    GPipe runs them (:class:`planner.staging.Runs`): work and the communication of
+    """``costs`` with the ops of pipelined scans (:class:`planner.program.schedule.Stages`) priced as
+    GPipe runs them (:class:`planner.layout.staging.Runs`): work and the communication of
     batch-carrying values at ``(K + P - 1) / (K P)`` of the whole loop's (the bubble being
     ``(P - 1) / (K + P - 1)`` of it), communication of whole values (a layer's weights gathered,
     its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's; plus the

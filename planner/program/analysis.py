@@ -1,11 +1,11 @@
 """Trace a function to a jaxpr and describe every equation as a loop nest (:func:`analyze`).
 
 Nested calls (``jit``, ``closed_call``) are inlined. Constructs whose semantics the lowering must
-keep become :class:`planner.ir.Region`\\ s of the flat program: ``scan`` (its body analysed once,
+keep become :class:`planner.program.ops.Region`\\ s of the flat program: ``scan`` (its body analysed once,
 with boundary ops that bring operands in and hand the carry back, so the body's loops get splits
 like any other op's), ``checkpoint`` (rematerialisation), ``custom_jvp_call`` / ``custom_vjp_call``
 (differentiation rules). Each primitive gets its iteration space from the rule table
-(:mod:`planner.rules`), else from generic discovery (:mod:`planner.discover`), else it runs
+(:mod:`planner.program.rules`), else from generic discovery (:mod:`planner.program.discover`), else it runs
 replicated, and :func:`analyze` warns naming it and its share of the flops.
 
 Example:
@@ -23,13 +23,15 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.extend import core as jcore
 
-from planner import discover as discovery
-from planner import rules
-from planner.ir import Access, Loop, Op, Program, Region, Value, is_key
-from planner.jaxpr_params import inner_jaxpr, live, scan_split
-from planner.pad_folding import fold_zero_pads
+from planner.program import discover as discovery
+from planner.program import rules
+from planner.program.ir import Program
+from planner.program.jaxpr_params import inner_jaxpr, live, scan_split
+from planner.program.ops import Access, Loop, Op, Region, Value, is_key
+from planner.program.pad_folding import fold_zero_pads
 
 INLINED = frozenset("pjit jit closed_call core_call custom_lin".split())
 KEPT = {
@@ -66,8 +68,6 @@ def _source(eqn, outer: tuple | None) -> tuple | None:
     optax update is reported at the user's ``tx.update`` line, "in optax"). Equations that kept
     no traceback (the bodies of nested jits) take ``outer``, their call's."""
     try:
-        from jax._src import source_info_util
-
         frames = source_info_util.user_frames(eqn.source_info.traceback)
         library, first = None, None
         for frame in frames:

@@ -21,7 +21,7 @@ import re
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import numpy as np
 
-from planner.halo import Window
+from planner.program.halo import Window
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -102,7 +102,7 @@ class Op:
         eqn: the jaxpr equation, for execution.
         trips: how often the op runs per call (the product of the enclosing scans' lengths).
         windows: the spatial dimensions of a convolution a split of their owner loop splits
-            with a halo (:mod:`planner.halo`).
+            with a halo (:mod:`planner.program.halo`).
         source: where the user's code made it, ``(file, line, library)``: the innermost frame
             of the equation's traceback outside JAX and installed packages; ``library`` names
             the package (e.g. ``"optax"``) whose code the user's line called, or is ``None``.
@@ -192,77 +192,3 @@ class Region:
     eqn: object = dataclasses.field(default=None, compare=False, repr=False)
     parts: tuple[int, ...] = ()
     predicate: Value | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A traced function as a flat list of ops (nested jaxprs inlined, regions marked).
-
-    ``ties`` pairs ops that must share one assignment: a scan's carry leaves the body in the
-    layout it entered with ``(entry op, exit op)``. ``donated`` names the inputs whose buffers
-    the caller donates (``jax.jit(donate_argnums=...)``): an output of the same shape, dtype and
-    layout is written into one instead of a buffer of its own.
-    """
-
-    ops: tuple[Op, ...]
-    inputs: tuple[Value, ...]
-    outputs: tuple[Value, ...]
-    jaxpr: object = dataclasses.field(default=None, compare=False, repr=False)
-    consts: tuple = dataclasses.field(default=(), compare=False, repr=False)  # (Value, array)
-    regions: tuple[Region, ...] = ()
-    ties: tuple[tuple[str, str], ...] = ()
-    donated: frozenset[str] = frozenset()
-
-    def schedule(self, assign, mesh, default: str = "propagate", stored=None):
-        """A :class:`planner.schedule.Schedule`: see :func:`planner.schedule.make_schedule`."""
-        from planner.schedule import make_schedule
-
-        return make_schedule(self, assign, dict(getattr(mesh, "shape", mesh)), default, stored)
-
-    @functools.cached_property
-    def index(self) -> dict[str, int]:
-        """Op name -> position in ``ops``."""
-        return {o.name: k for k, o in enumerate(self.ops)}
-
-    @functools.cached_property
-    def producer(self) -> dict[str, Op]:
-        """Value name -> the op producing it (inputs and constants have none)."""
-        return {r.value.name: o for o in self.ops for r in o.results}
-
-    @functools.cached_property
-    def uses(self) -> dict[str, tuple[tuple[Op, Access], ...]]:
-        """Value name -> the ops reading it and how, in program order (the def-use index)."""
-        out: dict[str, list[tuple[Op, Access]]] = {}
-        for o in self.ops:
-            for acc in o.operands:
-                out.setdefault(acc.value.name, []).append((o, acc))
-        return {k: tuple(v) for k, v in out.items()}
-
-    @functools.cached_property
-    def origin(self) -> dict[str, tuple[Value, int]]:
-        """Value name -> ``(outer, k)`` for every value a region entry passes into a body
-        (:data:`ENTRIES`): the outermost value of the program it is a view of, through nested
-        regions, and how many leading dimensions of ``outer`` it drops (a weight stacked over a
-        scan's layers enters the body as one layer: ``(the stacked input, 1)``)."""
-        out: dict[str, tuple[Value, int]] = {}
-        for o in self.ops:
-            drop = ENTRIES.get(o.primitive)
-            if drop is None or o.how != "region":
-                continue
-            src = o.operands[0].value
-            outer, k = out.get(src.name, (src, 0))
-            out[o.results[0].value.name] = (outer, k + drop)
-        return out
-
-    def op(self, name: str) -> Op:
-        k = self.index.get(name)
-        if k is None:
-            raise KeyError(f"no op named {name!r}; ops: {[o.name for o in self.ops]}")
-        return self.ops[k]
-
-    def __str__(self) -> str:
-        head = (
-            f"inputs {', '.join(f'{v.name}:{v.dtype}{list(v.shape)}' for v in self.inputs)} -> "
-            f"outputs {', '.join(v.name for v in self.outputs)}"
-        )
-        return "\n".join([head, *(str(o) for o in self.ops)])

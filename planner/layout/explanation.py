@@ -14,8 +14,10 @@ import dataclasses
 import math
 
 import redist
-from planner.ir import Program, itemsize
-from planner.schedule import Schedule, Spec, local_shape
+from planner.layout.dataflow import dataflow
+from planner.program.ir import Program
+from planner.program.ops import itemsize
+from planner.program.schedule import Schedule, Spec, local_shape
 
 # The collective that combines a split reduction of each kind.
 COLLECTIVE = {"sum": "psum", "max": "pmax", "min": "pmin", "and": "pmin", "or": "pmax"}
@@ -65,8 +67,6 @@ def explain_rows(
 ) -> list[dict]:
     """One row per op: its grid, operand and result types, pending sum and collectives."""
     if evs is None:
-        from planner.dataflow import dataflow
-
         evs = events(dataflow(prog, sched), m)
     m = factored(m)
     rows = []

@@ -23,8 +23,9 @@ import dataclasses
 
 from networkx.utils import UnionFind
 
-from planner.ir import Op, Program, Region
-from planner.jaxpr_params import scan_split
+from planner.program.ir import Program
+from planner.program.jaxpr_params import scan_split
+from planner.program.ops import Op, Region
 
 LINEAR = frozenset(
     "add sub neg transpose reshape convert_element_type copy copy_p squeeze expand_dims "
