@@ -21,86 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 from planner.compiled import _devices_of
 from redist.calibration import Calibration
-from redist.hlo import KINDS, Collective, hlo_collectives
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLEES = re.compile(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-_BOUND = re.compile(r"s32\[\]\S*\s+constant\((\d+)\)")
-
-
-@dataclasses.dataclass(frozen=True)
-class CountedCollective:
-    """A collective of the optimized HLO and how often it runs per call of the program."""
-
-    collective: Collective
-    runs: int
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        if not line.startswith((" ", "\t", "}")) and line.rstrip().endswith("{"):
-            m = _COMPUTATION.match(line)
-            if m:
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-                continue
-        if current is not None and line.startswith((" ", "\t")):
-            comps[current].append(line)
-    return comps, entry
-
-
-def _trips(line: str, comps: dict[str, list[str]]) -> int:
-    """A ``while``'s trip count: its ``known_trip_count``, else a condition that compares the loop
-    counter with a constant (``i < N``, the counter starting at 0 as JAX's scans do), else 1."""
-    m = _TRIPS.search(line)
-    if m:
-        return int(m.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", line)
-    body = comps.get(cond.group(1), ()) if cond else ()
-    bounds = [int(c) for ln in body for c in _BOUND.findall(ln)]
-    if len(bounds) == 1 and any("direction=LT" in ln for ln in body):
-        return bounds[0]
-    return 1
-
-
-def counted_collectives(hlo_text: str) -> tuple[CountedCollective, ...]:
-    """The collectives of an optimized HLO module, each with how often it runs: a collective in
-    a ``while`` body runs the loop's trip count times (loops within loops multiply; see
-    :func:`_trips`); one in a loop of unknown trip count is counted once."""
-    comps, entry = _computations(hlo_text)
-    if entry is None:
-        return tuple(CountedCollective(c, 1) for c in hlo_collectives(hlo_text))
-    runs: dict[str, int] = {entry: 1}
-    stack = [entry]
-    while stack:
-        name = stack.pop()
-        for line in comps.get(name, ()):
-            callees = _CALLEES.findall(line)
-            m = _BRANCHES.search(line)
-            if m:
-                callees += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
-            if not callees:
-                continue
-            times = _trips(line, comps) if " while(" in line else 1
-            for callee in callees:
-                if callee in comps and callee not in runs:
-                    runs[callee] = runs[name] * times
-                    stack.append(callee)
-    out = []
-    for name, lines in comps.items():
-        for c in hlo_collectives("\n".join(lines)):
-            out.append(CountedCollective(c, runs.get(name, 1)))
-    return tuple(out)
+from redist.hlo import KINDS, CountedCollective, counted_collectives
 
 
 def collective_seconds(

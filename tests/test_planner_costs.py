@@ -10,10 +10,10 @@ import pytest
 from jax import lax
 
 import planner
-from planner.compiled_time import CountedCollective, collective_seconds, counted_collectives
+from planner.compiled_time import collective_seconds
 from planner.cost.costs import fusion, op_flops
 from redist.calibration import Calibration
-from redist.hlo import Collective
+from redist.hlo import Collective, CountedCollective, counted_collectives
 
 M, N, K = 16, 12, 8
 x, w = np.ones((M, K), np.float32), np.ones((K, N), np.float32)

@@ -15,9 +15,10 @@ from jax.sharding import PartitionSpec as P
 from planner_programs import random_schedule
 
 import planner
-from planner.compiled_time import compiled_time, counted_collectives
+from planner.compiled_time import compiled_time
 from planner.program.schedule import make_schedule
 from redist.calibration import Calibration
+from redist.hlo import counted_collectives
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,

@@ -18,7 +18,8 @@ from planner.program.schedule import Axes, Schedule, Spec
 
 @dataclasses.dataclass(frozen=True)
 class Move:
-    """``value`` must go from layout ``src`` to ``dst`` before ``op`` runs (a redist plan)."""
+    """``value`` must go from layout ``src`` to ``dst`` before the op that reads it runs: a
+    redist plan, or XLA's partitioner where that is cheaper (:mod:`planner.lowering.xla_moves`)."""
 
     value: Value
     src: Spec

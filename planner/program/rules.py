@@ -338,6 +338,15 @@ def dynamic_update_slice(name, eqn, ins, outs):
     return _aligned(name, eqn, ins, outs, cut)
 
 
+def _indexed(operand: Value, indices: Value, dropped, batching) -> tuple[list[int], list[int], list]:
+    """What a gather and a scatter share: the operand dimensions their slices (update windows) run
+    along, all but the ``dropped`` ones (collapsed / inserted: size 1 in the window) and the
+    batching ones; the indices' batch dimensions, all but the last (the index vector); and the
+    indices' dimensions, whole until a rule splits them."""
+    window = [d for d in range(len(operand.shape)) if d not in dropped and d not in batching]
+    return window, list(range(len(indices.shape) - 1)), [()] * len(indices.shape)
+
+
 def gather(name, eqn, ins, outs):
     """Output batch dims share loops with the indices (and operand batching dims); offset dims
     that take a whole operand dimension share loops with it; indexed dimensions stay whole."""
@@ -346,17 +355,11 @@ def gather(name, eqn, ins, outs):
     if v is None or idx is None:
         return None
     dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
-    loops = [Loop(f"i{d}", n) for d, n in enumerate(out.shape)]
+    loops = _loops("i", out.shape)
     odims = [(lp.name,) for lp in loops]
     vdims: list = [()] * len(v.shape)
-    idims: list = [()] * len(idx.shape)
-    window = [
-        d
-        for d in range(len(v.shape))
-        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
-    ]
+    window, batch_idx, idims = _indexed(v, idx, dn.collapsed_slice_dims, dn.operand_batching_dims)
     batch_out = [d for d in range(len(out.shape)) if d not in dn.offset_dims]
-    batch_idx = list(range(len(idx.shape) - 1))  # the last indices dim is the index vector
     if len(window) != len(dn.offset_dims) or len(batch_out) != len(batch_idx):
         return None
     for od, vd in zip(dn.offset_dims, window):
@@ -381,17 +384,11 @@ def scatter(name, eqn, ins, outs):
     v, idx, upd = ins
     out = outs[0]
     dn = eqn.params["dimension_numbers"]
-    loops = [Loop(f"i{d}", n) for d, n in enumerate(v.shape)]
+    loops = _loops("i", v.shape)
     vdims = [(lp.name,) for lp in loops]
-    udims: list = [()] * len(upd.shape)
-    idims: list = [()] * len(idx.shape)
-    window = [
-        d
-        for d in range(len(v.shape))
-        if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims
-    ]
+    window, batch_idx, idims = _indexed(v, idx, dn.inserted_window_dims, dn.operand_batching_dims)
     scatter_upd = [d for d in range(len(upd.shape)) if d not in dn.update_window_dims]
-    batch_idx = list(range(len(idx.shape) - 1))
+    udims: list = [()] * len(upd.shape)
     if len(window) != len(dn.update_window_dims) or len(scatter_upd) != len(batch_idx):
         return None
     shared = set()
