@@ -11,12 +11,13 @@ Usage:
 
 For each workload, depth and mesh (``;``-separated; meshes are abstract: nothing is allocated
 or executed, the programs are analysed from shapes), plans with ``search`` restricted to each
-method (``dp``: the dynamic program of :mod:`planner.solver.chain`; ``greedy``: coordinate descent, run
-only up to ``--greedy_max_ops`` ops because its cost grows with depth squared) and records search
-time, predicted time and peak memory per device (and those of full replication), and the number
-of ops and anchors; ``--calibration`` names the machine priced (a shipped calibration file).
-Both methods also simulate the hand-written strategies as seeds (see ``planner.solver.schedule_search``) and keep the best. Writes
-``results.jsonl``, ``report.md`` and ``search_scaling.png`` (search time against devices).
+method (``dp``: the dynamic program of :mod:`planner.solver.chain`; ``greedy``: coordinate descent,
+run only up to ``--greedy_max_ops`` ops because its cost grows with depth squared) and records
+search time, predicted time and peak memory per device (and those of full replication), and the
+number of ops and anchors; ``--calibration`` names the machine priced (a shipped calibration file).
+Both methods also simulate the hand-written strategies as seeds (see
+``planner.solver.schedule_search``) and keep the best. Writes ``results.jsonl``, ``report.md`` and
+``search_scaling.png`` (search time against devices).
 """
 
 from __future__ import annotations

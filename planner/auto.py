@@ -1,4 +1,5 @@
-"""``plan``, ``auto_shard`` and ``load``: the functions that make :class:`planner.autoplan.AutoPlan`s.
+"""``plan``, ``auto_shard`` and ``load``: the functions that make
+:class:`planner.autoplan.AutoPlan`s.
 
 ``plan`` analyses a function, searches a schedule (within a memory limit, pipelined over
 ``pipeline_axis`` where that is faster) and returns the plan; ``auto_shard`` plans on each new
@@ -130,7 +131,8 @@ def _argnums(donate_argnums, n: int) -> tuple[int, ...]:
 
 def donating(prog: Program, args: tuple, donate_argnums) -> Program:
     """``prog`` with the inputs of the positional ``args`` numbered ``donate_argnums`` donated
-    (:attr:`planner.program.ir.Program.donated`): ``prog.inputs`` are the leaves of ``args`` in order."""
+    (:attr:`planner.program.ir.Program.donated`): ``prog.inputs`` are the leaves of ``args`` in
+    order."""
     nums = _argnums(donate_argnums, len(args))
     if not nums:
         return prog

@@ -5,8 +5,8 @@ A saved plan is plain JSON (``"format": "redist.planner.plan"``, ``"version": 1`
 program (a hash of its jaxpr's text without source information, the same in every process and on
 every host), the arguments (pytree structure, shapes and dtypes, static values), the structure of
 the outputs, the mesh's axis names and sizes, the calibration (its shipped name and its figures)
-and the prediction. :func:`planner.load` traces the function again but does not search: it refuses, with a
-``ValueError`` saying what differs, another program, other arguments or another mesh.
+and the prediction. :func:`planner.load` traces the function again but does not search: it refuses,
+with a ``ValueError`` saying what differs, another program, other arguments or another mesh.
 
 Example:
     >>> p = planner.plan(step, *shapes, mesh=AbstractMesh((2, 2, 2), ("a", "b", "c")))  # doctest: +SKIP

@@ -2,8 +2,8 @@
 
 ``random_schedule`` draws an assignment for *every* op of a program, built generically from the IR
 (no knowledge of primitives): each prime factor of the mesh goes to a random loop the op allows
-(or to none), as :func:`planner.program.schedule.check_assignment` validates it. Every schedule it draws is
-one the planner could produce, so lowering it must reproduce the unsharded program.
+(or to none), as :func:`planner.program.schedule.check_assignment` validates it. Every schedule it
+draws is one the planner could produce, so lowering it must reproduce the unsharded program.
 
 Example:
     >>> fn, make = PROGRAMS["max_of_product"]           # doctest: +SKIP

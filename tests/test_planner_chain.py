@@ -1,4 +1,5 @@
-"""planner.solver.chain: segments, the cost decomposition, the DP, and Alpa's 6-layer MLP oracles."""
+"""planner.solver.chain: segments, the cost decomposition, the DP, and Alpa's 6-layer MLP
+oracles."""
 
 import dataclasses
 import itertools

@@ -46,9 +46,9 @@ def _tiles(x: np.ndarray, parts: int, cut) -> list[np.ndarray]:
 
 
 def test_halo_arithmetic_computes_the_whole_convolution():
-    """Every split :func:`planner.program.halo.split` accepts, emulated tile by tile: the output's tiles
-    (or, split by the window, the partial sums) make the whole result. The kernel's gradient is
-    the convolution JAX's transpose makes (the output gradient as the window)."""
+    """Every split :func:`planner.program.halo.split` accepts, emulated tile by tile: the output's
+    tiles (or, split by the window, the partial sums) make the whole result. The kernel's gradient
+    is the convolution JAX's transpose makes (the output gradient as the window)."""
     rng = np.random.default_rng(0)
     accepted = refused_valid = 0
     grid = itertools.product((8, 12, 16), (1, 2, 3, 5), (1, 2), (1, 2), (1, 2),

@@ -26,10 +26,10 @@ from redist.calibration import Calibration
 
 MEMORY_RESERVE = 0.10
 """Fraction of a device's memory that the default limit leaves free. The simulator predicts the
-buffers the compiler keeps (:mod:`planner.cost.buffers`), within about a quarter of the compiled total;
-the compiled program also holds what it does not model: padding of arrays to the TPU's tiles, the
-scratch of collectives and fusions, what imperfect packing of buffers wastes, generated code, and
-on GPUs what the CUDA runtime and NCCL keep (the TPU files already give the memory the compiler
+buffers the compiler keeps (:mod:`planner.cost.buffers`), within about a quarter of the compiled
+total; the compiled program also holds what it does not model: padding of arrays to the TPU's tiles,
+the scratch of collectives and fusions, what imperfect packing of buffers wastes, generated code,
+and on GPUs what the CUDA runtime and NCCL keep (the TPU files already give the memory the compiler
 lets a program use)."""
 
 AUTO = "auto"
@@ -78,8 +78,8 @@ class MemoryLimitError(ValueError):
 
     Attributes:
         limit: the limit, bytes per device.
-        peak: the smallest predicted peak seen (:class:`planner.cost.simulator.Peak`: its bytes, the op
-            running then, the buffers live then, largest first), or None.
+        peak: the smallest predicted peak seen (:class:`planner.cost.simulator.Peak`: its bytes,
+            the op running then, the buffers live then, largest first), or None.
     """
 
     def __init__(self, limit, peak=None, note: str = "", top: int = 5):

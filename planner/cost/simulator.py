@@ -418,8 +418,8 @@ def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[
 
 def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibration,
                runs: dict, micro: dict) -> list:  # fmt: skip
-    """``costs`` with the ops of pipelined scans (:class:`planner.program.schedule.Stages`) priced as
-    GPipe runs them (:class:`planner.layout.staging.Runs`): work and the communication of
+    """``costs`` with the ops of pipelined scans (:class:`planner.program.schedule.Stages`) priced
+    as GPipe runs them (:class:`planner.layout.staging.Runs`): work and the communication of
     batch-carrying values at ``(K + P - 1) / (K P)`` of the whole loop's (the bubble being
     ``(P - 1) / (K + P - 1)`` of it), communication of whole values (a layer's weights gathered,
     its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's; plus the

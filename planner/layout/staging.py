@@ -1,12 +1,12 @@
 """Schedules whose scans run as pipelines: which scans can, and the layer axis split around them.
 
 :func:`staged` turns a schedule that leaves one mesh axis unused into one that runs every
-top-level scan it can (:func:`planner.program.microbatch.microbatching`) as a GPipe pipeline over that
-axis (:class:`planner.program.schedule.Stages`). The scans' stacked inputs and outputs then rest with
-their layer axis split over the stages, and so does what the program does with them outside the
-loops: every op that indexes a stacked value's layer axis with a loop of its own (the optimizer's
-update of stacked weights and moments, a cast before the loop) gets the stage axis on that loop,
-so each stage holds and updates only its layers.
+top-level scan it can (:func:`planner.program.microbatch.microbatching`) as a GPipe pipeline over
+that axis (:class:`planner.program.schedule.Stages`). The scans' stacked inputs and outputs then
+rest with their layer axis split over the stages, and so does what the program does with them
+outside the loops: every op that indexes a stacked value's layer axis with a loop of its own (the
+optimizer's update of stacked weights and moments, a cast before the loop) gets the stage axis on
+that loop, so each stage holds and updates only its layers.
 
 Example:
     >>> sched = staged(prog, sched, "pipe", microbatches=8)     # doctest: +SKIP

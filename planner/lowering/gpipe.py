@@ -8,7 +8,8 @@ every stage runs its layers on the microbatch in front of it (stage ``s`` on mic
 last stage has every microbatch's output. The gradient is the same schedule run backwards
 (``jax.grad`` of it: the transpose of a ``ppermute`` sends back), so a training step under
 ``jax.grad`` is GPipe: all forward ticks, then all backward ones, the bubble being the
-``(P - 1) / (K + P - 1)`` of the ticks where a stage has no microbatch (:func:`bubble`).
+``(P - 1) / (K + P - 1)`` of the ticks where a stage has no microbatch
+(:func:`planner.cost.pipeline.bubble`).
 
 Example:
     >>> def layer(h, w):                       # one layer: carry in, carry out

@@ -16,8 +16,8 @@ survive.
 Backend ``"xla"`` (what ``AutoPlan.jit`` runs): the original ops with ``with_sharding_constraint``
 on every value, regions included, run by XLA's SPMD partitioner, which makes the layout changes
 except those where it would rematerialise or ``redist`` is predicted faster: ``redist`` makes
-those (``moves``, see :mod:`planner.lowering.xla_moves`). Backend ``"xla-inputs"``: only the inputs are
-placed as the schedule says and XLA's sharding propagation decides the rest.
+those (``moves``, see :mod:`planner.lowering.xla_moves`). Backend ``"xla-inputs"``: only the inputs
+are placed as the schedule says and XLA's sharding propagation decides the rest.
 
 Example:
     >>> f = planner.lower(prog, sched, mesh)        # doctest: +SKIP
@@ -216,9 +216,9 @@ class Lowered:
         env.update(zip(exits, [*final, *ys]))
 
     def _run_pipelined(self, r: Region, env, inside) -> None:
-        """Run scan ``r`` as a GPipe pipeline (:class:`planner.program.schedule.Stages`): stage ``s`` of
-        the stage axis runs layers ``[s L/P, (s+1) L/P)`` on microbatch ``t - s`` at tick ``t``
-        and hands its carry to stage ``s + 1`` (``s - 1`` for a reversed scan, such as the
+        """Run scan ``r`` as a GPipe pipeline (:class:`planner.program.schedule.Stages`): stage
+        ``s`` of the stage axis runs layers ``[s L/P, (s+1) L/P)`` on microbatch ``t - s`` at tick
+        ``t`` and hands its carry to stage ``s + 1`` (``s - 1`` for a reversed scan, such as the
         backward pass of a pipelined forward one) with ``ppermute``; stacked outputs are kept
         per stage (split over the stage axis), weight gradients summed over microbatches."""
         st, p = self.stages[r.start], r.eqn.params
@@ -605,9 +605,9 @@ def _to_neighbour(
 def _with_halos(op: Op, args: list, params: dict, step: OpStep) -> list[tuple[int, int, int]]:
     """A convolution or pooling on local tiles: each split spatial dimension of its input
     extended by the halo its neighbours send (``ppermute``; at the ends, the padding value: 0,
-    or a max-pool's -inf) and padded as :func:`planner.program.halo.split` says. A max-pool's gradient
-    (``select_and_scatter_add``) gets its source's windows too; returns the ``(dimension, start,
-    size)`` crops of its result to the device's own rows."""
+    or a max-pool's -inf) and padded as :func:`planner.program.halo.split` says. A max-pool's
+    gradient (``select_and_scatter_add``) gets its source's windows too; returns the ``(dimension,
+    start, size)`` crops of its result to the device's own rows."""
     padding = list(params["padding"])
     fill = POOLS.get(op.primitive, 0.0)
     if op.primitive == "select_and_scatter_add":
@@ -671,6 +671,6 @@ def lower(prog: Program, sched: Schedule, mesh, backend: str = "explicit", moves
     """One jitted SPMD program for ``prog`` under ``sched`` on ``mesh`` (see module docs).
 
     ``moves`` (backend ``"xla"``): who makes each change of layout: ``"auto"`` (``redist`` where
-    XLA would rematerialise or ``redist`` is predicted faster, see :mod:`planner.lowering.xla_moves`),
-    ``"xla"`` or ``"redist"`` (all of them)."""
+    XLA would rematerialise or ``redist`` is predicted faster, see
+    :mod:`planner.lowering.xla_moves`), ``"xla"`` or ``"redist"`` (all of them)."""
     return Lowered(prog, sched, mesh, backend, moves, calibration)

@@ -1,7 +1,7 @@
 """Which layout changes of a plan XLA's SPMD partitioner should carry out, and which ``redist``.
 
-For each change of layout (a :class:`planner.layout.dataflow.Move`) a one-line program that asks XLA for
-that change is compiled (not run) on the plan's mesh, and the collectives in its HLO are read
+For each change of layout (a :class:`planner.layout.dataflow.Move`) a one-line program that asks XLA
+for that change is compiled (not run) on the plan's mesh, and the collectives in its HLO are read
 (:mod:`redist.hlo`). ``redist`` takes the change when XLA *rematerialises* (one of its
 collectives returns more than the larger of the two tiles: it replicates, then slices) or when
 ``redist``'s plan is predicted faster on the calibration (both priced by the same model: latency

@@ -1,12 +1,12 @@
 """Trace a function to a jaxpr and describe every equation as a loop nest (:func:`analyze`).
 
 Nested calls (``jit``, ``closed_call``) are inlined. Constructs whose semantics the lowering must
-keep become :class:`planner.program.ops.Region`\\ s of the flat program: ``scan`` (its body analysed once,
-with boundary ops that bring operands in and hand the carry back, so the body's loops get splits
-like any other op's), ``checkpoint`` (rematerialisation), ``custom_jvp_call`` / ``custom_vjp_call``
-(differentiation rules). Each primitive gets its iteration space from the rule table
-(:mod:`planner.program.rules`), else from generic discovery (:mod:`planner.program.discover`), else it runs
-replicated, and :func:`analyze` warns naming it and its share of the flops.
+keep become :class:`planner.program.ops.Region`\\ s of the flat program: ``scan`` (its body analysed
+once, with boundary ops that bring operands in and hand the carry back, so the body's loops get
+splits like any other op's), ``checkpoint`` (rematerialisation), ``custom_jvp_call`` /
+``custom_vjp_call`` (differentiation rules). Each primitive gets its iteration space from the rule
+table (:mod:`planner.program.rules`), else from generic discovery (:mod:`planner.program.discover`),
+else it runs replicated, and :func:`analyze` warns naming it and its share of the flops.
 
 Example:
     >>> prog = planner.analyze(lambda x, w: jnp.tanh(x @ w), x, w)   # doctest: +SKIP

@@ -39,7 +39,8 @@ class Program:
     donated: frozenset[str] = frozenset()
 
     def schedule(self, assign, mesh, default: str = "propagate", stored=None):
-        """A :class:`planner.program.schedule.Schedule`: see :func:`planner.program.schedule.make_schedule`."""
+        """A :class:`planner.program.schedule.Schedule`: see
+        :func:`planner.program.schedule.make_schedule`."""
         return make_schedule(self, assign, dict(getattr(mesh, "shape", mesh)), default, stored)
 
     @functools.cached_property

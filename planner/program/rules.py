@@ -338,7 +338,9 @@ def dynamic_update_slice(name, eqn, ins, outs):
     return _aligned(name, eqn, ins, outs, cut)
 
 
-def _indexed(operand: Value, indices: Value, dropped, batching) -> tuple[list[int], list[int], list]:
+def _indexed(
+    operand: Value, indices: Value, dropped, batching
+) -> tuple[list[int], list[int], list]:
     """What a gather and a scatter share: the operand dimensions their slices (update windows) run
     along, all but the ``dropped`` ones (collapsed / inserted: size 1 in the window) and the
     batching ones; the indices' batch dimensions, all but the last (the index vector); and the
@@ -431,9 +433,9 @@ def read_whole(name, eqn, ins, outs):
 def conv_general_dilated(name, eqn, ins, outs):
     """Batch ``n``, output features ``o``, input features ``i`` (a sum), and per spatial dimension
     an output loop ``s*`` and a window loop ``w*`` (a sum). The larger of the two owns the input's
-    spatial dimension: split, it splits the input with a halo (:mod:`planner.program.halo`); the other
-    stays whole. Grouped convolutions (``feature_group_count`` ``G > 1``, depthwise ones too) add
-    a group loop ``g``, major in the input's and output's features; so do the kernel gradients
+    spatial dimension: split, it splits the input with a halo (:mod:`planner.program.halo`); the
+    other stays whole. Grouped convolutions (``feature_group_count`` ``G > 1``, depthwise ones too)
+    add a group loop ``g``, major in the input's and output's features; so do the kernel gradients
     of grouped convolutions (``batch_group_count`` ``G > 1``: group ``g`` of the output features
     reads block ``g`` of the input's batch), major in the input's batch."""
     p = eqn.params
@@ -492,7 +494,8 @@ POOLS = {"reduce_window_sum": 0.0, "reduce_window_max": -np.inf, "reduce_window_
 
 def reduce_window(name, eqn, ins, outs):
     """Pooling: one loop per output dimension; a windowed one (window, stride, dilation or
-    padding) splits the input with a halo like a convolution's rows (:mod:`planner.program.halo`)."""
+    padding) splits the input with a halo like a convolution's rows
+    (:mod:`planner.program.halo`)."""
     p = eqn.params
     x, out = ins[0], outs[0]
     loops, dims, halo, windows = [], [], [], []

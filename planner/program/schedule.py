@@ -11,7 +11,8 @@ Example:
     >>> sched = prog.schedule({"dot_general_0": {"m": "a", "n": ("b", "c")}}, mesh)  # doctest: +SKIP
 
 A schedule may run scans as GPipe pipelines (:class:`Stages`: a scan's layers cut into stages
-over a mesh axis, its batch into microbatches; what that implies is in :mod:`planner.layout.staging`).
+over a mesh axis, its batch into microbatches; what that implies is in
+:mod:`planner.layout.staging`).
 """
 
 from __future__ import annotations

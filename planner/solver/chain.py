@@ -1,11 +1,11 @@
 """Dynamic programming over the coarsened graph: one choice per layer group, priced locally.
 
 The program is cut into *segments*, one per group of dense ops (see
-:func:`planner.solver.schedule_search.groups`): every other op joins the group nearest to it in the data-flow
-graph (breadth-first from all groups at once; ties go to the earlier group). A segment's layouts
-follow from its anchor's choice alone: the anchor and its :func:`siblings` take it, the inputs the
-anchor reads are assumed laid out as it needs them, and the rest of the segment propagates
-from these inside the segment. Every op's loops are then a function of its own segment's
+:func:`planner.solver.schedule_search.groups`): every other op joins the group nearest to it in the
+data-flow graph (breadth-first from all groups at once; ties go to the earlier group). A segment's
+layouts follow from its anchor's choice alone: the anchor and its :func:`siblings` take it, the
+inputs the anchor reads are assumed laid out as it needs them, and the rest of the segment
+propagates from these inside the segment. Every op's loops are then a function of its own segment's
 choice, and since the simulator's cost is a sum over ops of terms that depend on an op's own
 layout and its producers', the predicted time splits exactly into
 

@@ -8,8 +8,8 @@ propagation. The objective is the simulator's predicted time (ties: peak memory)
 - Joint space (every factor of every anchor) of at most ``exhaustive_limit`` assignments, up to
   relabelling interchangeable factors (:func:`interchangeable`): all are simulated, which is
   optimal under the simulator; of equal plans, one splitting the fewest mesh axes is returned.
-- Larger: dynamic programming over layer segments (:mod:`planner.solver.chain`: exact on chains such as
-  MLPs, a documented heuristic on DAGs with residual connections), in passes: the whole mesh as
+- Larger: dynamic programming over layer segments (:mod:`planner.solver.chain`: exact on chains
+  such as MLPs, a documented heuristic on DAGs with residual connections), in passes: the whole mesh as
   one group of factors; one mesh axis at a time; and, on meshes of at most ``PER_FACTOR_MAX``
   prime factors where some axis has several, one prime factor at a time as in Tofu's recursion
   (splits by part of an axis). On programs of at most ``greedy_ops`` ops the same passes also
@@ -20,7 +20,8 @@ propagation. The objective is the simulator's predicted time (ties: peak memory)
 Example:
     >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
 
-:func:`search_within` runs it under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`).
+:func:`search_within` runs it under ``plan``'s ``memory_limit_bytes`` (see
+:mod:`planner.cost.memory`).
 """
 
 from __future__ import annotations
@@ -320,8 +321,8 @@ def _zero(prog: Program, shape: MeshShape, results: list, evaluate: _Evaluator) 
 
 
 def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
-    """One DP per factor group (:mod:`planner.solver.chain`); the whole program is simulated under the
-    result, propagated across segments and segment by segment, and the better is kept."""
+    """One DP per factor group (:mod:`planner.solver.chain`); the whole program is simulated under
+    the result, propagated across segments and segment by segment, and the better is kept."""
     for group in factor_groups:
         size = math.prod(sizes[f] for f in group)
         opts = [_options(o, assign[o.name], size, sizes) for o in ops]
@@ -372,9 +373,10 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
     """The hand-written strategies over the whole mesh, simulated as starting points that the
     searched plans must beat (Megatron's q/k/v-by-heads split, for one, is a joint choice of
     several groups that a per-segment search can miss), and the expert strategies of
-    :func:`planner.solver.strategies.expert_schedules` (data parallelism and FSDP over every axis; FSDP
-    over all but the last axis with tensor parallelism over the last), so that the plan is never
-    predicted slower than what an expert writes, nor over the memory limit where theirs fits."""
+    :func:`planner.solver.strategies.expert_schedules` (data parallelism and FSDP over every axis;
+    FSDP over all but the last axis with tensor parallelism over the last), so that the plan is
+    never predicted slower than what an expert writes, nor over the memory limit where theirs
+    fits."""
     axes = shape.axis_names
     makers = [
         lambda: strategies.data_parallel(prog, axes),

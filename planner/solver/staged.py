@@ -29,8 +29,8 @@ def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limi
     ``None`` when no scan can be pipelined or nothing fits ``memory_limit_bytes``.
 
     The layers (and the rest of the program) are searched on the other mesh axes
-    (:func:`planner.solver.schedule_search.search`), first priced unpipelined; each microbatch count of
-    :func:`microbatch_choices` pipelines that schedule (:func:`staged`, donated state stored as
+    (:func:`planner.solver.schedule_search.search`), first priced unpipelined; each microbatch count
+    of :func:`microbatch_choices` pipelines that schedule (:func:`staged`, donated state stored as
     it leaves the step). The search then runs again with every candidate priced as the pipeline
     of the best count so far (the fastest layouts of a layer differ inside a pipeline, where a
     layer's weights and gradient sums travel on every tick), and the fastest that fits is
