@@ -130,9 +130,16 @@ def _compiled(plan, cal, n: int) -> dict:
 
 
 def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
+    """:func:`layer_optimal` of ``plan`` of ``model``."""
+    return layer_optimal(plan, lambda depth: build(model, depth, unroll=True), layers, mesh, cal,
+                         model)  # fmt: skip
+
+
+def layer_optimal(plan, build_at, layers: int, mesh, cal, name: str = "") -> float | None:
     """The kernels' seconds of ``plan`` at depth ``layers``, from its schedule carried onto the
-    same model at 1 and 2 layers, unrolled, and compiled: ``t1 + (layers - 1) (t2 - t1)``; None
-    when its layouts do not carry (a split layer dimension)."""
+    same model at 1 and 2 layers (``build_at(depth)``: ``(step, args)``, unrolled) and compiled:
+    ``t1 + (layers - 1) (t2 - t1)``; None when its layouts do not carry (a split layer
+    dimension)."""
     import jax
 
     from planner.autoplan import AutoPlan
@@ -144,7 +151,7 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
 
     times = []
     for depth in (1, 2):
-        step, args = build(model, depth, unroll=True)
+        step, args = build_at(depth)
         sig = Signature.of(args, {})
         traced, values = sig.traced(step, args, {})
         prog = analyze(traced, *values)
@@ -157,7 +164,7 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
             small = AutoPlan(prog, target, None, mesh, 0.0, sig.in_tree, out_tree, None, cal, sig)
             compiled = small.jit().lower(*input_structs(small)).compile()
         except Exception as e:  # noqa: BLE001  (layouts that do not carry: reported as n/a)
-            logging.warning("%s at %d layers: %s", model, depth, str(e)[:200])
+            logging.warning("%s at %d layers: %s", name, depth, str(e)[:200])
             return None
         times.append(compiled_time(compiled, cal).optimal_seconds)
     return times[0] + (layers - 1) * (times[1] - times[0])

@@ -297,3 +297,27 @@ def test_calibrate_on_one_device_measures_rates_and_borrows_collectives(tmp_path
     cal = Calibration.from_json(out.read_text())
     assert cal.flops_per_s > 0 and cal.copy_bytes_per_s > 0
     assert cal.bytes_per_s == Calibration.named("cpu").bytes_per_s
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"',
+)
+def test_recipes_compiles_the_recipe_and_the_plans_on_its_topology(tmp_path):
+    """A shrunken Llama 2 70B structure on v5p:2x2x1: MaxText's layout (GSPMD with its
+    constraints), the same layout planned and the searched plan, compiled; a rerun adds nothing."""
+    from configs import recipes_smoke
+    from experiments import recipes
+
+    config = recipes_smoke.get_config()
+    rows = recipes.run(config, str(tmp_path))
+    assert [r["strategy"] for r in rows] == ["recipe", "recipe_planned", "searched"]
+    for r in rows:
+        assert r["fits"] and r["compiled_bytes"] > 0 and r["estimate_s"] > 0, r
+    assert "predicted_peak_bytes" not in rows[0]
+    assert all(r["predicted_peak_bytes"] > 0 for r in rows[1:])
+    assert rows[0]["collectives"] > 0  # the recipe is sharded: FSDP gathers its weights
+    table = (tmp_path / "report.md").read_text()
+    assert "| tiny_v5p_8 | recipe | " in table and "1.00x" in table
+    assert len(recipes.run(config, str(tmp_path))) == 3
+    assert len(open(tmp_path / "results.jsonl").readlines()) == 3

@@ -134,8 +134,9 @@ class Lowered:
 
     def _placed(self, args, kwargs) -> list:
         """The arrays of ``args``, those not yet on devices (numpy arrays, Python numbers) put
-        where the schedule stores them: on a mesh of Explicit axes ``jax.jit`` would trace them
-        unsharded, which the ``shard_map``'s ``in_specs`` refuse."""
+        where the schedule stores them, and on a mesh of Explicit axes every array laid out
+        otherwise: ``jax.jit`` would trace them with their own sharding in their type, which the
+        ``shard_map``'s ``in_specs`` refuse."""
         flat = jax.tree.leaves(args)
         arrays_only = all(hasattr(x, "shape") for x in flat) and len(flat) == len(self.prog.inputs)
         if self.signature is not None and (kwargs or not arrays_only):
@@ -147,10 +148,13 @@ class Lowered:
         if len(flat) != len(self.prog.inputs):
             raise ValueError(f"expected {len(self.prog.inputs)} arrays, got {len(flat)}")
         out = []
+        explicit = AxisType.Explicit in tuple(getattr(self.mesh, "axis_types", ()))
         for x, s in zip(flat, self.in_shardings):
             if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
                 x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            elif not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            elif not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
+                explicit and isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(s, x.ndim)
+            ):  # an array laid out otherwise on Explicit axes: its type would not be in_specs'
                 x = jax.device_put(x, s)
             out.append(x)
         return out

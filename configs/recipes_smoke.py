@@ -1,0 +1,9 @@
+"""The recipes pipeline end to end on a shrunken Llama 2 70B structure on v5p:2x2x1 (a minute)."""
+
+from configs import recipes
+
+
+def get_config():
+    c = recipes.get_config()
+    c.recipes = "tiny_v5p_8"
+    return c

@@ -1,0 +1,311 @@
+"""The planner against MaxText's own published recipes, each compiled for the recipe's topology.
+
+Usage:
+    python -m experiments.recipes --config=configs/recipes.py --workdir=workdir/recipes
+
+For every recipe (``config.recipes``, :data:`RECIPES`: MaxText's ``benchmarks/`` v5p recipes):
+the training step MaxText runs, written from its public configs
+(:func:`experiments.maxtext_model.maxtext_step`: float32 weights cast to bfloat16 in each layer,
+grouped-query attention, the recipe's named remat policy, clipping, AdamW), built from shapes, is
+laid out three ways and each compiled by the TPU compiler for the recipe's topology:
+
+- ``recipe``: as MaxText lays it out: parameters, optimizer state and batch sharded by MaxText's
+  logical axis rules (:data:`RULES`, ``base.yml`` with the model file's override) and every
+  activation MaxText constrains pinned with ``jax.lax.with_sharding_constraint``; XLA's SPMD
+  partitioner does the rest (``jax.jit`` with those shardings, state donated).
+- ``recipe_planned``: the same layout as the planner's own plan (``expert_plans``' ``fsdp``,
+  which lays every op out by the program's logical axes), to price it and to compare what the
+  planner's lowering compiles to with what the recipe does.
+- ``searched``: ``planner.plan`` with its defaults (memory limit from the chip's HBM), state
+  donated.
+
+Each row: compiled GB per chip and whether it fits HBM, the planner's predicted GB, the compiled
+estimate (the compiler's kernel time of the step at 1 and 2 layers unrolled, extended to the
+recipe's depth, plus the HLO's collectives as often as they run, priced by the calibration, as
+:mod:`experiments.pod_plans` does), and the search seconds. Rows go to ``results.jsonl`` as they
+are measured (a rerun measures only the missing ones); ``report.md`` has the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments.maxtext_model import MODELS, maxtext_step
+from experiments.pod_plans import layer_optimal
+
+STRATEGIES = ("recipe", "recipe_planned", "searched")
+
+RECIPES = {
+    # MaxText benchmarks/maxtext_v5p_model_configs.py: v5p-128 = 64 chips, ici_fsdp_parallelism -1
+    "llama2_7b_v5p_128": dict(model="llama2-7b", topology="v5p:4x4x4", per_device_batch=4,
+                              seq=4096, remat="minimal"),
+    "llama2_70b_v5p_128": dict(model="llama2-70b", topology="v5p:4x4x4", per_device_batch=2,
+                               seq=4096, remat="save_dot_except_mlpwi"),
+    # the same structure shrunk, for the smoke config and the tests
+    "tiny_v5p_8": dict(model=dataclasses.replace(MODELS["llama2-70b"], emb=256, heads=4,
+                                                  kv_heads=2, head_dim=64, mlp=512, layers=2,
+                                                  vocab=1024),
+                       topology="v5p:2x2x1", per_device_batch=2, seq=256,
+                       remat="save_dot_except_mlpwi"),
+}  # fmt: skip
+
+RULES = {
+    # MaxText base.yml logical_axis_rules (the mesh axes these recipes use; 'norm' -> 'fsdp' is
+    # the llama2 model files' override), first match wins, an axis used once per array
+    "activation_batch": ("data", "fsdp"),
+    "activation_length": (),
+    "activation_embed": ("tensor",),
+    "activation_heads": ("tensor",),
+    "activation_kv": ("tensor",),
+    "activation_mlp": ("tensor",),
+    "activation_vocab": ("tensor",),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "q_heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "kv": (),
+    "mlp": ("tensor",),
+    "norm": ("fsdp",),
+    "layers": (),
+}
+PARAMETER_AXES = {
+    "embedding": ("vocab", "embed"),
+    "attention_norm": ("layers", "norm"),
+    "query": ("layers", "embed", "q_heads", "kv"),
+    "key": ("layers", "embed", "kv_heads", "kv"),
+    "value": ("layers", "embed", "kv_heads", "kv"),
+    "out": ("layers", "heads", "kv", "embed"),
+    "mlp_norm": ("layers", "norm"),
+    "wi_0": ("layers", "embed", "mlp"),
+    "wi_1": ("layers", "embed", "mlp"),
+    "wo": ("layers", "mlp", "embed"),
+    "final_norm": ("norm",),
+    "logits": ("embed", "vocab"),
+}
+"""Each parameter's logical axes, as MaxText's layers name them (by the parameter's key)."""
+MESH_AXES = ("data", "fsdp", "tensor")
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", "configs/recipes.py", "Experiment config.")
+flags.DEFINE_string("workdir", "workdir/recipes", "Where results are written.")
+
+
+def logical_spec(axes: tuple, mesh):
+    """The ``PartitionSpec`` of an array with logical ``axes`` under :data:`RULES` on ``mesh``:
+    each logical axis takes its rule's mesh axes of size > 1 not taken by an earlier dimension.
+
+    Example:
+        >>> logical_spec(("activation_batch", "activation_length", "activation_embed"), mesh)
+        ...                                                                  # doctest: +SKIP
+        PartitionSpec(('data', 'fsdp'), None, None)
+    """
+    from jax.sharding import PartitionSpec
+
+    used, out = set(), []
+    for name in axes:
+        mesh_axes = tuple(a for a in RULES[name] if mesh.shape.get(a, 1) > 1 and a not in used)
+        used.update(mesh_axes)
+        out.append(mesh_axes[0] if len(mesh_axes) == 1 else (mesh_axes or None))
+    return PartitionSpec(*out)
+
+
+def recipe_shardings(args, mesh):
+    """``NamedSharding``s of ``(params, opt_state, tokens, targets)`` by :data:`RULES`: a
+    parameter (and its optimizer moments) by its key's :data:`PARAMETER_AXES`; tokens and
+    targets by ``activation_batch``; scalars replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def sharding(path, leaf):
+        keys = [getattr(k, "key", None) for k in path]
+        names = [k for k in keys if k in PARAMETER_AXES]
+        if names and len(PARAMETER_AXES[names[-1]]) == len(leaf.shape):
+            return NamedSharding(mesh, logical_spec(PARAMETER_AXES[names[-1]], mesh))
+        if len(leaf.shape) == 2 and leaf.dtype == jax.numpy.int32:  # tokens, targets
+            return NamedSharding(mesh, logical_spec(("activation_batch", "activation_length"),
+                                                    mesh))  # fmt: skip
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree_util.tree_map_with_path(sharding, args)
+
+
+def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | bool = 1):
+    """``(step, args)`` of ``recipe`` with MaxText's activation constraints on ``mesh``
+    (``mesh=None``: unconstrained, as the planner gets it); ``layers`` overrides the depth."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    model = recipe["model"]
+    model = MODELS[model] if isinstance(model, str) else model
+    if layers is not None:
+        model = dataclasses.replace(model, layers=layers)
+    batch = recipe["per_device_batch"] * mesh_size(recipe)
+
+    def constrain(x, axes):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(axes, mesh)))
+
+    kwargs = {} if mesh is None else {"constrain": constrain}
+    return maxtext_step(model, batch, recipe["seq"], remat=recipe["remat"], shapes_only=True,
+                        unroll=unroll, **kwargs)  # fmt: skip
+
+
+def mesh_size(recipe: dict) -> int:
+    """Chips of the recipe's topology (``"v5p:4x4x4"`` -> 64)."""
+    return math.prod(int(d) for d in recipe["topology"].split(":")[1].split("x"))
+
+
+def topology_axes(recipe: dict) -> dict[str, int]:
+    """Pure FSDP over every chip, as the recipes' ``ici_fsdp_parallelism: -1``."""
+    return {"data": 1, "fsdp": mesh_size(recipe), "tensor": 1}
+
+
+def _compile_recipe(recipe: dict, mesh, cal, layers: int | None = None, unroll=1):
+    import jax
+
+    from planner.compiled import compile_and_report
+
+    step, args = recipe_step(recipe, mesh, layers, unroll)
+    shardings = recipe_shardings(args, mesh)
+    out = (shardings[0], shardings[1], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    jitted = jax.jit(step, in_shardings=shardings, out_shardings=out, donate_argnums=(0, 1))
+    return compile_and_report(jitted.lower(*args))
+
+
+def _row_of(compiled, report, cal, n: int, optimal_s: float | None) -> dict:
+    from planner.compiled_time import compiled_time
+
+    row = {"fits": report.fits, "compiled_bytes": report.total_bytes,
+           "hbm_bytes": report.hbm_bytes, "temp_bytes": report.temp_bytes}  # fmt: skip
+    if compiled is not None:
+        ct = compiled_time(compiled, cal, n)
+        row.update(compiled_collective_s=ct.collective_s, collectives=ct.collectives)
+        if optimal_s is not None:
+            row["estimate_s"] = optimal_s + ct.collective_s
+    return row
+
+
+def measure(name: str, strategies, done: set, config) -> list[dict]:
+    """Rows of the ``strategies`` of recipe ``name`` not yet in ``done``."""
+    import planner
+    from planner.baselines import expert_plans
+    from planner.compiled import compile_and_report, input_structs
+    from planner.compiled_time import compiled_time
+    from planner.cost.memory import MemoryLimitError, default_calibration
+
+    recipe = RECIPES[name]
+    todo = [s for s in strategies if (name, s) not in done]
+    if not todo:
+        return []
+    axes = topology_axes(recipe)
+    mesh = planner.topology_mesh(recipe["topology"], axes)
+    cal = default_calibration(mesh)
+    model = recipe["model"]
+    layers = (MODELS[model] if isinstance(model, str) else model).layers
+    base = {"recipe": name, "model": model if isinstance(model, str) else "tiny",
+            "topology": recipe["topology"], "devices": mesh.size, "seq": recipe["seq"],
+            "per_device_batch": recipe["per_device_batch"], "remat": recipe["remat"]}  # fmt: skip
+    rows = []
+    if "recipe" in todo:
+        start = time.perf_counter()
+        compiled, report = _compile_recipe(recipe, mesh, cal)
+        optimal = None
+        if config.layer_estimate and compiled is not None:
+            t = [compiled_time(_compile_recipe(recipe, mesh, cal, d, True)[0], cal).optimal_seconds
+                 for d in (1, 2)]  # fmt: skip
+            optimal = t[0] + (layers - 1) * (t[1] - t[0])
+        rows.append({**base, "strategy": "recipe", "search_s": 0.0,
+                     "compile_s": time.perf_counter() - start,
+                     **_row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
+    step, args = recipe_step(recipe, None)
+    plans = {}
+    if "recipe_planned" in todo:
+        made = expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"),
+                            tensor_axis="tensor", calibration=cal, donate_argnums=(0, 1))  # fmt: skip
+        plans["recipe_planned"] = made["fsdp"]
+    if "searched" in todo:
+        start = time.perf_counter()
+        try:
+            plans["searched"] = planner.plan(step, *args, mesh=mesh, donate_argnums=(0, 1))
+        except MemoryLimitError as e:
+            rows.append({**base, "strategy": "searched", "search_s": time.perf_counter() - start,
+                         "fits": False, "error": str(e)[:500]})  # fmt: skip
+    for strategy, p in plans.items():
+        start = time.perf_counter()
+        compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
+        optimal = None
+        if config.layer_estimate and compiled is not None:
+            optimal = layer_optimal(p, lambda d: recipe_step(recipe, None, d, True), layers, mesh,
+                                    cal, name)  # fmt: skip
+        rows.append({**base, "strategy": strategy, "search_s": p.search_s,
+                     "predicted_peak_bytes": p.prediction.peak_bytes,
+                     "predicted_s": p.prediction.time_s, "compile_s": time.perf_counter() - start,
+                     **_row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
+    for row in rows:
+        logging.info("%s", json.dumps(row))
+    return rows
+
+
+def _gb(x) -> str:
+    return "n/a" if x is None else f"{x / 1e9:.3g}"
+
+
+def report(rows: list[dict]) -> str:
+    """The table: per recipe and strategy, compiled and predicted GB per chip, whether it fits,
+    the compiled estimate against the recipe's, and the search seconds."""
+    recipe_s = {r["recipe"]: r.get("estimate_s") for r in rows if r["strategy"] == "recipe"}
+    lines = [
+        "| recipe | strategy | compiled GB / chip | fits | predicted GB | predicted / compiled "
+        "| estimate ms | / recipe | search s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pred, comp = r.get("predicted_peak_bytes"), r.get("compiled_bytes")
+        ratio = f"{pred / comp:.2f}" if pred and comp else "n/a"
+        est, ref = r.get("estimate_s"), recipe_s.get(r["recipe"])
+        vs = f"{est / ref:.2f}x" if est and ref else "n/a"
+        ms = f"{est * 1e3:.3g}" if est else "n/a"
+        lines.append(f"| {r['recipe']} | {r['strategy']} | {_gb(comp)} | "
+                     f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | {ms} | {vs} | "
+                     f"{r.get('search_s', 0):.1f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run(config, workdir: str) -> list[dict]:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "results.jsonl")
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    done = {(r["recipe"], r["strategy"]) for r in rows}
+    for name in [s for s in config.recipes.split(",") if s]:
+        if name not in RECIPES:
+            raise ValueError(f"recipe {name!r} is unknown; known: {sorted(RECIPES)}")
+        new = measure(name, [s for s in config.strategies.split(",") if s], done, config)
+        with open(path, "a") as f:
+            for row in new:
+                f.write(json.dumps(row) + "\n")
+        rows += new
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(report(rows))
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json())
+    print(f"recipes: {len(rows)} rows; see {workdir}/report.md")
+    return rows
+
+
+def main(argv):
+    del argv
+    run(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

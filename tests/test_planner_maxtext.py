@@ -1,0 +1,97 @@
+"""MaxText's training step (experiments.maxtext_model), shrunk: planned exactly under its remat
+policies, grouped-query attention and mixed precision, by the search, the expert strategies and
+random schedules; and the recipe's own layout (MaxText's logical axis rules) is the same step."""
+
+import dataclasses
+import random
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from planner_programs import random_schedule
+
+import planner
+from experiments import recipes
+from experiments.maxtext_model import MODELS, REMAT_POLICIES, maxtext_step, remat_policy
+from planner.program.schedule import make_schedule
+
+TINY = dataclasses.replace(MODELS["llama2-70b"], emb=32, heads=4, kv_heads=2, head_dim=8, mlp=48,
+                           layers=2, vocab=64)  # fmt: skip
+LR = 1e-4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+
+
+def assert_same_step(got, want, dtype):
+    """Parameters, optimizer state and loss of two runs of one step: equal up to the reduction
+    order of float32 (``dtype`` float32), or of bfloat16 activations."""
+    loose = dtype == "bfloat16"
+    np.testing.assert_allclose(got[2], want[2], rtol=2e-2 if loose else 1e-5)
+    for g, w in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        scale = max(np.max(np.abs(w)), 1e-30)
+        tol = (3 * LR if g.ndim and scale > 10 * LR else 0.2 * scale) if loose else 1e-4 * scale
+        np.testing.assert_allclose(g, w, rtol=0, atol=tol + 1e-12)
+
+
+@pytest.mark.parametrize("remat, expert", [("full", "fsdp"), ("save_dot_except_mlpwi",
+                                            "fsdp_tensor"), ("minimal", "data_parallel")])  # fmt: skip
+def test_searched_and_expert_plans_compute_the_step(remat, expert, mesh):
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat=remat)
+    want = jax.jit(step)(*args)
+    experts = planner.expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))
+    assert set(experts) == {"data_parallel", "fsdp", "fsdp_tensor"}
+    assert any(experts[expert].schedule.assign.values())
+    for p in (planner.plan(step, *args, mesh=mesh), experts[expert]):
+        assert_same_step(p(*args), want, "bfloat16")
+
+
+def test_random_schedules_compute_the_step_in_float32(mesh):
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat="save_dot_except_mlpwi",
+                              dtype="float32")  # fmt: skip
+    want = jax.jit(step)(*args)
+    prog = planner.analyze(step, *args)
+    sizes = dict(mesh.shape)
+    for seed in range(1):
+        sched = make_schedule(prog, random_schedule(prog, sizes, random.Random(seed)), sizes,
+                              default="replicate")  # fmt: skip
+        flat = planner.lower(prog, sched, mesh)(*args)  # the program's outputs, flat
+        assert_same_step(jax.tree.unflatten(jax.tree.structure(want), flat), want, "float32")
+
+
+def test_grouped_query_attention_splits_key_value_heads_over_the_tensor_axis(mesh):
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat="full")
+    fsdp_tensor = planner.expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))
+    specs = jax.tree.leaves(fsdp_tensor["fsdp_tensor"].in_specs[0]["layers"]["key"])
+    assert "tensor" in str(specs), specs  # (layers, embed, kv_heads, head_dim): heads split
+
+
+def test_the_recipe_layout_runs_the_same_step():
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    recipe = dict(recipes.RECIPES["tiny_v5p_8"], model=TINY, per_device_batch=1, seq=16)
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat=recipe["remat"])
+    want = jax.jit(step)(*args)
+    constrained, _ = recipes.recipe_step(dict(recipe, topology="cpu:2x2x2"), mesh)
+    shardings = recipes.recipe_shardings(args, mesh)
+    assert shardings[0]["layers"]["wi_0"].spec == P(None, "fsdp", "tensor")
+    assert shardings[0]["embedding"].spec == P("tensor", "fsdp")
+    assert shardings[2].spec == P(("data", "fsdp"), None)
+    got = jax.jit(constrained, in_shardings=shardings)(*args)
+    assert_same_step(got, want, "bfloat16")
+    text = jax.jit(constrained, in_shardings=shardings).lower(*args).as_text()
+    assert "sharding_constraint" in text or "Sharding" in text
+
+
+def test_remat_policies_are_maxtexts_and_bad_names_are_refused():
+    assert remat_policy("full") is jax.checkpoint_policies.nothing_saveable
+    assert remat_policy("minimal") is jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    assert set(REMAT_POLICIES) >= {"full", "minimal", "save_dot_except_mlpwi", "none"}
+    with pytest.raises(ValueError, match="remat_policy='offload'"):
+        remat_policy("offload")
+    with pytest.raises(ValueError, match="do not share"):
+        maxtext_step(dataclasses.replace(TINY, kv_heads=3), batch=2, seq=4)
