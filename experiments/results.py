@@ -150,6 +150,13 @@ def tpu_sections(workdir: str) -> list[str]:
                   f"{s['time_ratio']['geomean']:.2f} (range {s['time_ratio']['min']:.2f}-"
                   f"{s['time_ratio']['max']:.2f}); flops within 10% on {s['flops_within_10pct']} "
                   f"of {s['plans']}, bytes accessed on {s['bytes_within_10pct']}."]  # fmt: skip
+    path = os.path.join(workdir, "recipes", "report.md")
+    if os.path.exists(path):
+        lines += ["", "## Against MaxText's recipes (`recipes/`)", "",
+                  "MaxText's step and v5p recipes, its own layout (logical axis rules and "
+                  "activation constraints, GSPMD), the same layout planned, and the searched plan, "
+                  "compiled by the TPU compiler (`python -m experiments.recipes`):", "",
+                  open(path).read().rstrip()]  # fmt: skip
     return lines
 
 
