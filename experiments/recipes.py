@@ -48,6 +48,13 @@ RECIPES = {
                               seq=4096, remat="minimal"),
     "llama2_70b_v5p_128": dict(model="llama2-70b", topology="v5p:4x4x4", per_device_batch=2,
                                seq=4096, remat="save_dot_except_mlpwi"),
+    # the 70B structure at 1 / 8 of its width and 4 layers on 4 chips: the memory model's gaps
+    # at the scale of minutes (its remat policy varied by hand: full, minimal, ...)
+    "mid_v5p_8": dict(model=dataclasses.replace(MODELS["llama2-70b"], emb=1024, heads=8,
+                                                 kv_heads=2, head_dim=128, mlp=2816, layers=4,
+                                                 vocab=8192),
+                      topology="v5p:2x2x1", per_device_batch=4, seq=1024,
+                      remat="save_dot_except_mlpwi"),
     # the same structure shrunk, for the smoke config and the tests
     "tiny_v5p_8": dict(model=dataclasses.replace(MODELS["llama2-70b"], emb=256, heads=4,
                                                   kv_heads=2, head_dim=64, mlp=512, layers=2,
