@@ -135,6 +135,12 @@ def _layer_optimal(plan, model: str, layers: int, mesh, cal) -> float | None:
                          model)  # fmt: skip
 
 
+def extrapolated(times: list[float], layers: int) -> float:
+    """A step's kernel seconds at depth ``layers`` from its seconds at 1 and 2 layers: every
+    layer costs the same, ``t1 + (layers - 1) (t2 - t1)``."""
+    return times[0] + (layers - 1) * (times[1] - times[0])
+
+
 def layer_optimal(plan, build_at, layers: int, mesh, cal, name: str = "") -> float | None:
     """The kernels' seconds of ``plan`` at depth ``layers``, from its schedule carried onto the
     same model at 1 and 2 layers (``build_at(depth)``: ``(step, args)``, unrolled) and compiled:
@@ -167,7 +173,7 @@ def layer_optimal(plan, build_at, layers: int, mesh, cal, name: str = "") -> flo
             logging.warning("%s at %d layers: %s", name, depth, str(e)[:200])
             return None
         times.append(compiled_time(compiled, cal).optimal_seconds)
-    return times[0] + (layers - 1) * (times[1] - times[0])
+    return extrapolated(times, layers)
 
 
 def measure(

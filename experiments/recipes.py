@@ -38,7 +38,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments.maxtext_model import MODELS, maxtext_step
-from experiments.pod_plans import layer_optimal
+from experiments.pod_plans import extrapolated, layer_optimal
 
 STRATEGIES = ("recipe", "recipe_planned", "searched")
 
@@ -98,7 +98,7 @@ PARAMETER_AXES = {
     "logits": ("embed", "vocab"),
 }
 """Each parameter's logical axes, as MaxText's layers name them (by the parameter's key)."""
-MESH_AXES = ("data", "fsdp", "tensor")
+
 
 def logical_spec(axes: tuple, mesh):
     """The ``PartitionSpec`` of an array with logical ``axes`` under :data:`RULES` on ``mesh``:
@@ -169,15 +169,16 @@ def topology_axes(recipe: dict) -> dict[str, int]:
     return {"data": 1, "fsdp": mesh_size(recipe), "tensor": 1}
 
 
-def _compile_recipe(recipe: dict, mesh, cal, layers: int | None = None, unroll=1):
+def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
     import jax
 
     from planner.compiled import compile_and_report
 
     step, args = recipe_step(recipe, mesh, layers, unroll)
     shardings = recipe_shardings(args, mesh)
-    out = (shardings[0], shardings[1], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    jitted = jax.jit(step, in_shardings=shardings, out_shardings=out, donate_argnums=(0, 1))
+    loss = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    jitted = jax.jit(step, in_shardings=shardings, out_shardings=(*shardings[:2], loss),
+                     donate_argnums=(0, 1))  # fmt: skip
     return compile_and_report(jitted.lower(*args))
 
 
@@ -211,18 +212,18 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     cal = default_calibration(mesh)
     model = recipe["model"]
     layers = (MODELS[model] if isinstance(model, str) else model).layers
-    base = {"recipe": name, "model": model if isinstance(model, str) else "tiny",
+    base = {"recipe": name, "model": model if isinstance(model, str) else name,
             "topology": recipe["topology"], "devices": mesh.size, "seq": recipe["seq"],
             "per_device_batch": recipe["per_device_batch"], "remat": recipe["remat"]}  # fmt: skip
     rows = []
     if "recipe" in todo:
         start = time.perf_counter()
-        compiled, report = _compile_recipe(recipe, mesh, cal)
+        compiled, report = _compile_recipe(recipe, mesh)
         optimal = None
         if config.layer_estimate and compiled is not None:
-            t = [compiled_time(_compile_recipe(recipe, mesh, cal, d, True)[0], cal).optimal_seconds
-                 for d in (1, 2)]  # fmt: skip
-            optimal = t[0] + (layers - 1) * (t[1] - t[0])
+            times = [compiled_time(_compile_recipe(recipe, mesh, d, True)[0], cal).optimal_seconds
+                     for d in (1, 2)]  # fmt: skip
+            optimal = extrapolated(times, layers)
         rows.append({**base, "strategy": "recipe", "search_s": 0.0,
                      "compile_s": time.perf_counter() - start,
                      **_row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip

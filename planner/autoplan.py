@@ -20,13 +20,12 @@ import json
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from planner import persistence
 from planner.calls import ArgumentMismatch, Signature
 from planner.compiled import plan_compiled_report
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.explanation import explain_rows, render
 from planner.lowering.spmd import Lowered, lower
-from planner.persistence import mesh_differences
+from planner.persistence import mesh_differences, save
 from planner.program.ir import Program
 from planner.program.schedule import Schedule, Spec
 from planner.summary import summarize
@@ -262,7 +261,7 @@ class AutoPlan:
     def save(self, path: str) -> None:
         """Write the plan to ``path`` as JSON; :func:`planner.load` restores it without searching
         (see :mod:`planner.persistence` for the format)."""
-        persistence.save(self, path)
+        save(self, path)
 
     def bind(self, mesh) -> AutoPlan:
         """This plan on ``mesh``, a ``jax.sharding.Mesh`` with the axis names and sizes of the

@@ -87,6 +87,7 @@ class Lowered:
             raise ValueError(f"moves must be one of {MOVES}, got {moves!r}")
         self.prog, self.sched, self.backend = prog, sched, backend
         self.mesh = mesh = factored_mesh(mesh)
+        self.explicit = AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
         self.sizes = dict(mesh.shape)
         check_stages(prog, sched)
         self.steps = dataflow(prog, sched)
@@ -148,13 +149,13 @@ class Lowered:
         if len(flat) != len(self.prog.inputs):
             raise ValueError(f"expected {len(self.prog.inputs)} arrays, got {len(flat)}")
         out = []
-        explicit = AxisType.Explicit in tuple(getattr(self.mesh, "axis_types", ()))
         for x, s in zip(flat, self.in_shardings):
+            # an array laid out otherwise on Explicit axes: its type would not be in_specs'
+            retyped = (self.explicit and isinstance(x, jax.Array)
+                       and not x.sharding.is_equivalent_to(s, x.ndim))  # fmt: skip
             if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
                 x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            elif not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
-                explicit and isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(s, x.ndim)
-            ):  # an array laid out otherwise on Explicit axes: its type would not be in_specs'
+            elif retyped or not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
                 x = jax.device_put(x, s)
             out.append(x)
         return out
