@@ -37,6 +37,10 @@ class Model:
     mlp: int
     layers: int
     vocab: int
+    experts: int = 0  # > 0: a mixture of experts in place of the MLP (MaxText's RoutedMoE)
+    top_k: int = 2  # experts per token
+    capacity_factor: float = 1.25  # tokens an expert takes, over an even share (dropped beyond)
+    rope_theta: float = 10_000.0
 
 
 MODELS = {
@@ -45,7 +49,9 @@ MODELS = {
     "llama2-70b": Model(emb=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672, layers=80,
                         vocab=32000),
     "llama3.1-8b": Model(emb=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
-                         vocab=128256),
+                         vocab=128256, rope_theta=500_000.0),
+    "mixtral-8x7b": Model(emb=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336, layers=32,
+                          vocab=32000, experts=8, top_k=2, rope_theta=1_000_000.0),
 }  # fmt: skip
 
 SAVED_NAMES = {
@@ -57,6 +63,10 @@ SAVED_NAMES = {
 }  # fmt: skip
 """MaxText's remat policies that save named values (``layers/decoders.py``)."""
 REMAT_POLICIES = ("none", "full", "minimal", *SAVED_NAMES)
+ATTENTION = ("dense", "blockwise")
+"""``dense``: the scores of every query and key materialized (MaxText's ``attention: dot_product``);
+``blockwise``: flash-style, over blocks of keys (:func:`blockwise_attention`; MaxText's default on
+TPU, ``autoselected`` -> its ``flash`` kernel)."""
 
 
 def remat_policy(name: str):
@@ -78,6 +88,48 @@ def remat_policy(name: str):
     raise ValueError(f"remat_policy={name!r}: choose one of {REMAT_POLICIES}")
 
 
+def blockwise_attention(q, k, v, block: int):
+    """Causal grouped-query attention over blocks of ``block`` keys, flash-style: a ``lax.scan``
+    over key blocks keeps each query's running maximum, softmax denominator and weighted sum in
+    float32 (the online softmax), and its body is rematerialized (``jax.checkpoint``), so neither
+    pass holds more than one block's scores. ``q``: ``(batch, seq, kv_heads, group, head_dim)``,
+    already scaled; ``k``, ``v``: ``(batch, seq, kv_heads, head_dim)``; returns ``q``'s shape in
+    ``v``'s dtype.
+
+    Example:
+        >>> out = blockwise_attention(q, k, v, block=512)            # doctest: +SKIP
+    """
+    import jax
+    import jax.numpy as jnp
+
+    b, s, kvh, g, d = q.shape
+    if s % block:
+        raise ValueError(f"a sequence of {s} does not split into key blocks of {block}")
+    nb = s // block
+    blocks = [x.reshape(b, nb, block, kvh, d).swapaxes(0, 1) for x in (k, v)]
+    rows = jnp.arange(s)
+
+    @jax.checkpoint
+    def step(carry, inputs):
+        top, total, acc = carry
+        kj, vj, j = inputs
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, kj).astype(jnp.float32)
+        cols = j * block + jnp.arange(block)
+        scores = jnp.where(rows[:, None] >= cols[None, :], scores, -1e30)
+        new_top = jnp.maximum(top, scores.max(-1))
+        probs = jnp.exp(scores - new_top[..., None])
+        scale = jnp.exp(top - new_top)
+        total = total * scale + probs.sum(-1)
+        part = jnp.einsum("bkgqs,bskd->bkgqd", probs.astype(v.dtype), vj)
+        acc = acc * scale[..., None] + part.astype(jnp.float32)
+        return (new_top, total, acc), None
+
+    init = (jnp.full((b, kvh, g, s), -1e30, jnp.float32), jnp.zeros((b, kvh, g, s), jnp.float32),
+            jnp.zeros((b, kvh, g, s, d), jnp.float32))  # fmt: skip
+    (_, total, acc), _ = jax.lax.scan(step, init, (*blocks, jnp.arange(nb)))
+    return (acc / total[..., None]).transpose(0, 3, 1, 2, 4).astype(v.dtype)
+
+
 def _unconstrained(x, logical_axes):
     return x
 
@@ -94,11 +146,14 @@ def maxtext_step(
     shapes_only: bool = False,
     seed: int = 0,
     unroll: int | bool = 1,
+    attention: str = "dense",
+    block: int = 512,
 ) -> tuple[Callable, tuple]:
     """MaxText's training step of ``model`` (a name of :data:`MODELS` or a :class:`Model`) on a
     global batch of ``batch`` sequences of ``seq`` tokens: ``(step, (params, opt_state, tokens,
     targets))``, ``step`` returning ``(params, opt_state, loss)``. ``remat``: a MaxText
-    ``remat_policy`` (:data:`REMAT_POLICIES`). ``shapes_only``: the arguments as
+    ``remat_policy`` (:data:`REMAT_POLICIES`); ``attention``: :data:`ATTENTION` (``blockwise``
+    over key blocks of ``min(block, seq)``). ``shapes_only``: the arguments as
     ``jax.ShapeDtypeStruct``s (nothing allocated)."""
     import jax
     import jax.numpy as jnp
@@ -109,6 +164,8 @@ def maxtext_step(
     m = MODELS[model] if isinstance(model, str) else model
     if m.heads % m.kv_heads:
         raise ValueError(f"{m.heads} query heads do not share {m.kv_heads} key / value heads")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: choose one of {ATTENTION}")
     wdt, adt = jnp.dtype(weight_dtype), jnp.dtype(dtype)
     group = m.heads // m.kv_heads
 
@@ -119,7 +176,7 @@ def maxtext_step(
 
     def rope(x):  # (batch, seq, heads, head_dim)
         half = m.head_dim // 2
-        inv = 1.0 / 10000 ** (jnp.arange(half, dtype=jnp.float32) / half)
+        inv = 1.0 / m.rope_theta ** (jnp.arange(half, dtype=jnp.float32) / half)
         angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv[None, :]
         cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
         x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -138,19 +195,48 @@ def maxtext_step(
         q = rope(q) * jnp.asarray(m.head_dim**-0.5, adt)
         k = rope(k)
         q = q.reshape(b, s, m.kv_heads, group, m.head_dim)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
-        causal = jnp.tril(jnp.ones((s, s), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(adt)
-        ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, m.heads, m.head_dim)
+        if attention == "blockwise":
+            ctx = blockwise_attention(q, k, v, min(block, s)).reshape(b, s, m.heads, m.head_dim)
+        else:
+            scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32)
+            causal = jnp.tril(jnp.ones((s, s), bool))
+            probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1).astype(adt)
+            ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, m.heads, m.head_dim)
         ctx = checkpoint_name(constrain(ctx, ("activation_batch", "activation_length",
                                               "activation_heads", "activation_kv")), "context")  # fmt: skip
         h = h + dense(ctx, w["out"], "bshd,hde->bse", "out_proj")
         x = rms_norm(h, w["mlp_norm"])
+        if m.experts:
+            return h + routed_experts(x, w), None
         gate = dense(x, w["wi_0"], "bse,em->bsm", "mlpwi_0")
         up = dense(x, w["wi_1"], "bse,em->bsm", "mlpwi_1")
         hidden = constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length",
                                                     "activation_mlp"))  # fmt: skip
         return h + dense(hidden, w["wo"], "bsm,me->bse", "mlpwo"), None
+
+    def routed_experts(x, w):
+        """MaxText's RoutedMoE with dropping (``megablox: False``): each token's ``top_k``
+        experts by the gate's logits, weighted by the softmax of those logits; each expert takes
+        at most ``capacity`` tokens of a sequence (in order, the rest dropped); tokens dispatched
+        to ``(experts, batch, capacity)`` slots and combined back with one-hot einsums."""
+        b, s, _ = x.shape
+        logits = jnp.einsum("bse,ex->bsx", x, w["gate"].astype(adt)).astype(jnp.float32)
+        top, chosen = jax.lax.top_k(logits, m.top_k)  # (b, s, k)
+        weights = jax.nn.softmax(top, axis=-1)
+        capacity = int(s * m.top_k / m.experts * m.capacity_factor)
+        mask = jax.nn.one_hot(chosen, m.experts, dtype=jnp.int32)  # (b, s, k, x)
+        position = jnp.cumsum(mask.reshape(b, s * m.top_k, m.experts), axis=1)
+        position = position.reshape(mask.shape) * mask  # 1-based place in the expert's queue
+        kept = mask * (position <= capacity)
+        slot = jnp.sum(position * kept, axis=2)  # (b, s, x): 0 where not routed or dropped
+        weight = jnp.sum(weights[..., None] * kept, axis=2)  # (b, s, x)
+        dispatch = jax.nn.one_hot(slot, capacity + 1, dtype=adt)[..., 1:]  # (b, s, x, c)
+        combine = dispatch * weight[..., None].astype(adt)
+        tokens = checkpoint_name(jnp.einsum("bse,bsxc->xbce", x, dispatch), "dispatch")
+        gate = jnp.einsum("xbce,xem->xbcm", tokens, w["moe_wi_0"].astype(adt))
+        up = jnp.einsum("xbce,xem->xbcm", tokens, w["moe_wi_1"].astype(adt))
+        out = jnp.einsum("xbcm,xme->xbce", jax.nn.silu(gate) * up, w["moe_wo"].astype(adt))
+        return jnp.einsum("xbce,bsxc->bse", out, combine)
 
     body = layer if remat == "none" else jax.checkpoint(layer, policy=remat_policy(remat),
                                                          prevent_cse=False)  # fmt: skip
@@ -175,6 +261,12 @@ def maxtext_step(
         return optax.apply_updates(params, updates), opt_state, loss
 
     L, e, d = m.layers, m.emb, m.head_dim
+    if m.experts:
+        x = m.experts
+        mlp = {"gate": (L, e, x), "moe_wi_0": (L, x, e, m.mlp), "moe_wi_1": (L, x, e, m.mlp),
+               "moe_wo": (L, x, m.mlp, e)}  # fmt: skip
+    else:
+        mlp = {"wi_0": (L, e, m.mlp), "wi_1": (L, e, m.mlp), "wo": (L, m.mlp, e)}
     shapes = {
         "embedding": (m.vocab, e),
         "layers": {
@@ -184,9 +276,7 @@ def maxtext_step(
             "value": (L, e, m.kv_heads, d),
             "out": (L, m.heads, d, e),
             "mlp_norm": (L, e),
-            "wi_0": (L, e, m.mlp),
-            "wi_1": (L, e, m.mlp),
-            "wo": (L, m.mlp, e),
+            **mlp,
         },
         "final_norm": (e,),
         "logits": (e, m.vocab),

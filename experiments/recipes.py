@@ -48,6 +48,15 @@ RECIPES = {
                               seq=4096, remat="minimal"),
     "llama2_70b_v5p_128": dict(model="llama2-70b", topology="v5p:4x4x4", per_device_batch=2,
                                seq=4096, remat="save_dot_except_mlpwi"),
+    # src/maxtext/configs/tpu/v5p/llama2_70b.sh: v5p-512 = 256 chips, a 4M-token global batch
+    "llama2_70b_v5p_512": dict(model="llama2-70b", topology="v5p:8x8x4", per_device_batch=4,
+                               seq=4096, remat="save_dot_except_mlpwi"),
+    # Mixtral 8x7B as the v6e recipe mixtral_8x7b_dropped runs it (top-2 of 8 experts, capacity
+    # factor 1.25, per-device batch 12, sequence 4096, flash attention, pure FSDP), with the
+    # remat policy "full" of its dropless and int8 variants (the dropped one offloads to the
+    # host), on the v5p-128 the Llama 2 recipes use
+    "mixtral_8x7b_v5p_128": dict(model="mixtral-8x7b", topology="v5p:4x4x4",
+                                 per_device_batch=12, seq=4096, remat="full"),
     # the 70B structure at 1 / 8 of its width and 4 layers on 4 chips: the memory model's gaps
     # at the scale of minutes (its remat policy varied by hand: full, minimal, ...)
     "mid_v5p_8": dict(model=dataclasses.replace(MODELS["llama2-70b"], emb=1024, heads=8,
@@ -65,7 +74,9 @@ RECIPES = {
 
 RULES = {
     # MaxText base.yml logical_axis_rules (the mesh axes these recipes use; 'norm' -> 'fsdp' is
-    # the llama2 model files' override), first match wins, an axis used once per array
+    # the llama2 model files' override, kept for Mixtral too: its norm scales are under a MB),
+    # first match wins, an axis used once per array; 'exp' and 'embed_no_exp' lay out the
+    # experts' weights (MaxText's RoutedMoE kernel axes)
     "activation_batch": ("data", "fsdp"),
     "activation_length": (),
     "activation_embed": ("tensor",),
@@ -82,6 +93,9 @@ RULES = {
     "mlp": ("tensor",),
     "norm": ("fsdp",),
     "layers": (),
+    "exp": ("expert",),
+    "embed_no_exp": ("fsdp",),
+    "unmodeled": (),
 }
 PARAMETER_AXES = {
     "embedding": ("vocab", "embed"),
@@ -94,6 +108,10 @@ PARAMETER_AXES = {
     "wi_0": ("layers", "embed", "mlp"),
     "wi_1": ("layers", "embed", "mlp"),
     "wo": ("layers", "mlp", "embed"),
+    "gate": ("layers", "embed", "unmodeled"),
+    "moe_wi_0": ("layers", "exp", "embed_no_exp", "mlp"),
+    "moe_wi_1": ("layers", "exp", "embed_no_exp", "mlp"),
+    "moe_wo": ("layers", "exp", "mlp", "embed_no_exp"),
     "final_norm": ("norm",),
     "logits": ("embed", "vocab"),
 }
@@ -156,7 +174,8 @@ def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | boo
 
     kwargs = {} if mesh is None else {"constrain": constrain}
     return maxtext_step(model, batch, recipe["seq"], remat=recipe["remat"], shapes_only=True,
-                        unroll=unroll, **kwargs)  # fmt: skip
+                        unroll=unroll, attention=recipe.get("attention", "blockwise"),
+                        **kwargs)  # fmt: skip
 
 
 def mesh_size(recipe: dict) -> int:
@@ -214,7 +233,8 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     layers = (MODELS[model] if isinstance(model, str) else model).layers
     base = {"recipe": name, "model": model if isinstance(model, str) else name,
             "topology": recipe["topology"], "devices": mesh.size, "seq": recipe["seq"],
-            "per_device_batch": recipe["per_device_batch"], "remat": recipe["remat"]}  # fmt: skip
+            "per_device_batch": recipe["per_device_batch"], "remat": recipe["remat"],
+            "attention": recipe.get("attention", "blockwise")}  # fmt: skip
     rows = []
     if "recipe" in todo:
         start = time.perf_counter()

@@ -173,8 +173,8 @@ class AutoPlan:
         """The user's function as a ``jax.jit`` with this plan's shardings, run by XLA's SPMD
         partitioner: ``in_shardings`` / ``out_shardings`` at the boundary and a sharding constraint
         on every value whose layout the plan fixes, inside scans, loops, conds and custom rules
-        too (on meshes with Explicit axes, whose values carry their sharding in their type, the
-        boundary shardings only). ``moves`` says who makes the plan's changes of layout:
+        too (on meshes with Explicit axes the program runs with them Auto inside,
+        ``jax.sharding.auto_axes``, its results typed as the plan lays them out). ``moves`` says who makes the plan's changes of layout:
         ``"auto"``: ``redist`` where XLA would rematerialise (replicate, then slice) or ``redist``
         is predicted faster, XLA elsewhere (:meth:`move_choices` lists them); ``"xla"``: XLA;
         ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``,
@@ -194,12 +194,19 @@ class AutoPlan:
             jit_kwargs.setdefault("donate_argnums", self.donate_argnums)
         in_shardings, out_shardings = jax.tree.leaves(self.in_shardings), self.out_shardings
         body = self._xla_lowered(moves).body
+        if self._explicit:
+            # Values on Explicit axes carry their sharding in their type and each op's result
+            # takes the one its typing rule gives (an FSDP step's activations whole): the plan
+            # runs with the axes Auto inside, its constraints held, its results typed as planned.
+            body = jax.sharding.auto_axes(body, out_sharding=tuple(jax.tree.leaves(out_shardings)))
         return self._signature.jit(body, in_shardings, out_shardings, self.out_tree, **jit_kwargs)
 
+    @property
+    def _explicit(self) -> bool:
+        return any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
+
     def _xla_lowered(self, moves: str) -> Lowered:
-        explicit = any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
-        backend = "xla-inputs" if explicit else "xla"
-        return Lowered(self.program, self.schedule, self.mesh, backend, moves, self.calibration)
+        return Lowered(self.program, self.schedule, self.mesh, "xla", moves, self.calibration)
 
     def move_choices(self, moves: str = "auto") -> list:
         """For every change of layout the plan makes, how XLA and ``redist`` would make it and

@@ -86,8 +86,11 @@ class Lowered:
         if moves not in MOVES:
             raise ValueError(f"moves must be one of {MOVES}, got {moves!r}")
         self.prog, self.sched, self.backend = prog, sched, backend
-        self.mesh = mesh = factored_mesh(mesh)
         self.explicit = AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
+        # XLA's partitioner keeps each value where its constraint says only on Auto axes: on
+        # Explicit ones every op's result takes the layout its typing rule gives, and a
+        # constraint then moves it (an FSDP step's activations held whole, then sliced).
+        self.mesh = mesh = factored_mesh(mesh, auto=backend == "xla")
         self.sizes = dict(mesh.shape)
         check_stages(prog, sched)
         self.steps = dataflow(prog, sched)
@@ -510,10 +513,12 @@ class Lowered:
         return json.dumps(self.explain_json(), indent=2)
 
 
-def factored_mesh(mesh):
-    """The same devices with every mesh axis split into its prime factors (``a:4 -> a#0, a#1``)."""
+def factored_mesh(mesh, auto: bool = False):
+    """The same devices with every mesh axis split into its prime factors (``a:4 -> a#0, a#1``),
+    its axes Auto; the mesh itself where its axes are prime (and Auto, given ``auto``)."""
     shape = redist.MeshShape.of(dict(mesh.shape))
-    if shape.factor_names == tuple(mesh.axis_names):
+    types = tuple(getattr(mesh, "axis_types", ()))
+    if shape.factor_names == tuple(mesh.axis_names) and not (auto and AxisType.Explicit in types):
         return mesh
     sizes = [f.size for f in shape.factors]
     return Mesh(mesh.devices.reshape(sizes), shape.factor_names,

@@ -236,8 +236,6 @@ def data_and_model(prog: Program, data_axes: Sequence[str], model_axes: Sequence
     return out
 
 
-
-
 # ----------------------------------------------------------------- expert strategies, MaxText-style
 
 
