@@ -3,7 +3,9 @@
 What MaxText's ``base.yml`` and model files say, as a step a user could write: weights stored in
 ``weight_dtype`` (float32) and cast to ``dtype`` (bfloat16) where each layer uses them; RMSNorm
 computed in float32; rotary embeddings; grouped-query attention (``kv_heads`` key / value heads
-shared by ``heads // kv_heads`` query heads each); a SwiGLU MLP; the decoder layers stacked and
+shared by ``heads // kv_heads`` query heads each), dense or blockwise over key blocks as
+MaxText's TPU ``flash`` kernel is (:func:`blockwise_attention`); a SwiGLU MLP, or for a mixture
+of experts (Mixtral) MaxText's dropping ``RoutedMoE``; the decoder layers stacked and
 run with ``jax.lax.scan`` under ``jax.checkpoint`` with a named remat policy (the projections
 tagged with ``checkpoint_name`` as MaxText tags them: ``query_proj``, ``key_proj``,
 ``value_proj``, ``context``, ``out_proj``, ``mlpwi_0``, ``mlpwi_1``, ``mlpwo``); logits cast to
@@ -62,7 +64,12 @@ SAVED_NAMES = {
     "save_out_proj": ("out_proj",),
 }  # fmt: skip
 """MaxText's remat policies that save named values (``layers/decoders.py``)."""
-REMAT_POLICIES = ("none", "full", "minimal", *SAVED_NAMES)
+OFFLOADED_NAMES = {
+    "offload_qkvo": ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj"),
+}
+"""``remat_policy: custom`` as MaxText's v6e Llama 3.1 8B and Mixtral (dropped) recipes set it:
+these values offloaded to the host (``pinned_host``) for the backward pass, the rest recomputed."""
+REMAT_POLICIES = ("none", "full", "minimal", *SAVED_NAMES, *OFFLOADED_NAMES)
 ATTENTION = ("dense", "blockwise")
 """``dense``: the scores of every query and key materialized (MaxText's ``attention: dot_product``);
 ``blockwise``: flash-style, over blocks of keys (:func:`blockwise_attention`; MaxText's default on
@@ -81,6 +88,10 @@ def remat_policy(name: str):
     policies = jax.checkpoint_policies
     if name in SAVED_NAMES:
         return policies.save_only_these_names(*SAVED_NAMES[name])
+    if name in OFFLOADED_NAMES:
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED_NAMES[name]),
+            offload_src="device", offload_dst="pinned_host")  # fmt: skip
     if name == "minimal":
         return policies.checkpoint_dots_with_no_batch_dims
     if name == "full":
@@ -188,6 +199,8 @@ def maxtext_step(
     def layer(h, w):
         b, s, _ = h.shape
         h = constrain(h, ("activation_batch", "activation_length", "activation_embed"))
+        if remat in OFFLOADED_NAMES:  # MaxText names it; only these policies read the name
+            h = checkpoint_name(h, "decoder_layer_input")
         x = rms_norm(h, w["attention_norm"])
         q = dense(x, w["query"], "bse,ehd->bshd", "query_proj")
         k = dense(x, w["key"], "bse,ehd->bshd", "key_proj")

@@ -185,3 +185,12 @@ def test_plans_on_explicit_axes_keep_their_layouts_inside():
         p = planner.expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))["fsdp"]
         temp[kind] = p.jit().lower(*input_structs(p)).compile().memory_analysis().temp_size_in_bytes
     assert temp[AxisType.Explicit] <= 1.05 * temp[AxisType.Auto], temp
+
+
+def test_a_policy_that_offloads_to_the_host_is_planned_exactly(mesh):
+    """MaxText's ``remat_policy: custom`` with the layer input and projections offloaded to
+    ``pinned_host`` (its v6e Llama 3.1 8B recipe): the transfers are part of the planned step."""
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat="offload_qkvo", dtype="float32")
+    assert "device_put" in {o.primitive for o in planner.analyze(step, *args).ops}
+    want = jax.jit(maxtext_step(TINY, batch=8, seq=16, remat="full", dtype="float32")[0])(*args)
+    assert_same_step(planner.plan(step, *args, mesh=mesh)(*args), want, "float32")
