@@ -174,8 +174,13 @@ def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | boo
 
     kwargs = {} if mesh is None else {"constrain": constrain}
     return maxtext_step(model, batch, recipe["seq"], remat=recipe["remat"], shapes_only=True,
-                        unroll=unroll, attention=recipe.get("attention", "blockwise"),
+                        unroll=unroll, attention=attention_of(recipe),
                         **kwargs)  # fmt: skip
+
+
+def attention_of(recipe: dict) -> str:
+    """The recipe's attention: ``blockwise`` unless it says (MaxText's TPU default is flash)."""
+    return recipe.get("attention", "blockwise")
 
 
 def mesh_size(recipe: dict) -> int:
@@ -234,7 +239,7 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     base = {"recipe": name, "model": model if isinstance(model, str) else name,
             "topology": recipe["topology"], "devices": mesh.size, "seq": recipe["seq"],
             "per_device_batch": recipe["per_device_batch"], "remat": recipe["remat"],
-            "attention": recipe.get("attention", "blockwise")}  # fmt: skip
+            "attention": attention_of(recipe)}  # fmt: skip
     rows = []
     if "recipe" in todo:
         start = time.perf_counter()

@@ -174,8 +174,8 @@ class AutoPlan:
         partitioner: ``in_shardings`` / ``out_shardings`` at the boundary and a sharding constraint
         on every value whose layout the plan fixes, inside scans, loops, conds and custom rules
         too (on meshes with Explicit axes the program runs with them Auto inside,
-        ``jax.sharding.auto_axes``, its results typed as the plan lays them out). ``moves`` says who makes the plan's changes of layout:
-        ``"auto"``: ``redist`` where XLA would rematerialise (replicate, then slice) or ``redist``
+        ``jax.sharding.auto_axes``, its results typed as the plan lays them out). ``moves`` says
+        who makes the plan's changes of layout: ``"auto"``: ``redist`` where XLA would rematerialise (replicate, then slice) or ``redist``
         is predicted faster, XLA elsewhere (:meth:`move_choices` lists them); ``"xla"``: XLA;
         ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``,
         ``donate_argnames``). It takes the arguments the plan was made for: static ones (those
@@ -193,17 +193,14 @@ class AutoPlan:
         if self.donate_argnums:
             jit_kwargs.setdefault("donate_argnums", self.donate_argnums)
         in_shardings, out_shardings = jax.tree.leaves(self.in_shardings), self.out_shardings
-        body = self._xla_lowered(moves).body
-        if self._explicit:
+        lowered = self._xla_lowered(moves)
+        body = lowered.body
+        if lowered.explicit:
             # Values on Explicit axes carry their sharding in their type and each op's result
             # takes the one its typing rule gives (an FSDP step's activations whole): the plan
             # runs with the axes Auto inside, its constraints held, its results typed as planned.
             body = jax.sharding.auto_axes(body, out_sharding=tuple(jax.tree.leaves(out_shardings)))
         return self._signature.jit(body, in_shardings, out_shardings, self.out_tree, **jit_kwargs)
-
-    @property
-    def _explicit(self) -> bool:
-        return any(str(t).endswith("Explicit") for t in getattr(self.mesh, "axis_types", ()))
 
     def _xla_lowered(self, moves: str) -> Lowered:
         return Lowered(self.program, self.schedule, self.mesh, "xla", moves, self.calibration)
