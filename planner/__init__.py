@@ -7,7 +7,8 @@ one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (cal
 (:func:`search`) and run it, within a memory limit (:mod:`planner.cost.memory`).
 :func:`topology_mesh` / :func:`compiled_report` compile a plan or any jitted program for a TPU
 topology on any host and read the compiler's verdict; ``plan.save(path)`` and :func:`load` keep a
-plan in a file and restore it without searching. :func:`expert_plans` gives the hand strategies
+plan in a file and restore it without searching. :func:`remat_policy` is a ``jax.checkpoint``
+policy the planner chooses (what each layer saves for the backward pass). :func:`expert_plans` gives the hand strategies
 (data parallelism, FSDP, FSDP + tensor parallelism) as plans of the same kind, to compare with.
 
 The stages, each a package importing only those before it:
@@ -30,6 +31,7 @@ from planner.compiled import CompiledReport, compiled_report, topology_mesh
 from planner.cost import MEMORY_RESERVE, MemoryLimitError, Prediction, simulate
 from planner.lowering import Lowered, lower
 from planner.program import Access, Loop, Op, Program, Schedule, Value, analyze, make_schedule
+from planner.program.remat import RematChoice, remat_policy
 from planner.solver import search
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "lower",
     "make_schedule",
     "Prediction",
+    "RematChoice",
+    "remat_policy",
     "simulate",
     "AutoPlan",
     "auto_shard",

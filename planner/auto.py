@@ -38,6 +38,7 @@ from planner.persistence import (
 )
 from planner.program.analysis import analyze
 from planner.program.ir import Program
+from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
 from planner.program.schedule import make_schedule
 from planner.solver.schedule_search import search_within
 from planner.solver.staged import search_staged
@@ -90,13 +91,54 @@ def plan(
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or default_calibration(mesh)
     start = time.perf_counter()
-    sched, pred = _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis,
-                          microbatches)  # fmt: skip
+
+    def search_for(prog):
+        return _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches)
+
+    choices, remat = choices_in(prog.jaxpr), None
+    if choices:
+
+        def traced_as(name):
+            with choosing(name):
+                return donating(analyze(traced, *values), positional, donate_argnums)
+
+        prog, sched, pred, remat = _choose_remat(candidate_names(choices), traced_as, search_for)
+    else:
+        sched, pred = search_for(prog)
     elapsed = time.perf_counter() - start
     replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
-                    calibration, sig, _argnums(donate_argnums, len(args)))  # fmt: skip
+                    calibration, sig, _argnums(donate_argnums, len(args)), remat)  # fmt: skip
+
+
+def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable):
+    """``(program, schedule, prediction, RematDecision)`` of the fastest plan that fits among the
+    program traced with each remat candidate (:mod:`planner.program.remat`); where none fits, the
+    error of the one whose smallest peak is lowest."""
+    best, costs, errors = None, {}, []
+    for name in names:
+        prog = traced_as(name)
+        try:
+            sched, pred = search_for(prog)
+        except MemoryLimitError as e:
+            costs[name] = None
+            errors.append(e)
+            continue
+        costs[name] = (pred.time_s, pred.peak_bytes)
+        if best is None or _faster(pred, best[2]):
+            best = (prog, sched, pred, name)
+    if best is None:
+        raise min(errors, key=lambda e: math.inf if e.peak is None else e.peak.bytes)
+    prog, sched, pred, name = best
+    return prog, sched, pred, RematDecision(name, costs)
+
+
+def _faster(a, b, tie: float = 1e-9) -> bool:
+    """``a`` predicted faster than ``b``; as fast (within ``tie``, relative): with a lower peak."""
+    if abs(a.time_s - b.time_s) <= tie * max(a.time_s, b.time_s):
+        return a.peak_bytes < b.peak_bytes
+    return a.time_s < b.time_s
 
 
 def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches):
@@ -184,7 +226,14 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
     if problems:
         raise ValueError(f"{path} was made for the mesh {saved_shape}: " + "; ".join(problems))
     traced, values = sig.traced(fn, args, kwargs)
-    prog = analyze(traced, *values)
+    remat = doc.get("remat")
+    if remat is None:
+        prog = analyze(traced, *values)
+    else:
+        with choosing(remat["chosen"]):
+            prog = analyze(traced, *values)
+        remat = RematDecision(remat["chosen"], {n: None if v is None else tuple(v)
+                                                for n, v in remat["candidates"].items()})  # fmt: skip
     if fingerprint(prog) != doc["program"]["fingerprint"]:
         raise ValueError(
             f"{path} was made for another program: this one " + program_differences(doc, prog)
@@ -206,4 +255,4 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
         )
     replicated = simulate(prog, make_schedule(prog, {}, shape.sizes, default="replicate"), cal)
     return AutoPlan(prog, sched, pred, mesh, doc["search_s"], sig.in_tree, out_tree, replicated,
-                    cal, sig)  # fmt: skip
+                    cal, sig, remat=remat)  # fmt: skip

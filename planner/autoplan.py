@@ -27,6 +27,7 @@ from planner.layout.explanation import explain_rows, render
 from planner.lowering.spmd import Lowered, lower
 from planner.persistence import mesh_differences, save
 from planner.program.ir import Program
+from planner.program.remat import RematDecision
 from planner.program.schedule import Schedule, Spec
 from planner.summary import summarize
 from redist.calibration import Calibration
@@ -89,6 +90,7 @@ class AutoPlan:
     calibration: Calibration | None = None  # what the plan was priced on
     signature: Signature | None = None  # the arguments it was made for (planner.calls)
     donate_argnums: tuple[int, ...] = ()  # what jit() donates unless told otherwise
+    remat: RematDecision | None = None  # what checkpointed layers save, where the planner chose
 
     @functools.cached_property
     def _signature(self) -> Signature:
@@ -236,6 +238,8 @@ class AutoPlan:
                 + (" (replication is best: nothing pays for its communication)"
                    if not any(self.schedule.assign.values()) else "")
             )  # fmt: skip
+        if self.remat is not None:
+            lines.append(self.remat.describe())
         if self.spec_mesh != self.mesh_shape:
             lines.append(
                 f"the plan splits by parts of mesh axes: its specs are over {self.spec_mesh}, the "

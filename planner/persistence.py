@@ -4,8 +4,9 @@ A saved plan is plain JSON (``"format": "redist.planner.plan"``, ``"version": 1`
 (every op's loop -> mesh factor assignment, the inputs' layouts at rest), a fingerprint of the
 program (a hash of its jaxpr's text without source information, the same in every process and on
 every host), the arguments (pytree structure, shapes and dtypes, static values), the structure of
-the outputs, the mesh's axis names and sizes, the calibration (its shipped name and its figures)
-and the prediction. :func:`planner.load` traces the function again but does not search: it refuses,
+the outputs, the mesh's axis names and sizes, the calibration (its shipped name and its figures),
+the prediction, and the remat candidate the planner chose (:mod:`planner.program.remat`), under
+which :func:`planner.load` traces the function again. :func:`planner.load` traces the function again but does not search: it refuses,
 with a ``ValueError`` saying what differs, another program, other arguments or another mesh.
 
 Example:
@@ -89,6 +90,7 @@ def document(plan) -> dict:
         "prediction": prediction_record(plan.prediction),
         "replicated": prediction_record(plan.replicated),
         "search_s": plan.search_s,
+        "remat": _remat_record(plan.remat),
         "schedule": {
             "assign": {
                 op: {lp: list(axes) for lp, axes in loops.items()}
@@ -98,6 +100,13 @@ def document(plan) -> dict:
             "stages": [dataclasses.asdict(st) for st in sched.stages],
         },
     }
+
+
+def _remat_record(remat) -> dict | None:
+    if remat is None:
+        return None
+    costs = {n: None if v is None else list(v) for n, v in remat.candidates.items()}
+    return {"chosen": remat.chosen, "candidates": costs}
 
 
 def save(plan, path: str) -> None:

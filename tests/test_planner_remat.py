@@ -1,0 +1,125 @@
+"""The planner chooses what checkpointed layers save (``planner.remat_policy``): the fastest plan
+that fits among the candidates, every candidate's plan exact, the choice kept in saved plans, and
+JAX's caches left as the user's program expects them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import planner
+from planner.program.remat import DEFAULT_CANDIDATES, RematChoice, choosing
+
+L, D, B = 4, 64, 128
+
+
+def make_step(policy):
+    def layer(h, w):
+        return jnp.tanh(jnp.sin(h @ w["a"]) @ w["b"]), None
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), x, ws)
+        return jnp.mean(h**2)
+
+    def step(ws, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, ws, jax.grad(loss)(ws, x))
+
+    return step
+
+
+CHOICE = planner.remat_policy()
+STEP = make_step(CHOICE)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="module")
+def args():
+    ka, kb, kx = jax.random.split(jax.random.key(0), 3)
+    ws = {"a": jax.random.normal(ka, (L, D, 4 * D)) / 8,
+          "b": jax.random.normal(kb, (L, 4 * D, D)) / 16}  # fmt: skip
+    return ws, jax.random.normal(kx, (B, D))
+
+
+def assert_exact(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6)
+
+
+def test_the_fastest_candidate_that_fits_is_chosen(mesh, args):
+    free = planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=None)
+    assert set(free.remat.candidates) == set(DEFAULT_CANDIDATES)
+    times = {n: c[0] for n, c in free.remat.candidates.items()}
+    assert times[free.remat.chosen] == min(times.values())
+    assert times["nothing"] > times["everything"]  # recomputing the layer is priced
+    # under a limit that keeping everything exceeds, a candidate that keeps less is chosen
+    limit = 0.9 * free.remat.candidates["everything"][1]
+    tight = planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=limit)
+    fitting = {n: c for n, c in tight.remat.candidates.items() if c is not None}
+    assert fitting and all(peak <= limit for _, peak in fitting.values())
+    assert tight.remat.chosen in fitting and tight.prediction.peak_bytes <= limit
+    assert tight.remat.candidates[tight.remat.chosen][0] == min(t for t, _ in fitting.values())
+    assert "remat: " in tight.summary()
+
+
+def test_nothing_fits_names_the_smallest_peak(mesh, args):
+    with pytest.raises(planner.MemoryLimitError, match="smallest predicted peak"):
+        planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=1e5)
+
+
+@pytest.mark.parametrize("name", list(DEFAULT_CANDIDATES))
+def test_every_candidates_plan_is_exact(mesh, args, name):
+    """... and differentiating the plan (its checkpoints partially evaluated again) too."""
+    step = make_step(planner.remat_policy(**{name: DEFAULT_CANDIDATES[name]}))
+    p = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=None)
+    assert p.remat.chosen == name
+    want = jax.jit(step)(*args)
+    assert_exact(p(*args), want)
+    if name != "dots":  # one mix of saved and recomputed values is enough under grad
+        return
+
+    def scalar(f):
+        return lambda ws, x: sum(jnp.sum(v**2) for v in jax.tree.leaves(f(ws, x)))
+
+    assert_exact(jax.grad(scalar(p))(*args), jax.grad(scalar(step))(*args))
+
+
+def test_a_saved_plan_is_traced_again_with_its_choice(mesh, args, tmp_path):
+    """A plan whose choice is not the default one loads: without tracing under it the program
+    would differ from the saved one."""
+    limit = 0.9 * planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=None).remat.candidates[
+        "everything"][1]  # fmt: skip
+    p = planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=limit)
+    assert p.remat.chosen != next(iter(CHOICE.candidates))
+    path = str(tmp_path / "step.plan.json")
+    p.save(path)
+    q = planner.load(path, STEP, *args, mesh=mesh)
+    assert q.remat == p.remat and q.schedule.assign == p.schedule.assign
+    assert_exact(q(*args), jax.jit(STEP)(*args))
+
+
+def test_the_users_own_traces_see_the_default_after_planning(mesh, args):
+    before = str(jax.make_jaxpr(STEP)(*args))
+    with choosing("nothing"):
+        assert str(jax.make_jaxpr(STEP)(*args)) != before
+    planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=None)
+    assert str(jax.make_jaxpr(STEP)(*args)) == before
+
+
+def test_a_fixed_policy_is_left_alone(mesh, args):
+    p = planner.plan(make_step(jax.checkpoint_policies.nothing_saveable), *args, mesh=mesh)
+    assert p.remat is None
+
+
+def test_bad_candidates_are_refused():
+    with pytest.raises(TypeError, match="candidate 'x' is a int"):
+        planner.remat_policy(x=3)
+    with pytest.raises(ValueError, match="at least one"):
+        RematChoice({})
+    assert repr(planner.remat_policy(a=jax.checkpoint_policies.nothing_saveable)) == (
+        "remat_policy(a)"
+    )
