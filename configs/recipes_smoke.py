@@ -6,4 +6,5 @@ from configs import recipes
 def get_config():
     c = recipes.get_config()
     c.recipes = "tiny_v5p_8"
+    c.strategies = "recipe,recipe_planned,searched_remat"  # searched_remat runs the searched path
     return c

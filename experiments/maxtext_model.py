@@ -150,7 +150,7 @@ def maxtext_step(
     batch: int,
     seq: int,
     *,
-    remat: str = "full",
+    remat: str | Callable = "full",
     weight_dtype: str = "float32",
     dtype: str = "bfloat16",
     constrain: Callable = _unconstrained,
@@ -163,7 +163,8 @@ def maxtext_step(
     """MaxText's training step of ``model`` (a name of :data:`MODELS` or a :class:`Model`) on a
     global batch of ``batch`` sequences of ``seq`` tokens: ``(step, (params, opt_state, tokens,
     targets))``, ``step`` returning ``(params, opt_state, loss)``. ``remat``: a MaxText
-    ``remat_policy`` (:data:`REMAT_POLICIES`); ``attention``: :data:`ATTENTION` (``blockwise``
+    ``remat_policy`` (:data:`REMAT_POLICIES`) or a ``jax.checkpoint`` policy (e.g.
+    ``planner.remat_policy(...)``, for the planner to choose); ``attention``: :data:`ATTENTION` (``blockwise``
     over key blocks of ``min(block, seq)``). ``shapes_only``: the arguments as
     ``jax.ShapeDtypeStruct``s (nothing allocated)."""
     import jax
@@ -251,8 +252,8 @@ def maxtext_step(
         out = jnp.einsum("xbcm,xme->xbce", jax.nn.silu(gate) * up, w["moe_wo"].astype(adt))
         return jnp.einsum("xbce,bsxc->bse", out, combine)
 
-    body = layer if remat == "none" else jax.checkpoint(layer, policy=remat_policy(remat),
-                                                         prevent_cse=False)  # fmt: skip
+    policy = remat if callable(remat) else None if remat == "none" else remat_policy(remat)
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
     def loss_fn(params, tokens, targets):
         h = params["embedding"].astype(adt)[tokens]

@@ -7,7 +7,7 @@ For every recipe (``config.recipes``, :data:`RECIPES`: MaxText's ``benchmarks/``
 the training step MaxText runs, written from its public configs
 (:func:`experiments.maxtext_model.maxtext_step`: float32 weights cast to bfloat16 in each layer,
 grouped-query attention, the recipe's named remat policy, clipping, AdamW), built from shapes, is
-laid out three ways and each compiled by the TPU compiler for the recipe's topology:
+laid out four ways and each compiled by the TPU compiler for the recipe's topology:
 
 - ``recipe``: as MaxText lays it out: parameters, optimizer state and batch sharded by MaxText's
   logical axis rules (:data:`RULES`, ``base.yml`` with the model file's override) and every
@@ -18,6 +18,9 @@ laid out three ways and each compiled by the TPU compiler for the recipe's topol
   planner's lowering compiles to with what the recipe does.
 - ``searched``: ``planner.plan`` with its defaults (memory limit from the chip's HBM), state
   donated.
+- ``searched_remat``: the same, the layer's remat policy chosen by the planner
+  (``planner.remat_policy`` over the recipe's own and :data:`REMAT_CANDIDATES`): the fastest
+  plan predicted to fit.
 
 Each row: compiled GB per chip and whether it fits HBM, the planner's predicted GB, the compiled
 estimate (the compiler's kernel time of the step at 1 and 2 layers unrolled, extended to the
@@ -37,10 +40,14 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.maxtext_model import MODELS, maxtext_step
+from experiments.maxtext_model import MODELS, maxtext_step, remat_policy
 from experiments.pod_plans import extrapolated, layer_optimal
 
-STRATEGIES = ("recipe", "recipe_planned", "searched")
+STRATEGIES = ("recipe", "recipe_planned", "searched", "searched_remat")
+REMAT_CANDIDATES = ("full", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp",
+                    "save_qkv_proj")  # fmt: skip
+"""The remat policies ``searched_remat`` lets the planner choose among, beside the recipe's own
+(MaxText's names, :data:`experiments.maxtext_model.REMAT_POLICIES`)."""
 
 RECIPES = {
     # MaxText benchmarks/maxtext_v5p_model_configs.py: v5p-128 = 64 chips, ici_fsdp_parallelism -1
@@ -157,9 +164,11 @@ def recipe_shardings(args, mesh):
     return jax.tree_util.tree_map_with_path(sharding, args)
 
 
-def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | bool = 1):
+def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | bool = 1,
+                remat=None):  # fmt: skip
     """``(step, args)`` of ``recipe`` with MaxText's activation constraints on ``mesh``
-    (``mesh=None``: unconstrained, as the planner gets it); ``layers`` overrides the depth."""
+    (``mesh=None``: unconstrained, as the planner gets it); ``layers`` overrides the depth,
+    ``remat`` the recipe's remat policy (a name or a ``jax.checkpoint`` policy)."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -173,9 +182,18 @@ def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | boo
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(axes, mesh)))
 
     kwargs = {} if mesh is None else {"constrain": constrain}
-    return maxtext_step(model, batch, recipe["seq"], remat=recipe["remat"], shapes_only=True,
+    remat = recipe["remat"] if remat is None else remat
+    return maxtext_step(model, batch, recipe["seq"], remat=remat, shapes_only=True,
                         unroll=unroll, attention=attention_of(recipe),
                         **kwargs)  # fmt: skip
+
+
+def remat_choice(recipe: dict):
+    """``planner.remat_policy`` over the recipe's remat policy and :data:`REMAT_CANDIDATES`."""
+    import planner
+
+    names = dict.fromkeys((recipe["remat"], *REMAT_CANDIDATES))
+    return planner.remat_policy(**{n: remat_policy(n) for n in names})
 
 
 def attention_of(recipe: dict) -> str:
@@ -265,14 +283,26 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
         except MemoryLimitError as e:
             rows.append({**base, "strategy": "searched", "search_s": time.perf_counter() - start,
                          "fits": False, "error": str(e)[:500]})  # fmt: skip
+    if "searched_remat" in todo:
+        step_r, args_r = recipe_step(recipe, None, remat=remat_choice(recipe))
+        start = time.perf_counter()
+        try:
+            plans["searched_remat"] = planner.plan(step_r, *args_r, mesh=mesh,
+                                                   donate_argnums=(0, 1))  # fmt: skip
+        except MemoryLimitError as e:
+            rows.append({**base, "strategy": "searched_remat", "fits": False,
+                         "search_s": time.perf_counter() - start, "error": str(e)[:500]})  # fmt: skip
     for strategy, p in plans.items():
         start = time.perf_counter()
         compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
         optimal = None
+        remat = recipe["remat"] if p.remat is None else p.remat.chosen
         if config.layer_estimate and compiled is not None:
-            optimal = layer_optimal(p, lambda d: recipe_step(recipe, None, d, True), layers, mesh,
-                                    cal, name)  # fmt: skip
-        rows.append({**base, "strategy": strategy, "search_s": p.search_s,
+            optimal = layer_optimal(
+                p, lambda d, r=remat: recipe_step(recipe, None, d, True, remat_policy(r)), layers,
+                mesh, cal, name)  # fmt: skip
+        extra = {} if p.remat is None else {"remat": remat, "remat_candidates": p.remat.candidates}
+        rows.append({**base, **extra, "strategy": strategy, "search_s": p.search_s,
                      "predicted_peak_bytes": p.prediction.peak_bytes,
                      "predicted_s": p.prediction.time_s, "compile_s": time.perf_counter() - start,
                      **_row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
@@ -290,9 +320,9 @@ def report(rows: list[dict]) -> str:
     the compiled estimate against the recipe's, and the search seconds."""
     recipe_s = {r["recipe"]: r.get("estimate_s") for r in rows if r["strategy"] == "recipe"}
     lines = [
-        "| recipe | strategy | compiled GB / chip | fits | predicted GB | predicted / compiled "
-        "| estimate s | / recipe | search s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| recipe | strategy | remat | compiled GB / chip | fits | predicted GB "
+        "| predicted / compiled | estimate s | / recipe | search s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pred, comp = r.get("predicted_peak_bytes"), r.get("compiled_bytes")
@@ -300,7 +330,7 @@ def report(rows: list[dict]) -> str:
         est, ref = r.get("estimate_s"), recipe_s.get(r["recipe"])
         vs = f"{est / ref:.2f}x" if est and ref else "n/a"
         sec = f"{est:.3g}" if est else "n/a"
-        lines.append(f"| {r['recipe']} | {r['strategy']} | {_gb(comp)} | "
+        lines.append(f"| {r['recipe']} | {r['strategy']} | {r.get('remat', '')} | {_gb(comp)} | "
                      f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | {sec} | {vs} | "
                      f"{r.get('search_s', 0):.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -305,13 +305,18 @@ def test_calibrate_on_one_device_measures_rates_and_borrows_collectives(tmp_path
 )
 def test_recipes_compiles_the_recipe_and_the_plans_on_its_topology(tmp_path):
     """A shrunken Llama 2 70B structure on v5p:2x2x1: MaxText's layout (GSPMD with its
-    constraints), the same layout planned and the searched plan, compiled; a rerun adds nothing."""
+    constraints), the same layout planned and the searched plan with the planner's choice of remat
+    policy, compiled; a rerun adds nothing."""
     from configs import recipes_smoke
     from experiments import recipes
 
     config = recipes_smoke.get_config()
     rows = recipes.run(config, str(tmp_path))
-    assert [r["strategy"] for r in rows] == ["recipe", "recipe_planned", "searched"]
+    assert [r["strategy"] for r in rows] == ["recipe", "recipe_planned", "searched_remat"]
+    candidates = rows[2]["remat_candidates"]  # the recipe's own policy and the others
+    assert set(candidates) == {recipes.RECIPES["tiny_v5p_8"]["remat"], *recipes.REMAT_CANDIDATES}
+    fitting = {n: c[0] for n, c in candidates.items() if c is not None}
+    assert rows[2]["remat"] in fitting and fitting[rows[2]["remat"]] == min(fitting.values())
     for r in rows:
         assert r["fits"] and r["compiled_bytes"] > 0 and r["estimate_s"] > 0, r
     assert "predicted_peak_bytes" not in rows[0]
