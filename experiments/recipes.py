@@ -16,8 +16,8 @@ laid out four ways and each compiled by the TPU compiler for the recipe's topolo
 - ``recipe_planned``: the same layout as the planner's own plan (``expert_plans``' ``fsdp``,
   which lays every op out by the program's logical axes), to price it and to compare what the
   planner's lowering compiles to with what the recipe does.
-- ``searched``: ``planner.plan`` with its defaults (memory limit from the chip's HBM), state
-  donated.
+- ``searched``: ``planner.plan`` with its defaults (memory limit from the chip's HBM, the plan
+  compiled and searched again while the compiler counts it over the limit), state donated.
 - ``searched_remat``: the same, the layer's remat policy chosen by the planner
   (``planner.remat_policy`` over the recipe's own and :data:`REMAT_CANDIDATES`): the fastest
   plan predicted to fit.
@@ -302,6 +302,8 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
                 p, lambda d, r=remat: recipe_step(recipe, None, d, True, remat_policy(r)), layers,
                 mesh, cal, name)  # fmt: skip
         extra = {} if p.remat is None else {"remat": remat, "remat_candidates": p.remat.candidates}
+        if p.memory_checks:
+            extra["memory_checks"] = [dataclasses.asdict(c) for c in p.memory_checks]
         rows.append({**base, **extra, "strategy": strategy, "search_s": p.search_s,
                      "predicted_peak_bytes": p.prediction.peak_bytes,
                      "predicted_s": p.prediction.time_s, "compile_s": time.perf_counter() - start,
@@ -315,14 +317,23 @@ def _gb(x) -> str:
     return "n/a" if x is None else f"{x / 1e9:.3g}"
 
 
+def _checks(rounds) -> str:
+    """``2 (over, within; 310 s)``: the plan's compile rounds (:mod:`planner.confirm`)."""
+    if not rounds:
+        return ""
+    limit = rounds[0]["searched_limit"]
+    verdicts = ", ".join("over" if (r["compiled_bytes"] or 0) > limit else "within" for r in rounds)
+    return f"{len(rounds)} ({verdicts}; {sum(r['compile_s'] for r in rounds):.0f} s)"
+
+
 def report(rows: list[dict]) -> str:
     """The table: per recipe and strategy, compiled and predicted GB per chip, whether it fits,
     the compiled estimate against the recipe's, and the search seconds."""
     recipe_s = {r["recipe"]: r.get("estimate_s") for r in rows if r["strategy"] == "recipe"}
     lines = [
         "| recipe | strategy | remat | compiled GB / chip | fits | predicted GB "
-        "| predicted / compiled | estimate s | / recipe | search s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| predicted / compiled | estimate s | / recipe | search s | compile checks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pred, comp = r.get("predicted_peak_bytes"), r.get("compiled_bytes")
@@ -332,7 +343,7 @@ def report(rows: list[dict]) -> str:
         sec = f"{est:.3g}" if est else "n/a"
         lines.append(f"| {r['recipe']} | {r['strategy']} | {r.get('remat', '')} | {_gb(comp)} | "
                      f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | {sec} | {vs} | "
-                     f"{r.get('search_s', 0):.1f} |")  # fmt: skip
+                     f"{r.get('search_s', 0):.1f} | {_checks(r.get('memory_checks'))} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

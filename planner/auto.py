@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from planner.autoplan import AutoPlan
+from planner.autoplan import AutoPlan, mesh_devices
 from planner.calls import Signature, differences
+from planner.confirm import checks_compiled, confirmed
 from planner.cost.memory import AUTO, MemoryLimitError, default_calibration, resolve_memory_limit
 from planner.cost.simulator import simulate
 from planner.persistence import (
@@ -56,6 +57,7 @@ def plan(
     donate_argnums: int | Sequence[int] = (),
     pipeline_axis: str | None = None,
     microbatches: int | Sequence[int] | None = None,
+    check_memory: str = "auto",
     **kwargs,
 ) -> AutoPlan:
     """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
@@ -83,6 +85,14 @@ def plan(
     devices, the batch into ``microbatches`` (a count, counts to try, or by default P, 2P, 4P
     and 8P), the layers searched on the other axes; the plan is pipelined where that is
     predicted faster than the best plan without a pipeline (or where only it fits).
+
+    ``check_memory``: ``"compiled"`` compiles the plan for ``mesh`` and, where its compiled
+    memory is over the limit, searches again (:mod:`planner.confirm`); ``"predicted"`` trusts the
+    memory model; ``"auto"`` (the default): compiled where the mesh's devices are TPUs (attached,
+    or :func:`planner.topology_mesh`'s), whose compiler can count more than the model predicts.
+
+    A ``jax.checkpoint`` whose policy is :func:`planner.remat_policy` is planned once per
+    candidate policy, and the fastest plan that fits is kept (:mod:`planner.program.remat`).
     """
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
@@ -90,26 +100,44 @@ def plan(
     prog = donating(analyze(traced, *values), positional, donate_argnums)
     sizes = mesh_shape(mesh).sizes
     calibration = calibration or default_calibration(mesh)
-    start = time.perf_counter()
+    limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
+    choices, searching = choices_in(prog.jaxpr), [0.0]
 
-    def search_for(prog):
-        return _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches)
+    def traced_as(name):
+        with choosing(name):
+            return donating(analyze(traced, *values), positional, donate_argnums)
 
-    choices, remat = choices_in(prog.jaxpr), None
-    if choices:
+    def search_under(limit_bytes):
+        """``(program, schedule, prediction, remat decision)`` of the best plan under
+        ``limit_bytes`` (the user's ``memory_limit_bytes`` where it is that limit)."""
+        limit_bytes = memory_limit_bytes if limit_bytes == limit else limit_bytes
+        start = time.perf_counter()
+        try:
+            if choices:
+                return _choose_remat(
+                    candidate_names(choices), traced_as,
+                    lambda p: _search(p, sizes, calibration, limit_bytes, pipeline_axis,
+                                      microbatches),
+                )  # fmt: skip
+            found = _search(prog, sizes, calibration, limit_bytes, pipeline_axis, microbatches)
+            return (prog, *found, None)
+        finally:
+            searching[0] += time.perf_counter() - start
 
-        def traced_as(name):
-            with choosing(name):
-                return donating(analyze(traced, *values), positional, donate_argnums)
-
-        prog, sched, pred, remat = _choose_remat(candidate_names(choices), traced_as, search_for)
-    else:
-        sched, pred = search_for(prog)
-    elapsed = time.perf_counter() - start
-    replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), calibration)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
-    return AutoPlan(prog, sched, pred, mesh, elapsed, sig.in_tree, out_tree, replicated,
-                    calibration, sig, _argnums(donate_argnums, len(args)), remat)  # fmt: skip
+
+    def plan_of(found) -> AutoPlan:
+        prog, sched, pred, remat = found
+        replicated = simulate(
+            prog, make_schedule(prog, {}, sizes, default="replicate"), calibration
+        )
+        return AutoPlan(prog, sched, pred, mesh, searching[0], sig.in_tree, out_tree, replicated,
+                        calibration, sig, _argnums(donate_argnums, len(args)), remat)  # fmt: skip
+
+    if checks_compiled(check_memory, mesh_devices(mesh), limit):
+        p, checks = confirmed(search_under, plan_of, limit)
+        return dataclasses.replace(p, memory_checks=checks)
+    return plan_of(search_under(limit))
 
 
 def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable):

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.calls import ArgumentMismatch, Signature
 from planner.compiled import plan_compiled_report
+from planner.confirm import MemoryCheck, describe_checks
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.explanation import explain_rows, render
 from planner.lowering.spmd import Lowered, lower
@@ -91,6 +92,7 @@ class AutoPlan:
     signature: Signature | None = None  # the arguments it was made for (planner.calls)
     donate_argnums: tuple[int, ...] = ()  # what jit() donates unless told otherwise
     remat: RematDecision | None = None  # what checkpointed layers save, where the planner chose
+    memory_checks: tuple[MemoryCheck, ...] = ()  # the compiles that confirmed its memory
 
     @functools.cached_property
     def _signature(self) -> Signature:
@@ -133,7 +135,7 @@ class AutoPlan:
         return self._specs(self._boundary_types[1], self.out_tree)
 
     def _concrete_spec_mesh(self):
-        devices = _devices(self.mesh)
+        devices = mesh_devices(self.mesh)
         if devices is None:
             raise ValueError(
                 f"this plan was made for a mesh without devices ({self.mesh_shape}); its layouts "
@@ -240,6 +242,8 @@ class AutoPlan:
             )  # fmt: skip
         if self.remat is not None:
             lines.append(self.remat.describe())
+        if self.memory_checks:
+            lines.append(describe_checks(self.memory_checks))
         if self.spec_mesh != self.mesh_shape:
             lines.append(
                 f"the plan splits by parts of mesh axes: its specs are over {self.spec_mesh}, the "
@@ -275,7 +279,7 @@ class AutoPlan:
         """This plan on ``mesh``, a ``jax.sharding.Mesh`` with the axis names and sizes of the
         (abstract) mesh it was made for: a new plan with shardings, that runs. Raises
         ``ValueError`` naming what differs."""
-        if _devices(mesh) is None:
+        if mesh_devices(mesh) is None:
             raise ValueError(
                 f"bind needs a jax.sharding.Mesh with devices; got {type(mesh).__name__}"
             )
@@ -305,7 +309,8 @@ class AutoPlan:
         }, indent=2)  # fmt: skip
 
 
-def _devices(mesh):
+def mesh_devices(mesh):
+    """The devices of ``mesh`` (an array), None for an ``AbstractMesh`` or ``{name: size}``."""
     try:
         return getattr(mesh, "devices", None)
     except (NotImplementedError, ValueError):  # an AbstractMesh

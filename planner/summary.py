@@ -37,6 +37,7 @@ import os
 import jax
 
 import redist
+from planner.confirm import describe_checks
 from planner.cost.pipeline import bubble
 from planner.cost.simulator import Prediction, hand_overs, simulate, step_costs
 from planner.layout.dataflow import dataflow, input_spec, output_specs
@@ -647,6 +648,10 @@ def summarize(plan) -> Summary:
     header = (f"Plan for {func.split(' at ')[0]} on {' x '.join(f'{a}:{n}' for a, n in mesh.axes)}"
               f" ({mesh.num_devices} devices), priced for {cal.backend}; searched in "
               f"{plan.search_s:.2f} s")  # fmt: skip
+    if getattr(plan, "remat", None) is not None:
+        header += "\n" + plan.remat.describe()
+    if getattr(plan, "memory_checks", ()):
+        header += "\n" + describe_checks(plan.memory_checks)
 
     # 2. layouts of the inputs
     leaves = classify(prog, plan.in_tree, plan.out_tree)

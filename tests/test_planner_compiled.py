@@ -178,3 +178,74 @@ def test_libtpu_loads_quietly_where_no_tpu_is_attached():
     assert run.returncode == 0 and run.stdout.split() == ["8"], run.stderr[-2000:]
     for alarm in ("Failed to find host bounds", "unexpected worker hostname"):
         assert alarm not in run.stderr
+
+
+def _scanned_tanh_step(layers=16, d=1024):
+    """SGD through ``layers`` scanned ``tanh(h @ w)`` layers: the TPU compiler keeps more of its
+    stacked residuals than the memory model predicts (a float32 and a bfloat16 copy)."""
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean(h**2)
+
+    def step(ws, x):
+        return ws - 0.1 * jax.grad(loss)(ws, x)
+
+    f32 = jnp.float32
+    return step, (jax.ShapeDtypeStruct((layers, d, d), f32), jax.ShapeDtypeStruct((d, d), f32))
+
+
+@needs_libtpu
+def test_a_plan_the_compiler_finds_over_the_limit_is_searched_again():
+    """On a TPU mesh the plan is compiled; where its compiled memory is over the limit although
+    its predicted memory is under it, the search runs again under a scaled limit, until the
+    compiled plan fits. Trusting the prediction gives the plan that does not."""
+    mesh = planner.topology_mesh("v5p:2x2x1", {"a": 4})
+    step, args = _scanned_tanh_step()
+    free = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=None, donate_argnums=0)
+    predicted, compiled = free.prediction.peak_bytes, free.compiled_report().total_bytes
+    assert compiled > 1.1 * predicted  # the model is low here: the check has work to do
+    limit = (predicted + compiled) / 2
+
+    trusted = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit, donate_argnums=0,
+                           check_memory="predicted")  # fmt: skip
+    assert trusted.prediction.peak_bytes <= limit < trusted.compiled_report().total_bytes
+    assert trusted.memory_checks == ()
+
+    p = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit, donate_argnums=0)
+    first, *_, last = p.memory_checks
+    assert first.searched_limit == limit and first.compiled_bytes > limit
+    assert last.compiled_bytes <= limit and last.searched_limit < limit
+    assert p.compiled_report().total_bytes == last.compiled_bytes <= limit
+    assert "memory checked by compiling" in p.summary() and "compiled" in p.explain()
+
+
+def test_nothing_that_compiles_within_the_limit_is_an_error(monkeypatch):
+    """A compiler that counts a thousand times the prediction: after at most ``confirm.ROUNDS``
+    searches under ever lower limits, an error that names each round's compiled memory."""
+    from planner import confirm
+    from planner.autoplan import AutoPlan
+
+    def report(plan, mesh=None, moves="auto"):
+        return compiled_mod.CompiledReport("TPU v5", 4, False, 1000 * plan.prediction.peak_bytes,
+                                           None)  # fmt: skip
+
+    monkeypatch.setattr(AutoPlan, "compiled_report", report)
+    step, args = _scanned_tanh_step(layers=4, d=64)
+    mesh = jax.make_mesh((4,), ("a",), devices=jax.devices()[:4])
+    free = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=None)
+    limit = 1.5 * free.prediction.peak_bytes
+    with pytest.raises(planner.MemoryLimitError, match="the compiler's memory of the plans") as e:
+        planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit, check_memory="compiled")
+    rounds = str(e.value).count("compiled ")
+    assert 1 <= rounds <= confirm.ROUNDS and "over" in str(e.value)
+
+
+def test_check_memory_is_validated():
+    step, args = _scanned_tanh_step(layers=2, d=8)
+    with pytest.raises(ValueError, match="check_memory='model'"):
+        planner.plan(step, *args, mesh={"a": 4}, check_memory="model")
+    with pytest.raises(ValueError, match="needs a mesh with devices"):
+        planner.plan(step, *args, mesh={"a": 4}, check_memory="compiled")
+    p = planner.plan(step, *args, mesh={"a": 4})  # auto: an abstract mesh is not compiled
+    assert p.memory_checks == ()

@@ -4,6 +4,7 @@ random schedules; and the recipe's own layout (MaxText's logical axis rules) is 
 
 import dataclasses
 import random
+import warnings
 
 import jax
 import numpy as np
@@ -49,6 +50,18 @@ def test_searched_and_expert_plans_compute_the_step(remat, expert, mesh):
     assert any(experts[expert].schedule.assign.values())
     for p in (planner.plan(step, *args, mesh=mesh), experts[expert]):
         assert_same_step(p(*args), want, "bfloat16")
+
+
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_every_op_of_the_step_is_understood(attention):
+    """No op runs replicated for want of a rule (on JAX 0.12 a checkpointed scan inside the
+    layer's scan leaves an ``eval_jaxpr`` call in the gradient, inlined like ``jit``)."""
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat="minimal", attention=attention,
+                              block=8)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planner.analyze(step, *args)
+    assert not [str(w.message) for w in caught if "not understood" in str(w.message)]
 
 
 def test_random_schedules_compute_the_step_in_float32(mesh):

@@ -63,7 +63,7 @@ def test_the_fastest_candidate_that_fits_is_chosen(mesh, args):
     assert fitting and all(peak <= limit for _, peak in fitting.values())
     assert tight.remat.chosen in fitting and tight.prediction.peak_bytes <= limit
     assert tight.remat.candidates[tight.remat.chosen][0] == min(t for t, _ in fitting.values())
-    assert "remat: " in tight.summary()
+    assert "remat: " in tight.summary() and tight.remat.describe() in tight.explain()
 
 
 def test_nothing_fits_names_the_smallest_peak(mesh, args):

@@ -1,6 +1,6 @@
 """Trace a function to a jaxpr and describe every equation as a loop nest (:func:`analyze`).
 
-Nested calls (``jit``, ``closed_call``) are inlined. Constructs whose semantics the lowering must
+Nested calls (``jit``, ``closed_call``, JAX 0.12's ``eval_jaxpr``) are inlined. Constructs whose semantics the lowering must
 keep become :class:`planner.program.ops.Region`\\ s of the flat program: ``scan`` (its body analysed
 once, with boundary ops that bring operands in and hand the carry back, so the body's loops get
 splits like any other op's), ``checkpoint`` (rematerialisation), ``custom_jvp_call`` /
@@ -33,7 +33,7 @@ from planner.program.jaxpr_params import inner_jaxpr, live, scan_split
 from planner.program.ops import Access, Loop, Op, Region, Value, is_key
 from planner.program.pad_folding import fold_zero_pads
 
-INLINED = frozenset("pjit jit closed_call core_call custom_lin".split())
+INLINED = frozenset("pjit jit closed_call core_call custom_lin eval_jaxpr".split())
 KEPT = {
     "checkpoint": "checkpoint", "remat": "checkpoint", "remat2": "checkpoint",
     "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp",

@@ -1,0 +1,109 @@
+"""Plans the compiler confirms: the searched plan compiled, and searched again where it does not fit.
+
+The memory model predicts XLA's buffer assignment; on TPUs the compiler's own count can exceed it
+(by 20-30 % on MaxText's scanned, rematerialized layers), so a plan predicted under the limit may
+not fit. Where the mesh's devices are TPUs (attached, or a :func:`planner.topology_mesh`), the
+compiler runs on this host: :func:`confirmed` compiles the plan and, while the compiled memory is
+over the limit, searches again under the limit scaled by that plan's compiled / predicted ratio
+(the same plan is then excluded), at most :data:`ROUNDS` times. Each round is a
+:class:`MemoryCheck`; ``plan.memory_checks`` keeps them.
+
+Example:
+    >>> p = planner.plan(step, *shapes, mesh=planner.topology_mesh("v5p:4x4x4", axes))  # doctest: +SKIP
+    >>> p.memory_checks   # (MemoryCheck(searched_limit=86e9, predicted=83e9, compiled=105e9), ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+
+from planner.cost.memory import MemoryLimitError
+
+ROUNDS = 3
+CHECKS = ("auto", "compiled", "predicted")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCheck:
+    """One compile of a searched plan: the limit its search ran under (predicted bytes per
+    device), its predicted and compiled bytes per device (compiled None: the compiler failed),
+    and the seconds the compile took."""
+
+    searched_limit: float
+    predicted_bytes: int
+    compiled_bytes: int | None
+    compile_s: float = 0.0
+
+    def describe(self, limit: float) -> str:
+        """``searched under 86.2 GB: predicted 83.4 GB, compiled 105 GB (over 86.2 GB)``"""
+        if self.compiled_bytes is None:
+            return f"searched under {_gb(self.searched_limit)}: the compiler failed"
+        verdict = "over" if self.compiled_bytes > limit else "within"
+        return (f"searched under {_gb(self.searched_limit)}: predicted "
+                f"{_gb(self.predicted_bytes)}, compiled {_gb(self.compiled_bytes)} "
+                f"({verdict} {_gb(limit)})")  # fmt: skip
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3g} GB"
+
+
+def checks_compiled(check: str, devices, limit) -> bool:
+    """Whether ``plan(check_memory=check)`` compiles: ``"compiled"``, or ``"auto"`` where the
+    mesh's ``devices`` are TPUs and there is a ``limit``."""
+    if check not in CHECKS:
+        raise ValueError(f"check_memory={check!r}: choose one of {CHECKS}")
+    if check == "predicted" or limit is None:
+        return False
+    if check == "compiled":
+        if devices is None:
+            raise ValueError(
+                "check_memory='compiled' needs a mesh with devices to compile for (a "
+                "jax.sharding.Mesh, e.g. planner.topology_mesh(...)); got an abstract mesh"
+            )
+        return True
+    return devices is not None and all(d.platform == "tpu" for d in devices.flat)
+
+
+def confirmed(search_under: Callable, plan_of: Callable, limit: float):
+    """The plan of ``search_under(limit)`` (``plan_of`` makes it an AutoPlan) whose compiled
+    memory is within ``limit``, and the rounds it took (see the module docstring). Raises
+    :class:`MemoryLimitError` when no plan the rounds find compiles within it."""
+    searched, rounds = limit, []
+    for _ in range(ROUNDS):
+        try:
+            plan = plan_of(search_under(searched))
+        except MemoryLimitError as e:
+            if not rounds:
+                raise
+            raise MemoryLimitError(limit, e.peak, note=_compiled_note(rounds, limit)) from None
+        start = time.perf_counter()
+        try:
+            report = plan.compiled_report()
+        except Exception as e:  # noqa: BLE001  (a compile error other than memory: say, keep the plan)
+            warnings.warn(f"the plan could not be compiled to check its memory: {e}", stacklevel=3)
+            rounds.append(MemoryCheck(searched, plan.prediction.peak_bytes, None,
+                                      time.perf_counter() - start))  # fmt: skip
+            return plan, tuple(rounds)
+        compiled = report.total_bytes
+        rounds.append(MemoryCheck(searched, plan.prediction.peak_bytes, compiled,
+                                  time.perf_counter() - start))  # fmt: skip
+        if compiled is None or compiled <= limit:
+            return plan, tuple(rounds)
+        searched = limit * plan.prediction.peak_bytes / compiled
+    raise MemoryLimitError(limit, None, note=_compiled_note(rounds, limit))
+
+
+def describe_checks(rounds) -> str:
+    """The rounds of one plan's check in a line (the first round's limit is the user's)."""
+    limit = rounds[0].searched_limit
+    return "memory checked by compiling: " + "; ".join(r.describe(limit) for r in rounds)
+
+
+def _compiled_note(rounds, limit) -> str:
+    return "the compiler's memory of the plans searched: " + "; ".join(
+        r.describe(limit) for r in rounds
+    )
