@@ -20,9 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.warmup = 2
     c.repeats = 7  # interleaved repetitions per program (at least)
     c.min_time_s = 0.3  # ... and more until each program ran this long in all
-    c.cost_model = (
-        "calibrated"  # what our search minimizes: "bytes" (paper), "bytes+copies", "calibrated"
-    )
+    # what our search minimizes: "auto" (redistribute's default: the calibrated model of the
+    # mesh's devices), "bytes" (paper), "bytes+copies", "calibrated", "calibrated:<name>"
+    c.cost_model = "auto"
     c.check = True  # compare both outputs with the input, element for element
     c.figures = True  # PNG figures (needs matplotlib: pip install -e ".[figures]")
     c.report_rows = 10

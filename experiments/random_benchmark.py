@@ -75,6 +75,7 @@ def measure_problem(p, config) -> dict:
 
     import redist
     from experiments.measure import compile_stats, interleaved_times
+    from redist.api import resolved_cost_model
     from redist.search import weak_paths
     from redist.synthesis import synthesize
 
@@ -85,15 +86,14 @@ def measure_problem(p, config) -> dict:
     synthesize.cache_clear()
     weak_paths.cache_clear()
     t0 = time.perf_counter()
-    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=config.cost_model)
+    model = resolved_cost_model(config.cost_model, mesh)  # "auto": redistribute's default
+    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=model)
     synthesis_s = time.perf_counter() - t0
 
     rng = np.random.default_rng(zlib.crc32(p.name.encode()))
     arr = rng.standard_normal(p.shape, dtype=np.float32).astype(config.dtype)
     x = jax.device_put(arr, NamedSharding(mesh, src))
-    ours = jax.jit(
-        lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=config.cost_model)
-    )
+    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=model))
     xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
     ours_c, ours_s = compile_stats(ours, x)
     xla_c, xla_s = compile_stats(xla, x)
@@ -158,14 +158,14 @@ def compile_problem(p, config) -> dict:
     import planner
     import redist
     from experiments.measure import compile_stats
+    from redist.api import resolved_cost_model
 
     mesh = planner.topology_mesh(config.topology, p.mesh)
     src, dst = PartitionSpec(*p.src), PartitionSpec(*p.dst)
-    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=config.cost_model)
+    model = resolved_cost_model(config.cost_model, mesh)
+    plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=model)
     x = jax.ShapeDtypeStruct(p.shape, config.dtype, sharding=NamedSharding(mesh, src))
-    ours = jax.jit(
-        lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=config.cost_model)
-    )
+    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=model))
     xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
     sides = {}
     for name, f in (("ours", ours), ("xla", xla)):

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from redist.calibration import backend_calibration, device_kind_calibration
+from redist.cost import AUTO
 from redist.linear import Move, device_ids, is_explicit, redistribute_p, same_mesh
 from redist.specs import SpecLike, check_options, dist_type, mesh_shape, movable_dtype
 from redist.synthesis import FOLD_MIN_BYTES
@@ -138,6 +140,26 @@ def _source_spec(x) -> PartitionSpec:
     return sharding.spec
 
 
+def resolved_cost_model(model: str, mesh) -> str:
+    """``model``, or for ``"auto"`` the calibrated model on the calibration of ``mesh``'s devices
+    (an ``AbstractMesh``: of ``jax.default_backend()``).
+
+    Example:
+        >>> resolved_cost_model("auto", jax.make_mesh((8,), ("a",)))   # doctest: +SKIP
+        'calibrated:cpu'
+    """
+    if model != AUTO:
+        return model
+    try:
+        devices = mesh.devices
+    except (AttributeError, NotImplementedError, ValueError):  # an AbstractMesh
+        devices = None
+    name = None
+    if devices is not None and getattr(devices, "size", 0):
+        name = device_kind_calibration(devices.flat[0].device_kind)
+    return f"calibrated:{name or backend_calibration()}"
+
+
 def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
@@ -155,6 +177,7 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
             "or keep the input with donate=False"
         )
     mesh = _resolve_mesh(x, src, dst, mesh)
+    options = (resolved_cost_model(options[0], mesh), *options[1:])
     if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) and \
             mesh_shape(mesh).num_devices > 1:  # fmt: skip
         raise ValueError(
@@ -226,7 +249,7 @@ def redistribute(
     dst=_MISSING,
     *,
     mesh=None,
-    cost_model: str = "bytes",
+    cost_model: str = AUTO,
     fold_min_bytes: int = FOLD_MIN_BYTES,
     donate: bool = False,
 ):
@@ -252,8 +275,13 @@ def redistribute(
         dst: the destination layout (three-argument form).
         mesh: the mesh; optional when a spec is a ``NamedSharding``, ``x`` has a
             ``NamedSharding``, or a mesh is set with ``jax.set_mesh``.
-        cost_model: what the plan search minimizes, ``"bytes"`` (the paper's model),
-            ``"bytes+copies"`` or ``"calibrated"`` (see :func:`redist.plan`).
+        cost_model: what the plan search minimizes: ``"auto"`` (the default): the time of
+            each collective and local copy on the calibration of the devices the move runs on
+            (``"calibrated:cpu"`` on CPU devices, ``"calibrated:tpu_v5p"`` on TPU v5p, ...;
+            an abstract mesh: ``jax.default_backend()``'s), so that where two programs move
+            about the same bytes the faster one for that hardware is chosen; ``"bytes"`` (the
+            paper's model), ``"bytes+copies"``, ``"calibrated"`` or ``"calibrated:<name>"``
+            (see :func:`redist.plan`).
         fold_min_bytes: fold a final permutation into the alltoall before it when each chunk
             sent has at least this many bytes (see :func:`redist.plan`).
         donate: give ``x``'s buffers to the call (eager calls; ``x`` is deleted). Inside ``jit``
@@ -269,7 +297,7 @@ def redistribute(
     Raises:
         ValueError / TypeError: naming the argument, dimension and axis for invalid layouts.
     """
-    options = check_options(cost_model, fold_min_bytes)
+    options = check_options(cost_model, fold_min_bytes, allow_auto=True)
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
     if hasattr(x, "shape") and hasattr(x, "dtype"):

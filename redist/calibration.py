@@ -166,22 +166,31 @@ class Calibration:
     def for_backend(cls, backend: str | None = None) -> Calibration:
         """The shipped calibration for ``backend`` (default ``jax.default_backend()``): ``"gpu"``
         / ``"cuda"`` -> H100 SXM, ``"tpu"`` -> TPU v5p, anything else the CPU file."""
-        if backend is None:
-            import jax
-
-            backend = jax.default_backend()
-        return cls.named(
-            {"gpu": "h100_sxm", "cuda": "h100_sxm", "tpu": "tpu_v5p"}.get(backend, "cpu")
-        )
+        return cls.named(backend_calibration(backend))
 
     @classmethod
     def for_device_kind(cls, kind: str) -> Calibration | None:
         """The shipped calibration for a JAX ``device.device_kind`` (``"TPU v5"`` -> v5p, ``"TPU v5
         lite"`` -> v5e, ``"TPU v6 lite"`` -> v6e, ``"TPU v4"``, H100s, ``"cpu"``); None if none."""
-        name = DEVICE_KINDS.get(kind.strip().lower())
-        if name is None and "h100" in kind.lower():
-            name = "h100_sxm"
+        name = device_kind_calibration(kind)
         return cls.named(name) if name else None
+
+
+def backend_calibration(backend: str | None = None) -> str:
+    """The shipped calibration's name for ``backend`` (default ``jax.default_backend()``)."""
+    if backend is None:
+        import jax  # only here: the pure core names calibrations without JAX
+
+        backend = jax.default_backend()
+    return {"gpu": "h100_sxm", "cuda": "h100_sxm", "tpu": "tpu_v5p"}.get(backend, "cpu")
+
+
+def device_kind_calibration(kind: str) -> str | None:
+    """The shipped calibration's name for a JAX ``device.device_kind``, None if none."""
+    name = DEVICE_KINDS.get(kind.strip().lower())
+    if name is None and "h100" in kind.lower():
+        name = "h100_sxm"
+    return name
 
 
 HOST = "host"  # "memory_bytes": "host" in a file: this machine's memory, shared by its devices

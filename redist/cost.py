@@ -16,12 +16,18 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 from redist.calibration import Calibration
 
 COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
 COST_MODELS = ("bytes", "bytes+copies", "calibrated")
+"""The search's cost models; ``"calibrated:<name>"`` is the calibrated model on the shipped
+calibration ``<name>`` (``"calibrated"`` alone: the CPU file), see :func:`cost_model_ok`."""
+AUTO = "auto"
+"""``redistribute``'s default: the calibrated model on the calibration of the devices the move
+runs on (resolved where the mesh is known, :func:`redist.api.resolved_cost_model`)."""
 # The calibrated model's collective names (redist.calibration) for our step kinds.
 CALIBRATED_KIND = {"alltoall": "all-to-all", "allgather": "all-gather",
                    "allpermute": "collective-permute", "reducescatter": "reduce-scatter",
@@ -80,13 +86,40 @@ def search_weight(
     copies = local_copy_elems(kind, before, after, dim) * itemsize
     if model == "bytes+copies":
         return w + copies
-    if model == "calibrated":
-        return _calibrated_ns(kind, w, copies, group)
+    if is_calibrated(model):
+        return _calibrated_ns(kind, w, copies, group, model)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {model!r}")
 
 
-def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int) -> int:
-    cal = Calibration.default()
+def is_calibrated(model: str) -> bool:
+    """``"calibrated"`` or ``"calibrated:<name>"``."""
+    return model == "calibrated" or model.startswith("calibrated:")
+
+
+@functools.cache
+def model_calibration(model: str) -> Calibration:
+    """The calibration a calibrated cost model prices on: ``"calibrated"`` the shipped CPU file
+    (:meth:`Calibration.default`), ``"calibrated:tpu_v5p"`` that shipped file."""
+    name = model.partition(":")[2]
+    return Calibration.named(name) if name else Calibration.default()
+
+
+def cost_model_ok(model: str) -> bool:
+    """Whether ``model`` names a cost model: one of :data:`COST_MODELS`, or ``"calibrated:<name>"``
+    of a shipped calibration."""
+    if model in COST_MODELS:
+        return True
+    if not is_calibrated(model):
+        return False
+    try:
+        model_calibration(model)
+    except ValueError:
+        return False
+    return True
+
+
+def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int, model: str) -> int:
+    cal = model_calibration(model)
     seconds = copies / cal.copy_bytes_per_s
     if kind != "dynslice":
         collective = CALIBRATED_KIND[kind]
@@ -95,13 +128,13 @@ def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int) -> int:
     return round(seconds * 1e9)
 
 
-def calibrated_floor_ns(nbytes: int) -> int:
-    """A lower bound, in the calibrated model's nanoseconds, on moving ``nbytes`` per device in
-    one or more collectives (A*'s heuristic): the smallest latency plus the bytes at the best
+def calibrated_floor_ns(nbytes: int, model: str = "calibrated") -> int:
+    """A lower bound, in the calibrated ``model``'s nanoseconds, on moving ``nbytes`` per device
+    in one or more collectives (A*'s heuristic): the smallest latency plus the bytes at the best
     bandwidth, less a little for rounding."""
     if nbytes <= 0:
         return 0
-    cal = Calibration.default()
+    cal = model_calibration(model)
     kinds = ("all-to-all", "all-gather")
     seconds = min(cal.latency_s[k] for k in kinds) + nbytes / 2 / max(
         cal.bytes_per_s[k] for k in kinds

@@ -28,7 +28,7 @@ import math
 from collections import Counter
 from typing import NamedTuple
 
-from redist.cost import calibrated_floor_ns, search_weight
+from redist.cost import calibrated_floor_ns, is_calibrated, search_weight
 from redist.types import Shape, prime_factors
 
 
@@ -221,8 +221,9 @@ def weak_paths(
         primes: the mesh's prime factor sizes (a multiset, any order).
         itemsize: bytes per element, for the cost in bytes.
         cost_model: ``"bytes"`` (the paper's Fig. 11), ``"bytes+copies"`` (also local copies,
-            see :func:`redist.cost.local_copy_elems`) or ``"calibrated"`` (nanoseconds on the
-            default calibration, see :func:`redist.cost.search_weight`).
+            see :func:`redist.cost.local_copy_elems`) or ``"calibrated"`` / ``"calibrated:<name>"``
+            (nanoseconds on the CPU or the named calibration, see
+            :func:`redist.cost.search_weight`).
         limit: at most this many paths are returned.
     """
     pool = Counter(primes)
@@ -240,7 +241,7 @@ def weak_paths(
     @functools.cache
     def h(node: Shape) -> int:
         floor = _remaining(node, dst, global_shape, pool, itemsize)
-        return calibrated_floor_ns(floor) if cost_model == "calibrated" else floor
+        return calibrated_floor_ns(floor, cost_model) if is_calibrated(cost_model) else floor
 
     heap = [(h(src), 0, 0, src)]  # (estimate, collectives, cost, node)
     while heap:  # A* with an admissible heuristic; a node is expanded again if reached cheaper

@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes  # registers bfloat16 and friends with numpy
 import numpy as np
 
-from redist.cost import COST_MODELS
+from redist.cost import AUTO, COST_MODELS, cost_model_ok
 from redist.steps import Plan
 from redist.synthesis import FOLD_MIN_BYTES, synthesize
 from redist.types import DistType, MeshShape, SpecEntry, check_shape, check_size
@@ -221,10 +221,14 @@ def movable_dtype(dtype: Any, *, argname: str = "x") -> tuple[str, int]:
 _WIDER = {"int": "int8", "uin": "uint8"}
 
 
-def check_options(cost_model: Any, fold_min_bytes: Any) -> tuple[str, int]:
+def check_options(
+    cost_model: Any, fold_min_bytes: Any, allow_auto: bool = False
+) -> tuple[str, int]:
     """The search options of :func:`plan` and ``redistribute``, checked and normalised:
-    ``cost_model`` one of :data:`~redist.cost.COST_MODELS`, ``fold_min_bytes`` a non-negative
-    integer (numpy integers included; not floats, strings or bools).
+    ``cost_model`` one of :data:`~redist.cost.COST_MODELS` or ``"calibrated:<name>"`` of a
+    shipped calibration (and ``"auto"`` where ``allow_auto``: ``redistribute`` resolves it on the
+    mesh's devices), ``fold_min_bytes`` a non-negative integer (numpy integers included; not
+    floats, strings or bools).
 
     Raises:
         TypeError: for a cost model that is no string or a byte count that is no integer.
@@ -242,8 +246,12 @@ def check_options(cost_model: Any, fold_min_bytes: Any) -> tuple[str, int]:
             f"cost_model must be one of {COST_MODELS} (a string), got {cost_model!r} of type "
             f"{type(cost_model).__name__}"
         )
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    if not (cost_model_ok(cost_model) or (allow_auto and cost_model == AUTO)):
+        also = " or 'auto' (the calibration of the mesh's devices)" if allow_auto else ""
+        raise ValueError(
+            f"cost_model must be one of {COST_MODELS}, got {cost_model!r}; or 'calibrated:<name>' "
+            f"of a shipped calibration (redist/calibrations: 'calibrated:tpu_v5p', ...){also}"
+        )
     try:
         fold = check_size(fold_min_bytes, "fold_min_bytes")
     except TypeError as e:
@@ -275,8 +283,9 @@ def plan(
         mesh: a ``Mesh``, an ``AbstractMesh``, or a ``{axis name: size}`` mapping.
         dtype: element type, for byte counts.
         cost_model: what the search minimizes: ``"bytes"`` (the paper's model, Fig. 11),
-            ``"calibrated"`` (time on the shipped calibration: a latency per collective plus
-            bytes over bandwidth, plus local copies) or
+            ``"calibrated"`` (time on the shipped CPU calibration: a latency per collective plus
+            bytes over bandwidth, plus local copies; ``"calibrated:tpu_v5p"`` on that shipped
+            calibration) or
             ``"bytes+copies"`` (also the local copies that interleaving costs, which matter on
             CPU where a copy is as dear as a transfer).
         fold_min_bytes: a final permutation right after an alltoall is folded into it (chunks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
-from redist.cost import COST_MODELS
+from redist.cost import COST_MODELS, cost_model_ok
 from redist.lower import make_plan, reduce_pending
 from redist.search import weak_paths
 from redist.steps import Plan
@@ -41,7 +41,7 @@ def synthesize(
         raise ValueError(
             f"source global shape {src.global_shape} differs from destination {dst.global_shape}"
         )
-    if cost_model not in COST_MODELS:
+    if not cost_model_ok(cost_model):
         raise ValueError(f"cost_model must be one of {COST_MODELS}, got {cost_model!r}")
     if src.pending:
         return _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes)

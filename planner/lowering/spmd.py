@@ -440,8 +440,9 @@ class Lowered:
             choice = self.choices.get((mv.value.name, mv.src, mv.dst))
             if choice is None or not choice.use_redist or self.micro is not None:
                 return self._constrain(x, mv.dst)
-        if not self.local:
-            return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh)
+        if not self.local:  # the plan the simulator priced (redist.plan's cost model)
+            return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh,
+                                       cost_model="bytes")  # fmt: skip
         v, sizes = mv.value, self.sizes
         if self.micro is not None:  # stages hold other data: move within one stage's devices
             shape = self.micro.get(v.name, v.shape)
