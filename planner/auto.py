@@ -102,25 +102,30 @@ def plan(
     calibration = calibration or default_calibration(mesh)
     limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
     choices, searching = choices_in(prog.jaxpr), [0.0]
+    traces: dict[str, Program] = {}
+    searches: dict[str | None, list] = {}  # candidate -> [(limit, result or MemoryLimitError)]
 
     def traced_as(name):
-        with choosing(name):
-            return donating(analyze(traced, *values), positional, donate_argnums)
+        if name not in traces:
+            with choosing(name):
+                traces[name] = donating(analyze(traced, *values), positional, donate_argnums)
+        return traces[name]
 
     def search_under(limit_bytes):
         """``(program, schedule, prediction, remat decision)`` of the best plan under
         ``limit_bytes`` (the user's ``memory_limit_bytes`` where it is that limit)."""
-        limit_bytes = memory_limit_bytes if limit_bytes == limit else limit_bytes
+        bound = math.inf if limit_bytes is None else limit_bytes
+        given = memory_limit_bytes if limit_bytes == limit else limit_bytes
         start = time.perf_counter()
+
+        def search_for(name, p):
+            return _remembered(searches.setdefault(name, []), bound, lambda: _search(
+                p, sizes, calibration, given, pipeline_axis, microbatches))  # fmt: skip
+
         try:
             if choices:
-                return _choose_remat(
-                    candidate_names(choices), traced_as,
-                    lambda p: _search(p, sizes, calibration, limit_bytes, pipeline_axis,
-                                      microbatches),
-                )  # fmt: skip
-            found = _search(prog, sizes, calibration, limit_bytes, pipeline_axis, microbatches)
-            return (prog, *found, None)
+                return _choose_remat(candidate_names(choices), traced_as, search_for)
+            return (prog, *search_for(None, prog), None)
         finally:
             searching[0] += time.perf_counter() - start
 
@@ -140,6 +145,25 @@ def plan(
     return plan_of(search_under(limit))
 
 
+def _remembered(tried: list, bound: float, search: Callable):
+    """``search()`` under the limit ``bound``, or what an earlier search under a larger limit
+    ``tried`` (``[(limit, result or MemoryLimitError)]``) implies: nothing fits where nothing
+    fitted under more; the best plan under more is the best where it still fits."""
+    for earlier, result in tried:
+        if isinstance(result, MemoryLimitError):
+            if bound <= earlier:
+                raise result
+        elif result[1].peak_bytes <= bound <= earlier:
+            return result
+    try:
+        result = search()
+    except MemoryLimitError as e:
+        tried.append((bound, e))
+        raise
+    tried.append((bound, result))
+    return result
+
+
 def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable):
     """``(program, schedule, prediction, RematDecision)`` of the fastest plan that fits among the
     program traced with each remat candidate (:mod:`planner.program.remat`); where none fits, the
@@ -148,7 +172,7 @@ def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable):
     for name in names:
         prog = traced_as(name)
         try:
-            sched, pred = search_for(prog)
+            sched, pred = search_for(name, prog)
         except MemoryLimitError as e:
             costs[name] = None
             errors.append(e)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from planner.cost.memory import MemoryLimitError
 
-ROUNDS = 3
+ROUNDS = 4
 CHECKS = ("auto", "compiled", "predicted")
 
 
@@ -70,16 +70,21 @@ def checks_compiled(check: str, devices, limit) -> bool:
 
 def confirmed(search_under: Callable, plan_of: Callable, limit: float):
     """The plan of ``search_under(limit)`` (``plan_of`` makes it an AutoPlan) whose compiled
-    memory is within ``limit``, and the rounds it took (see the module docstring). Raises
+    memory is within ``limit``, and the rounds it took (see the module docstring). Where the
+    scaled limit leaves no plan, the round after takes the plan of least predicted memory (the
+    search's smallest peak), the last one the model can offer. Raises
     :class:`MemoryLimitError` when no plan the rounds find compiles within it."""
-    searched, rounds = limit, []
+    searched, rounds, frugal = limit, [], False
     for _ in range(ROUNDS):
         try:
             plan = plan_of(search_under(searched))
         except MemoryLimitError as e:
             if not rounds:
                 raise
-            raise MemoryLimitError(limit, e.peak, note=_compiled_note(rounds, limit)) from None
+            if frugal or e.peak is None or e.peak.bytes >= rounds[-1].predicted_bytes:
+                raise MemoryLimitError(limit, e.peak, note=_compiled_note(rounds, limit)) from None
+            searched, frugal = e.peak.bytes, True  # the least memory any plan is predicted at
+            plan = plan_of(search_under(searched))
         start = time.perf_counter()
         try:
             report = plan.compiled_report()
@@ -91,9 +96,11 @@ def confirmed(search_under: Callable, plan_of: Callable, limit: float):
         compiled = report.total_bytes
         rounds.append(MemoryCheck(searched, plan.prediction.peak_bytes, compiled,
                                   time.perf_counter() - start))  # fmt: skip
-        if compiled is None or compiled <= limit:
-            return plan, tuple(rounds)
+        if compiled is None or compiled <= limit or frugal:
+            break
         searched = limit * plan.prediction.peak_bytes / compiled
+    if rounds[-1].compiled_bytes is None or rounds[-1].compiled_bytes <= limit:
+        return plan, tuple(rounds)
     raise MemoryLimitError(limit, None, note=_compiled_note(rounds, limit))
 
 

@@ -241,6 +241,32 @@ def test_nothing_that_compiles_within_the_limit_is_an_error(monkeypatch):
     assert 1 <= rounds <= confirm.ROUNDS and "over" in str(e.value)
 
 
+def test_where_scaling_leaves_nothing_the_plan_of_least_memory_is_compiled(monkeypatch):
+    """A compiler whose count grows much faster than the prediction, so that scaling
+    the limit by one plan's ratio leaves no plan: the last round takes the plan of least
+    predicted memory, which fits."""
+    from planner.autoplan import AutoPlan
+
+    step, args = _scanned_tanh_step(layers=4, d=64)
+    mesh = jax.make_mesh((4,), ("a",), devices=jax.devices()[:4])
+    fastest = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=None).prediction.peak_bytes
+    with pytest.raises(planner.MemoryLimitError) as e:
+        planner.plan(step, *args, mesh=mesh, memory_limit_bytes=1)
+    least = e.value.peak.bytes
+    assert fastest > 1.1 * least
+
+    def report(plan, mesh=None, moves="auto"):
+        total = int(least * (plan.prediction.peak_bytes / least) ** 6)
+        return compiled_mod.CompiledReport("TPU v5", 4, True, total, None)
+
+    monkeypatch.setattr(AutoPlan, "compiled_report", report)
+    limit = 2 * least
+    p = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit, check_memory="compiled")
+    assert p.memory_checks[0].compiled_bytes > limit
+    assert p.memory_checks[-1].compiled_bytes <= limit
+    assert p.prediction.peak_bytes == least == p.memory_checks[-1].searched_limit  # the last resort
+
+
 def test_check_memory_is_validated():
     step, args = _scanned_tanh_step(layers=2, d=8)
     with pytest.raises(ValueError, match="check_memory='model'"):

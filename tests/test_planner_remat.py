@@ -123,3 +123,32 @@ def test_bad_candidates_are_refused():
     assert repr(planner.remat_policy(a=jax.checkpoint_policies.nothing_saveable)) == (
         "remat_policy(a)"
     )
+
+
+def test_searches_under_lower_limits_reuse_what_earlier_ones_found():
+    """The compile check searches again under lower limits: a candidate's best plan under more
+    memory is its best where it still fits, and nothing fits where nothing fitted under more."""
+    from types import SimpleNamespace
+
+    from planner.auto import _remembered
+
+    calls, tried = [], []
+
+    def search(peak=None, error=None):
+        def run():
+            calls.append(peak)
+            if error:
+                raise error
+            return "schedule", SimpleNamespace(peak_bytes=peak)
+
+        return run
+
+    assert _remembered(tried, 100, search(50))[1].peak_bytes == 50
+    assert _remembered(tried, 60, search(45))[1].peak_bytes == 50  # still fits: not searched
+    assert _remembered(tried, 40, search(35))[1].peak_bytes == 35  # no longer fits: searched
+    none = planner.MemoryLimitError(30)
+    with pytest.raises(planner.MemoryLimitError):
+        _remembered(tried, 30, search(error=none))
+    with pytest.raises(planner.MemoryLimitError):
+        _remembered(tried, 20, search(10))  # nothing fitted under 30: not searched
+    assert calls == [50, 35, None]
