@@ -281,8 +281,8 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
         try:
             plans["searched"] = planner.plan(step, *args, mesh=mesh, donate_argnums=(0, 1))
         except MemoryLimitError as e:
-            rows.append({**base, "strategy": "searched", "search_s": time.perf_counter() - start,
-                         "fits": False, "error": str(e)[:500]})  # fmt: skip
+            rows.append({**base, "strategy": "searched", "planning_s": time.perf_counter() - start,
+                         "fits": False, "error": str(e)[:800]})  # fmt: skip
     if "searched_remat" in todo:
         step_r, args_r = recipe_step(recipe, None, remat=remat_choice(recipe))
         start = time.perf_counter()
@@ -291,7 +291,7 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
                                                    donate_argnums=(0, 1))  # fmt: skip
         except MemoryLimitError as e:
             rows.append({**base, "strategy": "searched_remat", "fits": False,
-                         "search_s": time.perf_counter() - start, "error": str(e)[:500]})  # fmt: skip
+                         "planning_s": time.perf_counter() - start, "error": str(e)[:800]})  # fmt: skip
     for strategy, p in plans.items():
         start = time.perf_counter()
         compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
@@ -317,6 +317,13 @@ def _gb(x) -> str:
     return "n/a" if x is None else f"{x / 1e9:.3g}"
 
 
+def _seconds(row) -> str:
+    """The search seconds; for a plan refused after compiling, ``(164 s planning)``."""
+    if "search_s" in row:
+        return f"{row['search_s']:.1f}"
+    return f"({row['planning_s']:.0f} s planning)" if "planning_s" in row else "n/a"
+
+
 def _checks(rounds) -> str:
     """``2 (over, within; 310 s)``: the plan's compile rounds (:mod:`planner.confirm`)."""
     if not rounds:
@@ -335,7 +342,9 @@ def report(rows: list[dict]) -> str:
         "| predicted / compiled | estimate s | / recipe | search s | compile checks |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    order = {name: k for k, name in enumerate(dict.fromkeys(r["recipe"] for r in rows))}
+    ranked = sorted(rows, key=lambda r: (order[r["recipe"]], STRATEGIES.index(r["strategy"])))
+    for r in ranked:
         pred, comp = r.get("predicted_peak_bytes"), r.get("compiled_bytes")
         ratio = f"{pred / comp:.2f}" if pred and comp else "n/a"
         est, ref = r.get("estimate_s"), recipe_s.get(r["recipe"])
@@ -343,7 +352,7 @@ def report(rows: list[dict]) -> str:
         sec = f"{est:.3g}" if est else "n/a"
         lines.append(f"| {r['recipe']} | {r['strategy']} | {r.get('remat', '')} | {_gb(comp)} | "
                      f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | {sec} | {vs} | "
-                     f"{r.get('search_s', 0):.1f} | {_checks(r.get('memory_checks'))} |")  # fmt: skip
+                     f"{_seconds(r)} | {_checks(r.get('memory_checks'))} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
