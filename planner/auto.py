@@ -25,7 +25,7 @@ import jax
 
 from planner.autoplan import AutoPlan, mesh_devices
 from planner.calls import Signature, differences
-from planner.confirm import checks_compiled, confirmed
+from planner.confirm import MARGIN, checks_compiled, confirmed
 from planner.cost.memory import AUTO, MemoryLimitError, default_calibration, resolve_memory_limit
 from planner.cost.simulator import simulate
 from planner.persistence import (
@@ -89,7 +89,8 @@ def plan(
     ``check_memory``: ``"compiled"`` compiles the plan for ``mesh`` and, where its compiled
     memory is over the limit, searches again (:mod:`planner.confirm`); ``"predicted"`` trusts the
     memory model; ``"auto"`` (the default): compiled where the mesh's devices are TPUs (attached,
-    or :func:`planner.topology_mesh`'s), whose compiler can count more than the model predicts.
+    or :func:`planner.topology_mesh`'s), whose compiler can count more than the model predicts,
+    and the plan is predicted over half the limit.
 
     A ``jax.checkpoint`` whose policy is :func:`planner.remat_policy` is planned once per
     candidate policy, and the fastest plan that fits is kept (:mod:`planner.program.remat`).
@@ -140,7 +141,8 @@ def plan(
                         calibration, sig, _argnums(donate_argnums, len(args)), remat)  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
-        p, checks = confirmed(search_under, plan_of, limit)
+        margin = MARGIN if check_memory == "auto" else None
+        p, checks = confirmed(search_under, plan_of, limit, margin)
         return dataclasses.replace(p, memory_checks=checks)
     return plan_of(search_under(limit))
 

@@ -212,6 +212,11 @@ def test_a_plan_the_compiler_finds_over_the_limit_is_searched_again():
     assert trusted.prediction.peak_bytes <= limit < trusted.compiled_report().total_bytes
     assert trusted.memory_checks == ()
 
+    roomy = planner.plan(step, *args, mesh=mesh, donate_argnums=0)  # HBM's limit: 1/300 of it
+    assert roomy.memory_checks == ()  # "auto" compiles plans predicted over half the limit
+    asked = planner.plan(step, *args, mesh=mesh, donate_argnums=0, check_memory="compiled")
+    assert [c.compiled_bytes for c in asked.memory_checks] == [compiled]
+
     p = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=limit, donate_argnums=0)
     first, *_, last = p.memory_checks
     assert first.searched_limit == limit and first.compiled_bytes > limit
