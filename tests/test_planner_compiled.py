@@ -201,7 +201,7 @@ def test_a_plan_the_compiler_finds_over_the_limit_is_searched_again():
     its predicted memory is under it, the search runs again under a scaled limit, until the
     compiled plan fits. Trusting the prediction gives the plan that does not."""
     mesh = planner.topology_mesh("v5p:2x2x1", {"a": 4})
-    step, args = _scanned_tanh_step()
+    step, args = _scanned_tanh_step(layers=16, d=256)
     free = planner.plan(step, *args, mesh=mesh, memory_limit_bytes=None, donate_argnums=0)
     predicted, compiled = free.prediction.peak_bytes, free.compiled_report().total_bytes
     assert compiled > 1.1 * predicted  # the model is low here: the check has work to do
@@ -212,7 +212,7 @@ def test_a_plan_the_compiler_finds_over_the_limit_is_searched_again():
     assert trusted.prediction.peak_bytes <= limit < trusted.compiled_report().total_bytes
     assert trusted.memory_checks == ()
 
-    roomy = planner.plan(step, *args, mesh=mesh, donate_argnums=0)  # HBM's limit: 1/300 of it
+    roomy = planner.plan(step, *args, mesh=mesh, donate_argnums=0)  # a tiny share of HBM's limit
     assert roomy.memory_checks == ()  # "auto" compiles plans predicted over half the limit
     asked = planner.plan(step, *args, mesh=mesh, donate_argnums=0, check_memory="compiled")
     assert [c.compiled_bytes for c in asked.memory_checks] == [compiled]
