@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,6 +36,7 @@ from planner.persistence import (
     mesh_differences,
     prediction_record,
     program_differences,
+    saved_remat,
     saved_schedule,
 )
 from planner.program.analysis import analyze
@@ -280,14 +282,9 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
     if problems:
         raise ValueError(f"{path} was made for the mesh {saved_shape}: " + "; ".join(problems))
     traced, values = sig.traced(fn, args, kwargs)
-    remat = doc.get("remat")
-    if remat is None:
+    remat = saved_remat(doc)
+    with contextlib.nullcontext() if remat is None else choosing(remat.chosen):
         prog = analyze(traced, *values)
-    else:
-        with choosing(remat["chosen"]):
-            prog = analyze(traced, *values)
-        remat = RematDecision(remat["chosen"], {n: None if v is None else tuple(v)
-                                                for n, v in remat["candidates"].items()})  # fmt: skip
     if fingerprint(prog) != doc["program"]["fingerprint"]:
         raise ValueError(
             f"{path} was made for another program: this one " + program_differences(doc, prog)

@@ -4,8 +4,9 @@ The memory model predicts XLA's buffer assignment; on TPUs the compiler's own co
 (by 20-30 % on MaxText's scanned, rematerialized layers), so a plan predicted under the limit may
 not fit. Where the mesh's devices are TPUs (attached, or a :func:`planner.topology_mesh`), the
 compiler runs on this host: :func:`confirmed` compiles the plan (under ``"auto"`` one predicted
-over half the limit) and, while the compiled memory is over the limit, searches again under the limit scaled by that plan's compiled / predicted ratio
-(the same plan is then excluded), at most :data:`ROUNDS` times. Each round is a
+over half the limit) and, while the compiled memory is over the limit, searches again under the
+limit scaled by that plan's compiled / predicted ratio (the same plan is then excluded), at most
+:data:`ROUNDS` compiles. Each round is a
 :class:`MemoryCheck`; ``plan.memory_checks`` keeps them.
 
 Example:

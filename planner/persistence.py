@@ -28,6 +28,7 @@ import jax
 from planner.calls import without_addresses
 from planner.layout.staging import check_stages
 from planner.program.ir import Program
+from planner.program.remat import RematDecision
 from planner.program.schedule import Schedule, Stages
 from redist.calibration import Calibration
 from redist.types import MeshShape
@@ -107,6 +108,15 @@ def _remat_record(remat) -> dict | None:
         return None
     costs = {n: None if v is None else list(v) for n, v in remat.candidates.items()}
     return {"chosen": remat.chosen, "candidates": costs}
+
+
+def saved_remat(doc: dict) -> RematDecision | None:
+    """The remat choice a saved plan was made with (:func:`_remat_record` read back)."""
+    record = doc.get("remat")
+    if record is None:
+        return None
+    costs = {n: None if v is None else tuple(v) for n, v in record["candidates"].items()}
+    return RematDecision(record["chosen"], costs)
 
 
 def save(plan, path: str) -> None:

@@ -648,9 +648,9 @@ def summarize(plan) -> Summary:
     header = (f"Plan for {func.split(' at ')[0]} on {' x '.join(f'{a}:{n}' for a, n in mesh.axes)}"
               f" ({mesh.num_devices} devices), priced for {cal.backend}; searched in "
               f"{plan.search_s:.2f} s")  # fmt: skip
-    if getattr(plan, "remat", None) is not None:
+    if plan.remat is not None:
         header += "\n" + plan.remat.describe()
-    if getattr(plan, "memory_checks", ()):
+    if plan.memory_checks:
         header += "\n" + describe_checks(plan.memory_checks)
 
     # 2. layouts of the inputs
