@@ -26,5 +26,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.check = True  # compare both outputs with the input, element for element
     c.figures = True  # PNG figures (needs matplotlib: pip install -e ".[figures]")
     c.report_rows = 10
+    c.uneven = False  # cut every extent by 1-7 elements: layouts whose splits do not divide
     c.topology = ""  # a TPU topology ("v5p:2x2x2"): compile both sides for it, time nothing
     return c

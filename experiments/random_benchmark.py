@@ -40,12 +40,15 @@ def problems_of(config):
     rng = random.Random(config.seed)
     itemsize = _itemsize(config.dtype)
     lo, hi = (int(mb * 2**20 / itemsize) for mb in (config.min_mb, config.max_mb))
-    return [
+    out = [
         problems.random_problem(
             rng, mesh, max_rank=config.max_rank, min_elems=lo, max_elems=hi, name=f"r{k:04d}"
         )  # fmt: skip
         for k in range(config.num_problems)
     ]
+    if config.get("uneven"):
+        out = [problems.cut_uneven(p, rng)._replace(name=f"u{p.name[1:]}") for p in out]
+    return out
 
 
 def _itemsize(dtype: str) -> int:
@@ -92,9 +95,8 @@ def measure_problem(p, config) -> dict:
 
     rng = np.random.default_rng(zlib.crc32(p.name.encode()))
     arr = rng.standard_normal(p.shape, dtype=np.float32).astype(config.dtype)
-    x = jax.device_put(arr, NamedSharding(mesh, src))
-    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=model))
-    xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
+    ours, xla, padded = _programs(plan, mesh, src, dst, model)
+    x = jax.device_put(padded(arr), NamedSharding(mesh, src))
     ours_c, ours_s = compile_stats(ours, x)
     xla_c, xla_s = compile_stats(xla, x)
     timing = interleaved_times(
@@ -106,7 +108,7 @@ def measure_problem(p, config) -> dict:
             y = f(x)
             exact[name] = bool(
                 y.sharding.is_equivalent_to(NamedSharding(mesh, dst), len(p.shape))
-                and np.array_equal(np.asarray(y), arr)
+                and np.array_equal(np.asarray(y)[tuple(map(slice, p.shape))], arr)
             )
             del y
     bound = plan.bound_bytes
@@ -132,7 +134,8 @@ def measure_problem(p, config) -> dict:
         "dst": str(dst),
         "src_type": str(plan.src),
         "dst_type": str(plan.dst),
-        "global_bytes": plan.src.global_size * plan.itemsize,
+        "global_bytes": math.prod(plan.global_shape) * plan.itemsize,
+        "uneven": plan.uneven,
         "bound_bytes": bound,
         "synthesis_s": synthesis_s,
         "plan": str(plan),
@@ -147,6 +150,43 @@ def measure_problem(p, config) -> dict:
         "speedup": timing[1]["median"] / timing[0]["median"],
         "speedup_min": timing[1]["min"] / timing[0]["min"],
     }
+
+
+def _programs(plan, mesh, src, dst, model):
+    """Ours and XLA's jitted move, and how an input is padded for them. An uneven layout exists
+    only inside ``jit``: both programs then take the source's padded array (an even layout),
+    cut it to the true extent, move it, and pad the result to the destination's padded extent;
+    XLA lays an uneven dimension out as the padded one, so the cut and the pad move nothing."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    import redist
+
+    def ours_move(v):
+        return redist.redistribute(v, src, dst, mesh=mesh, cost_model=model)
+
+    def xla_move(v):
+        return jax.lax.with_sharding_constraint(v, NamedSharding(mesh, dst))
+
+    if not plan.uneven:
+        ours = jax.jit(ours_move)
+        return ours, jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst)), lambda a: a
+    shape, src_shape, dst_shape = plan.global_shape, plan.src.global_shape, plan.dst.global_shape
+
+    def wrapped(move):
+        def f(v):
+            v = jax.lax.with_sharding_constraint(v[tuple(map(slice, shape))],
+                                                 NamedSharding(mesh, src))  # fmt: skip
+            v = jax.numpy.pad(move(v), [(0, m - n) for n, m in zip(shape, dst_shape)])
+            return v
+
+        return jax.jit(f, out_shardings=NamedSharding(mesh, dst))
+
+    def padded(a):
+        return np.pad(a, [(0, m - n) for n, m in zip(shape, src_shape)])
+
+    return wrapped(ours_move), wrapped(xla_move), padded
 
 
 def compile_problem(p, config) -> dict:
@@ -164,9 +204,8 @@ def compile_problem(p, config) -> dict:
     src, dst = PartitionSpec(*p.src), PartitionSpec(*p.dst)
     model = resolved_cost_model(config.cost_model, mesh)
     plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=model)
-    x = jax.ShapeDtypeStruct(p.shape, config.dtype, sharding=NamedSharding(mesh, src))
-    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh, cost_model=model))
-    xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
+    ours, xla, _ = _programs(plan, mesh, src, dst, model)
+    x = jax.ShapeDtypeStruct(plan.src.global_shape, config.dtype, sharding=NamedSharding(mesh, src))
     sides = {}
     for name, f in (("ours", ours), ("xla", xla)):
         _, stats = compile_stats(f, x)

@@ -187,11 +187,11 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     src_spec = _source_spec(x) if given_src is None else given_src
     m = mesh_shape(mesh)
     shape = tuple(x.shape)
-    s = dist_type(src_spec, shape, m, argname="src")
+    s = dist_type(src_spec, shape, m, argname="src", padded=True)
     if src is not _MISSING and not isinstance(x, jax.core.Tracer):
         xs = getattr(x, "sharding", None)
         if isinstance(xs, NamedSharding):
-            actual = dist_type(xs.spec, shape, m, argname="x.sharding")
+            actual = dist_type(xs.spec, shape, m, argname="x.sharding", padded=True)
             if actual != s:
                 raise ValueError(
                     f"src {src_spec} (type {s}) disagrees with x.sharding {xs.spec} (type {actual}); "
@@ -200,7 +200,7 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
             src_spec = xs.spec
     on_mesh = not isinstance(dst, NamedSharding) or same_mesh(mesh, dst.mesh)
     d = dist_type(dst_spec, shape, m if on_mesh else mesh_shape(dst.mesh, argname="dst.mesh"),
-                  argname="dst")  # fmt: skip
+                  argname="dst", padded=True)  # fmt: skip
     del d  # validated: errors name dst, its dimension and axis
     target = dst if isinstance(dst, NamedSharding) else NamedSharding(mesh, dst_spec)
     move = Move(mesh, src_spec, target, shape, name, itemsize, options)
@@ -289,7 +289,10 @@ def redistribute(
             flag has no effect.
 
     Layouts are ``PartitionSpec`` or ``NamedSharding``; for a pytree ``x`` a single layout applies
-    to every leaf, or give a pytree of layouts with the structure of ``x``.
+    to every leaf, or give a pytree of layouts with the structure of ``x``. A layout may split a
+    dimension unevenly (``ceil(n / k)`` rows per device, the last ones padding, as XLA does)
+    inside ``jax.jit`` on Auto axes, the only place JAX holds such arrays (see
+    :mod:`redist.uneven`).
 
     Returns:
         ``x`` in the destination layout, values unchanged.

@@ -8,6 +8,7 @@
 | allpermute | ``ppermute`` over all mesh axes                            |
 | reducescatter | ``psum_scatter(tiled=True)`` (a pending sum, onto ``dim``) |
 | allreduce  | ``psum`` (a pending sum)                                   |
+| reblock    | per round a ``dynamic_slice``, a ``ppermute``, a masked update |
 
 Collectives use named mesh axes when their device groups are exactly the groups of some mesh axes
 (in some order); otherwise all axes with ``axis_index_groups`` (groups relabelled by device maps).
@@ -187,6 +188,53 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     return out
 
 
+def _reblock(x, step: Step, all_names, idx):
+    """A reblock (:mod:`redist.uneven`) in about one pass over the tile. The rows a device keeps
+    arrive with one shifted slice of its zero-bordered tile (XLA fuses the border into the slice;
+    a static slice where every device shifts alike, as on a dimension split one way); then each
+    round slices the rows a device sends, a ``ppermute`` hands them over, and the receiver writes
+    them in place, masked to the piece, through a window that lies inside its tile. Rows past the
+    array's extent are left as they fall: they are padding, never read as values."""
+    i = step.dim
+    size = step.after.local_shape[i]
+    local, moving = [], []
+    for pairs, table in step.rounds:
+        t = np.asarray(table, dtype=np.int64)
+        (local if all(a == b for a, b in pairs) else moving).append((pairs, t))
+    num = len(step.rounds[0][1])
+    shift = local[0][1][:, 0] - local[0][1][:, 2] if local else np.zeros(num, np.int64)
+    config = [(0, 0, 0)] * x.ndim
+    if not moving and (shift == shift[0]).all():  # one static shifted slice
+        config[i] = (-int(shift[0]), int(shift[0]) + size - x.shape[i], 0)
+        return lax.pad(x, jnp.zeros((), x.dtype), config)
+    rounds = []  # per moving round: pairs, piece length, sender start, window start, mask
+    for pairs, t in moving:
+        n = int(t[:, 1].max())
+        window = np.minimum(t[:, 2], size - n)  # the receiver's n rows, inside its tile
+        send = t[:, 0].copy()
+        for a, b in pairs:  # the sender starts as far before its rows as the window before the
+            send[a] -= t[b, 2] - window[b]  # receiver's
+        lo = t[:, 2] - window
+        rounds.append((pairs, n, send, window, np.stack([lo, lo + t[:, 3]], axis=1)))
+    starts = [shift] + [r[2] for r in rounds]
+    ends = [shift + size] + [r[2] + r[1] for r in rounds]
+    front = max(0, -min(int(v.min()) for v in starts))
+    back = max(0, max(int(v.max()) for v in ends) - x.shape[i])
+    config[i] = (front, back, 0)
+    source = lax.pad(x, jnp.zeros((), x.dtype), config)
+    out = lax.dynamic_slice_in_dim(source, jnp.asarray(front + shift, jnp.int32)[idx], size, i)
+    for pairs, n, send, window, mask in rounds:
+        piece = lax.dynamic_slice_in_dim(source, jnp.asarray(front + send, jnp.int32)[idx], n, i)
+        piece = lax.ppermute(piece, all_names, perm=[(a, b) for a, b in pairs if a != b])
+        at = jnp.asarray(window, jnp.int32)[idx]
+        keep = jnp.asarray(mask, jnp.int32)[idx]
+        pos = lax.broadcasted_iota(jnp.int32, piece.shape, i)
+        held = lax.dynamic_slice_in_dim(out, at, n, axis=i)
+        new = jnp.where((pos >= keep[0]) & (pos < keep[1]), piece, held)
+        out = lax.dynamic_update_slice_in_dim(out, new, at, axis=i)
+    return out
+
+
 def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
     """The function of one device's tile that runs ``plan`` (call it inside a ``shard_map`` over
     a mesh of axes ``mesh_axes``, ``(name, size)`` major first, whose devices the plan numbers).
@@ -223,6 +271,10 @@ def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
                                      **_collective_args(mesh_axes, arg))  # fmt: skip
             elif kind == "allreduce":
                 x = lax.psum(x, **_collective_args(mesh_axes, arg))
+            elif kind == "reblock":
+                if idx is None:
+                    idx = _device_index(mesh_axes)
+                x = _reblock(x, arg, all_names, idx)
             elif kind == "alltoall" and arg.perm:
                 if idx is None:
                     idx = _device_index(mesh_axes)

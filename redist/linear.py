@@ -36,7 +36,7 @@ from redist.execute import shard_mapped
 from redist.meshes import factor_spec, translate
 from redist.specs import dist_type, mesh_shape
 from redist.steps import Plan
-from redist.synthesis import synthesize
+from redist.synthesis import synthesize_uneven
 from redist.transfer import transfer
 
 
@@ -112,7 +112,7 @@ class Move:
         """``(kind, plan, run_mesh)``: ``"place"`` (nothing to move), ``"plan"`` (collectives on
         ``run_mesh``'s prime factors) or ``"transfer"`` (devices in another order)."""
         m = mesh_shape(self.mesh)
-        s = dist_type(self.src, self.shape, m, argname="src")
+        s = dist_type(self.src, self.shape, m, argname="src", padded=True)
         if s.global_size == 0:  # a zero-size array: only its sharding changes
             return "place", None, None
         dst_spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)))  # not `reduced`
@@ -121,10 +121,11 @@ class Move:
             _on_devices(self.dst.mesh, self.mesh),
         )
         if same_mesh(mesh, dst_mesh):
-            d = dist_type(dst_spec, self.shape, m, argname="dst")
-            return "plan", synthesize(m, s, d, self.dtype, self.itemsize, *self.options), mesh
+            d = dist_type(dst_spec, self.shape, m, argname="dst", padded=True)
+            plan = synthesize_uneven(m, s, d, self.shape, self.dtype, self.itemsize, *self.options)
+            return "plan", plan, mesh
         other = mesh_shape(dst_mesh, argname="dst.mesh")
-        d = dist_type(dst_spec, self.shape, other, argname="dst")
+        d = dist_type(dst_spec, self.shape, other, argname="dst", padded=True)
         a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
         if a is not None and b is not None and a != b:
             return "transfer", None, None
@@ -142,14 +143,37 @@ class Move:
                     "axes of one mesh so that the prime factors of equal size line up"
                 )
             run_mesh, s_run, d_run = dst_mesh, on_dst, d
-        plan = synthesize(mesh_shape(run_mesh), s_run, d_run, self.dtype, self.itemsize,
-                          *self.options)  # fmt: skip
+        plan = synthesize_uneven(mesh_shape(run_mesh), s_run, d_run, self.shape, self.dtype,
+                                 self.itemsize, *self.options)  # fmt: skip
         return "plan", plan, run_mesh
 
     @property
     def plan(self) -> Plan | None:
         """The synthesized plan (``None`` for a zero-size array or a transfer)."""
         return self._route[1]
+
+    @property
+    def uneven(self) -> bool:
+        """Whether a layout of the move is uneven (a dimension its axes do not divide)."""
+        return self.plan is not None and self.plan.uneven
+
+    def check_uneven(self, eager: bool) -> None:
+        """Raises ``ValueError`` where JAX cannot hold this move's uneven layouts: outside ``jit``
+        (``jax.device_put`` and ``jit``'s arguments and results refuse them) and on Explicit axes
+        (a value's type must divide); inside ``jit`` on Auto axes XLA pads them."""
+        if not self.uneven:
+            return
+        if eager or self.explicit or is_explicit(self.dst.mesh):
+            padded = [(n, p) for n, p in zip(self.shape, self.plan.src.global_shape) if n != p]
+            padded += [(n, p) for n, p in zip(self.shape, self.plan.dst.global_shape) if n != p]
+            n, p = padded[0]
+            where = "outside jax.jit" if eager else "on a mesh with Explicit axes"
+            raise ValueError(
+                f"src {self.src} or dst {self.dst.spec} splits a dimension of size {n} of the "
+                f"array of shape {self.shape} unevenly (its tiles are padded to {p} rows), and JAX "
+                f"holds no such array {where}: move it inside jax.jit on a mesh with Auto axes, "
+                "where XLA pads the last tiles, or choose axes whose sizes divide the dimension"
+            )
 
     def check_traceable(self) -> None:
         """Raises ``ValueError`` if this move cannot run inside ``jax.jit``."""
@@ -166,6 +190,7 @@ class Move:
                 f"ones (x's are {'Explicit' if self.explicit else 'Auto'}); call redistribute "
                 "outside jit to move between them"
             )
+        self.check_uneven(eager=False)
 
     def traced(self, x):
         """The move of ``x`` inside a trace (``jit``)."""
@@ -183,6 +208,7 @@ class Move:
             # A cotangent an eager jax.grad made on one device (the ones of a sum): its value,
             # placed as the move's source.
             x = jax.device_put(x, NamedSharding(self.mesh, self.src))
+        self.check_uneven(eager=True)
         if kind == "place":
             return jax.device_put(x, self.dst, donate=donate)
         if kind == "transfer":
@@ -299,6 +325,18 @@ def _factored(mesh, explicit: bool):
     return jax.sharding.Mesh(mesh.devices.reshape(sizes), names, axis_types=kinds)
 
 
+def _resized(v, shape: tuple[int, ...], where: NamedSharding):
+    """``v`` zero-padded or cut at the end to ``shape``, placed as ``where``: XLA lays out an
+    uneven dimension as the padded one, so with the same axes neither moves data."""
+    if tuple(v.shape) == tuple(shape):
+        return v
+    if all(n <= m for n, m in zip(v.shape, shape)):
+        v = jax.numpy.pad(v, [(0, m - n) for n, m in zip(v.shape, shape)])
+    else:
+        v = v[tuple(slice(0, m) for m in shape)]
+    return _place(v, where)
+
+
 def _factor_pspec(t) -> PartitionSpec:
     """``t`` as a ``PartitionSpec`` over the factored mesh (pending factors unreduced)."""
     return PartitionSpec(*factor_spec(t), unreduced=frozenset(t.pending))
@@ -324,7 +362,10 @@ def _across(plan: Plan, run_mesh, dst: NamedSharding, explicit: bool, hand_over:
         with jax.sharding.use_abstract_mesh(abstract):
             v = _place(v, NamedSharding(factored, s_spec))
             if plan.steps:
+                # uneven layouts: padding the last tiles, and dropping it, moves nothing
+                v = _resized(v, plan.src.global_shape, NamedSharding(factored, s_spec))
                 v = shard_mapped(plan, factored, s_spec, d_spec)(v)
+                v = _resized(v, plan.global_shape, NamedSharding(factored, d_spec))
         return _place(v, dst) if hand_over else v
 
     return run

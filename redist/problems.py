@@ -111,5 +111,17 @@ def random_problem(
     raise ValueError(f"cannot draw a problem of {min_elems}-{max_elems} elements on mesh {mesh}")
 
 
+def cut_uneven(p: Problem, rng: random.Random) -> Problem:
+    """``p`` with every dimension of more than one element cut by 1 to 7 elements (at most half
+    of it): the paper's recipe with extents that their splits mostly do not divide.
+
+    Example:
+        >>> cut_uneven(Problem("r", {"a": 2}, (16, 8), ("a",), ()), random.Random(0)).shape
+        (9, 4)
+    """
+    shape = tuple(n - rng.randint(1, min(7, n // 2)) if n > 1 else n for n in p.shape)
+    return p._replace(shape=shape)
+
+
 def _names(entry: SpecEntry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

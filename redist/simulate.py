@@ -18,6 +18,8 @@ from redist.types import DistType, MeshShape
 
 def tiles_of(t: DistType, mesh: MeshShape, array: np.ndarray, device_map=None) -> list[np.ndarray]:
     """The tile every physical device holds for type ``t`` under ``device_map`` (identity default)."""
+    if array.shape != t.global_shape:  # an uneven layout: its padding rows are zeros
+        array = np.pad(array, [(0, g - n) for g, n in zip(t.global_shape, array.shape)])
     offsets = t.base_offsets(mesh)
     phys = np.empty_like(offsets)
     phys[np.arange(mesh.num_devices) if device_map is None else np.asarray(device_map)] = offsets
@@ -67,6 +69,8 @@ def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
     elif step.kind == "allpermute":
         for s, d in step.perm:
             out[d] = tiles[s]
+    elif step.kind == "reblock":
+        out = _reblock(step, tiles)
     elif step.kind in ("reducescatter", "allreduce"):
         for group in step.groups:
             total = sum(tiles[d] for d in group)
@@ -75,6 +79,25 @@ def apply_step(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
                 out[d] = total if parts is None else parts[rank]
     else:
         raise ValueError(f"unknown step kind {step.kind!r}")
+    return out
+
+
+def _reblock(step: Step, tiles: list[np.ndarray]) -> list[np.ndarray]:
+    """Every device's new tile after a reblock, from its rounds' pairs and tables alone; rows
+    no piece writes stay zero (padding)."""
+    i = step.dim
+    shape = list(tiles[0].shape)
+    shape[i] = step.after.local_shape[i]
+    out = [np.zeros(shape, dtype=tiles[0].dtype) for _ in tiles]
+    for pairs, table in step.rounds:
+        for s, d in pairs:
+            start, length, put, got = table[s][0], table[s][1], table[d][2], table[d][3]
+            if length != got:
+                raise AssertionError(f"device {s} sends {length} rows, device {d} expects {got}")
+            piece = np.take(tiles[s], range(start, start + length), axis=i)
+            index = [slice(None)] * len(shape)
+            index[i] = slice(put, put + length)
+            out[d][tuple(index)] = piece
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from redist.cost import AUTO, COST_MODELS, cost_model_ok
 from redist.steps import Plan
-from redist.synthesis import FOLD_MIN_BYTES, synthesize
+from redist.synthesis import FOLD_MIN_BYTES, synthesize_uneven
 from redist.types import DistType, MeshShape, SpecEntry, check_shape, check_size
 
 MeshLike = Any  # jax.sharding.Mesh | jax.sharding.AbstractMesh | Mapping[str, int] | MeshShape
@@ -123,11 +123,15 @@ def unreduced_axes(spec: SpecLike, *, argname: str) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def dist_type(spec: SpecLike, shape: Sequence[int], mesh: MeshShape, *, argname: str) -> DistType:
-    """A :class:`DistType` from a spec, with errors that name the argument."""
+def dist_type(
+    spec: SpecLike, shape: Sequence[int], mesh: MeshShape, *, argname: str, padded: bool = False
+) -> DistType:
+    """A :class:`DistType` from a spec, with errors that name the argument (``padded``: uneven
+    dimensions typed at their padded size, see :meth:`DistType.from_spec`)."""
     try:
         entries = spec_entries(spec, argname=argname)
-        return DistType.from_spec(entries, shape, mesh, unreduced_axes(spec, argname=argname))
+        unreduced = unreduced_axes(spec, argname=argname)
+        return DistType.from_spec(entries, shape, mesh, unreduced, padded=padded)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{argname}: {e}") from None
 
@@ -300,7 +304,7 @@ def plan(
         TypeError: for a shape, spec, mesh, dtype or option of the wrong type (a float or string
             size, a dict or set as a spec, ``dtype=None``, a sub-byte dtype...), naming it.
         ValueError: for values out of range: negative sizes, unknown or repeated axes, a spec
-            longer than the rank, indivisible dimensions, a mesh of more than
+            longer than the rank, a mesh of more than
             :data:`~redist.types.MAX_DEVICES` devices, an unknown ``cost_model``...
         NotImplementedError: for a ``dst`` with unreduced axes, or reduced axes anywhere.
     """
@@ -308,11 +312,11 @@ def plan(
     m = mesh_shape(mesh)
     name, itemsize = movable_dtype(dtype, argname="dtype")
     options = check_options(cost_model, fold_min_bytes)
-    s = dist_type(src, shape, m, argname="src")
-    d = dist_type(dst, shape, m, argname="dst")
+    s = dist_type(src, shape, m, argname="src", padded=True)
+    d = dist_type(dst, shape, m, argname="dst", padded=True)
     if d.pending:
         raise NotImplementedError(
             f"dst {dst} has unreduced axes: a redistribution reduces pending sums, it does not "
             "create them"
         )
-    return synthesize(m, s, d, name, itemsize, *options)
+    return synthesize_uneven(m, s, d, shape, name, itemsize, *options)

@@ -18,6 +18,8 @@ import dataclasses
 from redist.types import DistType, MeshShape
 
 Group = tuple[int, ...]
+Round = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int, int], ...]]
+"""One round of a reblock: ``(sender, receiver)`` pairs and a per-device table."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -42,6 +44,11 @@ class Step:
             lists them in move order, and a member's rank is their mixed-radix index (first
             fastest). One all-to-all may move factors between several pairs of dimensions.
         move_axes: for alltoall, the factors of each move.
+        rounds: for ``"reblock"`` (a dimension ``dim`` of true extent ``extent`` changes its
+            padded extent, so a device's block of rows moves a little, see :mod:`redist.uneven`):
+            per round ``(pairs, table)``, ``pairs`` the ``(sender, receiver)`` devices (a device
+            pairs with itself for rows it keeps) and ``table[d] = (send start, send length,
+            receive start, receive length)`` within device ``d``'s tiles along ``dim``.
     """
 
     kind: str
@@ -57,6 +64,17 @@ class Step:
     device_map: tuple[int, ...] = ()
     moves: tuple[tuple[int, int, int], ...] = ()
     move_axes: tuple[tuple[str, ...], ...] = ()
+    rounds: tuple[Round, ...] = ()
+
+    @property
+    def collectives(self) -> int:
+        """Collectives the step runs: none for a dynslice, one round of ``ppermute`` per round of
+        a reblock that moves rows between devices, else one."""
+        if self.kind == "dynslice":
+            return 0
+        if self.kind == "reblock":
+            return sum(any(a != b for a, b in pairs) for pairs, _ in self.rounds)
+        return 1
 
     @property
     def group_size(self) -> int:
@@ -72,6 +90,9 @@ class Step:
             head = f"reducescatter({self.dim}, {axes})"
         elif self.kind == "allreduce":
             head = f"allreduce({axes})"
+        elif self.kind == "reblock":
+            n, m = self.before.dims[self.dim].size, self.after.dims[self.dim].size
+            head = f"reblock({self.dim}, {axes}, extent {n}->{m}, {len(self.rounds)} rounds)"
         elif self.kind == "alltoall" and len(self.moves) > 1:
             parts = [
                 f"{i}->{j}, {{{','.join(x)}}}" for (i, j, _), x in zip(self.moves, self.move_axes)
@@ -96,6 +117,8 @@ class Plan:
     Attributes:
         cost_bytes: total bytes per device under the paper's cost model (Fig. 11).
         peak_bytes: largest local tile along the sequence, bytes per device.
+        extent: the array's true shape where some layout is uneven (``src`` and ``dst`` are
+            then typed at their padded sizes, :mod:`redist.uneven`); ``None`` otherwise.
     """
 
     mesh: MeshShape
@@ -104,6 +127,7 @@ class Plan:
     dtype: str
     itemsize: int
     steps: tuple[Step, ...]
+    extent: tuple[int, ...] | None = None
 
     @property
     def cost_bytes(self) -> int:
@@ -116,12 +140,17 @@ class Plan:
 
     @property
     def bound_bytes(self) -> int:
-        """``max(src tile, dst tile)`` in bytes: the memory bound every plan respects."""
-        return max(self.src.local_size, self.dst.local_size) * self.itemsize
+        """``max(src tile, dst tile)`` in bytes: the memory bound every plan respects. For an
+        uneven move the tiles are those of the padded extent the move runs on (one dimension's
+        tile there exceeds its padded tile by less than ``lcm(src parts, dst parts) / parts``
+        rows, see :mod:`redist.uneven`)."""
+        ends = [self.src, self.dst]
+        ends += [t for s in self.steps if s.kind == "reblock" for t in (s.before, s.after)]
+        return max(t.local_size for t in ends) * self.itemsize
 
     @property
     def num_collectives(self) -> int:
-        return sum(s.kind != "dynslice" for s in self.steps)
+        return sum(s.collectives for s in self.steps)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -129,7 +158,14 @@ class Plan:
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        return self.src.global_shape
+        """The array's shape (its true extent where a layout is uneven)."""
+        return self.extent if self.extent is not None else self.src.global_shape
+
+    @property
+    def uneven(self) -> bool:
+        """Whether some dimension of the array is padded in ``src`` or ``dst``."""
+        shape = self.global_shape
+        return shape != self.src.global_shape or shape != self.dst.global_shape
 
     def __str__(self) -> str:
         lines = [

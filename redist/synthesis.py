@@ -9,7 +9,8 @@ from redist.cost import COST_MODELS, cost_model_ok
 from redist.lower import make_plan, reduce_pending
 from redist.search import weak_paths
 from redist.steps import Plan
-from redist.types import DistType, MeshShape
+from redist.types import DistType, MeshShape, padded_size
+from redist.uneven import parts, reblocks, with_sizes, working_extent
 
 # Chunks below this many bytes keep the final permutation separate: rounds of small messages
 # are latency-bound. Measured by experiments/fold_threshold.py on 8 CPU devices: folding is slower
@@ -70,3 +71,56 @@ def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_byte
         if best is None or key < best[0]:
             best = (key, plan)
     return best[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def synthesize_uneven(
+    mesh: MeshShape,
+    src: DistType,
+    dst: DistType,
+    extent: tuple[int, ...],
+    dtype: str,
+    itemsize: int,
+    cost_model: str = "bytes",
+    fold_min_bytes: int = FOLD_MIN_BYTES,
+) -> Plan:
+    """The plan moving an array of true shape ``extent`` between layouts typed at their padded
+    sizes (``src``, ``dst``; see :mod:`redist.uneven`): reblocks onto the working extent, the
+    even plan there, reblocks off it. Equals :func:`synthesize` where nothing is padded.
+
+    Raises:
+        ValueError: if a padded size is not ``extent``'s dimension padded to its parts.
+    """
+    for name, t in (("source", src), ("destination", dst)):
+        for i, (n, d) in enumerate(zip(extent, t.dims, strict=True)):
+            if d.size < n:
+                raise ValueError(
+                    f"the {name}'s dimension {i} has size {d.size}, less than its extent {n} "
+                    f"(padded to its {parts(d)} parts: {padded_size(n, parts(d))})"
+                )
+    if src.global_shape == dst.global_shape == extent:
+        return synthesize(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes)
+    if math.prod(extent) == 0:
+        return Plan(mesh, src, dst, dtype, itemsize, (), extent)
+    if src.pending:  # reduce first (partial tiles hold no rows to reblock), then move
+        best = None
+        n = math.prod(mesh.factor_size[a] for a in src.pending)
+        for dim in [d for d, t in enumerate(src.dims) if t.local % n == 0] + [None]:
+            first = reduce_pending(mesh, src, dim, itemsize)
+            rest = synthesize_uneven(mesh, first.after, dst, extent, dtype, itemsize, cost_model,
+                                     fold_min_bytes)  # fmt: skip
+            plan = Plan(mesh, src, dst, dtype, itemsize, (first, *rest.steps), extent)
+            key = (plan.cost_bytes, plan.num_collectives, plan.peak_bytes)
+            if best is None or key < best[0]:
+                best = (key, plan)
+        return best[1]
+    work = tuple(working_extent(n, s.size, parts(s), d.size, parts(d))
+                 for n, s, d in zip(extent, src.dims, dst.dims))  # fmt: skip
+    s_work, d_work = with_sizes(src, work), with_sizes(dst, work)
+    core = synthesize(mesh, s_work, d_work, dtype, itemsize, cost_model, fold_min_bytes)
+    steps = (
+        *reblocks(mesh, src, s_work, extent, itemsize),
+        *core.steps,
+        *reblocks(mesh, d_work, dst, extent, itemsize),
+    )
+    return Plan(mesh, src, dst, dtype, itemsize, steps, extent)

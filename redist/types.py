@@ -336,6 +336,17 @@ class MeshShape:
         return "{" + ", ".join(f"{n}:{s}" for n, s in self.axes) + "}"
 
 
+def padded_size(n: int, parts: int) -> int:
+    """``n`` rounded up to a multiple of ``parts``: the extent of ``parts`` tiles of
+    ``ceil(n / parts)`` (XLA's layout of a dimension its parts do not divide).
+
+    Example:
+        >>> padded_size(12, 8)
+        16
+    """
+    return parts * -(-n // parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class DistDim:
     """A distributed dimension ``local{axes}size`` with factor axes listed minor-to-major."""
@@ -400,9 +411,13 @@ class DistType:
         shape: Sequence[int],
         mesh: MeshShape,
         unreduced: Iterable[AxisName] = (),
+        *,
+        padded: bool = False,
     ) -> DistType:
         """Convert a ``PartitionSpec`` (major-to-minor axis names) for an array of ``shape``;
-        ``unreduced`` names the mesh axes of a pending sum.
+        ``unreduced`` names the mesh axes of a pending sum. With ``padded``, a dimension of size
+        ``n`` that its ``k`` parts do not divide is typed at its padded size ``k * ceil(n / k)``
+        (every device holds ``ceil(n / k)``, the last ones padding, as XLA lays it out).
 
         Raises:
             ValueError: naming the dimension and axis for unknown or repeated axes, a spec longer
@@ -427,6 +442,7 @@ class DistType:
         spec = spec + (None,) * (len(shape) - len(spec))
         used: dict[str, int] = {}
         all_axes = []
+        sizes: list[int] = []
         for i, entry in enumerate(spec):
             names = _entry_names(entry, i)
             parts = 1
@@ -448,12 +464,13 @@ class DistType:
                     )
                 used[name] = i
                 parts *= mesh.sizes[name]
-            if shape[i] % parts:
+            if shape[i] % parts and not padded:
                 raise ValueError(
                     f"dimension {i} of size {shape[i]} is split by mesh axes {names} into {parts} "
-                    f"parts, but {parts} does not divide {shape[i]}; uneven sharding is not "
-                    "supported yet: pad the array or choose axes whose size divides the dimension"
+                    f"parts, but {parts} does not divide {shape[i]}; this type needs even tiles "
+                    "(uneven layouts are typed at their padded size, see padded=True)"
                 )
+            sizes.append(padded_size(shape[i], parts))
             major_to_minor = [f for name in names for f in mesh.axis_factors(name)]
             all_axes.append(tuple(reversed(major_to_minor)))
         pending = []
@@ -470,7 +487,7 @@ class DistType:
                     f"mesh axis {name!r} is both unreduced and splits dimension {used[name]}"
                 )
             pending.extend(mesh.axis_factors(name))
-        t = cls.from_axes(shape, all_axes, mesh)
+        t = cls.from_axes(sizes, all_axes, mesh)
         return dataclasses.replace(t, pending=tuple(pending)) if pending else t
 
     def to_spec(self, mesh: MeshShape) -> tuple[SpecEntry, ...]:

@@ -140,7 +140,6 @@ BAD = [
     (dict(src=("z",)), ValueError, r"src: .* names mesh axis 'z', .* valid axes: \('a', 'b'\)"),
     (dict(src=("a#0",)), ValueError, r"src: .* names mesh axis 'a#0'.* valid axes"),
     (dict(src=("a", None, None)), ValueError, r"src: PartitionSpec .* has 3 entries .* rank 2"),
-    (dict(shape=(6, 8), dst=("b",)), ValueError, r"dst: dimension 0 of size 6 .* 4 parts"),
     (dict(shape=(), src=("a",)), ValueError, r"src: .* has 1 entries but the array has rank 0"),
     # meshes: {str: positive int} mappings, Mesh / AbstractMesh, MeshShape
     (dict(mesh={"a": 2.5}), TypeError, r"mesh: mesh axis 'a' must have a positive integer size, got 2.5"),

@@ -23,6 +23,16 @@ def test_random_benchmark_smoke(tmp_path):
     assert "Where we lose most" in (tmp_path / "report.md").read_text()
 
 
+def test_random_benchmark_on_uneven_problems(tmp_path):
+    config = smoke.get_config()
+    config.uneven, config.repeats, config.num_problems = True, 1, 2
+    summary = random_benchmark.run(config, str(tmp_path))
+    assert summary["ours_exact"] == 2 and summary["xla_exact"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert all(r["uneven"] for r in rows)
+    assert all(r["name"].startswith("u") for r in rows)
+
+
 def test_named_problems_config():
     config = smoke.get_config()
     config.problems = "P2,ex4_9"
