@@ -54,19 +54,24 @@ def synthesize(
     return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, cost_model)
 
 
-def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes) -> Plan:
+def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes,
+                      extent=None) -> Plan:  # fmt: skip
     """Reduce the pending sum first, then move: a reduce-scatter onto any dimension its factors
     divide, or an all-reduce; the cheapest total (then fewest collectives) wins. Memory stays
-    within ``max(src tile, dst tile)``: the reduction's result is no larger than its input."""
+    within ``max(src tile, dst tile)``: the reduction's result is no larger than its input. With
+    an ``extent`` (uneven layouts) the rest is planned by :func:`synthesize_uneven`: partial
+    tiles hold no rows to reblock until they are summed."""
     if src.global_size == 0:
-        return Plan(mesh, src, dst, dtype, itemsize, ())
+        return Plan(mesh, src, dst, dtype, itemsize, (), extent)
     n = math.prod(mesh.factor_size[a] for a in src.pending)
     options = [d for d, dim in enumerate(src.dims) if dim.local % n == 0] + [None]
     best = None
     for dim in options:
         first = reduce_pending(mesh, src, dim, itemsize)
-        rest = synthesize(mesh, first.after, dst, dtype, itemsize, cost_model, fold_min_bytes)
-        plan = Plan(mesh, src, dst, dtype, itemsize, (first, *rest.steps))
+        args = (dtype, itemsize, cost_model, fold_min_bytes)
+        rest = synthesize(mesh, first.after, dst, *args) if extent is None \
+            else synthesize_uneven(mesh, first.after, dst, extent, *args)  # fmt: skip
+        plan = Plan(mesh, src, dst, dtype, itemsize, (first, *rest.steps), extent)
         key = (plan.cost_bytes, plan.num_collectives, dst.dim_of(first.axes[0]) != dim)
         if best is None or key < best[0]:
             best = (key, plan)
@@ -102,18 +107,9 @@ def synthesize_uneven(
         return synthesize(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes)
     if math.prod(extent) == 0:
         return Plan(mesh, src, dst, dtype, itemsize, (), extent)
-    if src.pending:  # reduce first (partial tiles hold no rows to reblock), then move
-        best = None
-        n = math.prod(mesh.factor_size[a] for a in src.pending)
-        for dim in [d for d, t in enumerate(src.dims) if t.local % n == 0] + [None]:
-            first = reduce_pending(mesh, src, dim, itemsize)
-            rest = synthesize_uneven(mesh, first.after, dst, extent, dtype, itemsize, cost_model,
-                                     fold_min_bytes)  # fmt: skip
-            plan = Plan(mesh, src, dst, dtype, itemsize, (first, *rest.steps), extent)
-            key = (plan.cost_bytes, plan.num_collectives, plan.peak_bytes)
-            if best is None or key < best[0]:
-                best = (key, plan)
-        return best[1]
+    if src.pending:
+        return _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes,
+                                 extent)  # fmt: skip
     work = tuple(working_extent(n, s.size, parts(s), d.size, parts(d))
                  for n, s, d in zip(extent, src.dims, dst.dims))  # fmt: skip
     s_work, d_work = with_sizes(src, work), with_sizes(dst, work)
