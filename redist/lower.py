@@ -265,8 +265,11 @@ def lower(
     path: Sequence[WeakStep],
     itemsize: int,
     fold_min_bytes: int = 0,
+    fold_max_bytes: int | None = None,
 ) -> tuple[Step, ...]:
-    """Concrete steps for ``path``: no intermediate permutation, at most one final one."""
+    """Concrete steps for ``path``: no intermediate permutation, at most one final one (folded
+    into the alltoall before it where each chunk has ``fold_min_bytes`` to ``fold_max_bytes``)."""
+    fold = (fold_min_bytes, fold_max_bytes)
     identity = np.arange(mesh.num_devices)
     state = _State(mesh, src, identity)
     steps = [_lower_step(state, w, dst, itemsize) for w in path]
@@ -277,7 +280,7 @@ def lower(
     while k > 0 and path[k - 1].kind == "allgather":
         k -= 1
     if k == len(path):
-        return _fuse_permutation((*steps, last), itemsize, fold_min_bytes)
+        return _fuse_permutation((*steps, last), itemsize, *fold)
     # Move the permutation before the trailing allgathers, where tiles are smaller.
     state = _State(mesh, src, identity)
     steps = [_lower_step(state, w, dst, itemsize) for w in path[:k]]
@@ -292,17 +295,20 @@ def lower(
     end = _permute(state, dst, itemsize)
     if end is not None:  # pragma: no cover - the pre-gather target gathers exactly into dst
         raise RuntimeError("lowering did not reach the destination placement")
-    return _fuse_permutation(steps, itemsize, fold_min_bytes)
+    return _fuse_permutation(steps, itemsize, *fold)
 
 
-def _fuse_permutation(steps: Sequence[Step], itemsize: int, min_bytes: int) -> tuple[Step, ...]:
+def _fuse_permutation(
+    steps: Sequence[Step], itemsize: int, min_bytes: int, max_bytes: int | None = None
+) -> tuple[Step, ...]:
     """Fold an allpermute into the alltoall just before it: each chunk goes straight to the
     device that finally needs it, so the permutation costs no extra transfer."""
     out = list(steps)
     for k in range(1, len(out)):
         a2a = out[k - 1]
         chunk = a2a.after.local_size * itemsize // a2a.group_size
-        if out[k].kind == "allpermute" and a2a.kind == "alltoall" and chunk >= min_bytes:
+        sized = min_bytes <= chunk and (max_bytes is None or chunk <= max_bytes)
+        if out[k].kind == "allpermute" and a2a.kind == "alltoall" and sized:
             fused = dataclasses.replace(
                 out[k - 1], after=out[k].after, perm=out[k].perm, device_map=out[k].device_map
             )
@@ -319,11 +325,12 @@ def make_plan(
     itemsize: int,
     fold_min_bytes: int = 0,
     cost_model: str = "bytes",
+    fold_max_bytes: int | None = None,
 ) -> Plan:
     """Lower each candidate path (all of equal weak cost) and keep the best concrete plan."""
     best = None
     for path in paths:
-        steps = lower(mesh, src, dst, path, itemsize, fold_min_bytes)
+        steps = lower(mesh, src, dst, path, itemsize, fold_min_bytes, fold_max_bytes)
         plan = Plan(mesh, src, dst, dtype, itemsize, steps)
         permute = sum(
             search_weight("allpermute", s.before.local_shape, s.after.local_shape, 0, itemsize,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
-from redist.cost import COST_MODELS, cost_model_ok
+from redist.cost import COST_MODELS, cost_model_ok, is_calibrated, model_calibration
 from redist.lower import make_plan, reduce_pending
 from redist.search import weak_paths
 from redist.steps import Plan
@@ -51,7 +51,8 @@ def synthesize(
     paths = weak_paths(
         src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, cost_model
     )
-    return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, cost_model)
+    most = model_calibration(cost_model).fold_max_bytes if is_calibrated(cost_model) else None
+    return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, cost_model, most)
 
 
 def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes,

@@ -67,3 +67,35 @@ def test_a_named_calibration_is_a_cost_model_and_unknown_ones_are_refused(mesh):
         redist.plan(SHAPE, SRC, DST, mesh, cost_model="calibrated:nope")
     with pytest.raises(ValueError, match="got 'auto'"):  # the pure plan has no devices to ask
         redist.plan(SHAPE, SRC, DST, mesh, cost_model="auto")
+
+
+def test_tpu_calibrations_do_not_fold_a_permutation_of_large_chunks_into_an_all_to_all():
+    """Folding (rounds of collective-permute) pays on CPU from 512 KiB chunks; the TPU compiler
+    stages every round, so on TPU calibrations a permutation of chunks over 4 MiB stays its own
+    step (P1's chunks: 10 MB); smaller ones still fold."""
+    shape, src, dst = (360, 368, 320), P(None, "c", None), P(("a", "c"), None, "b")  # P1
+    mesh = {"a": 2, "b": 2, "c": 2}
+    cpu = redist.plan(shape, src, dst, mesh, cost_model="calibrated:cpu")
+    tpu = redist.plan(shape, src, dst, mesh, cost_model="calibrated:tpu_v5p")
+    assert [bool(s.perm) for s in cpu.steps if s.kind == "alltoall"] == [True]
+    assert [bool(s.perm) for s in tpu.steps if s.kind == "alltoall"] == [False]
+    assert tpu.kinds[-1] == "allpermute" and tpu.cost_bytes > cpu.cost_bytes
+    small = redist.plan((180, 368, 160), src, dst, mesh, cost_model="calibrated:tpu_v5p")  # 2.6 MB
+    assert [bool(s.perm) for s in small.steps if s.kind == "alltoall"] == [True]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"',
+)
+def test_on_a_tpu_mesh_the_default_needs_no_more_temporaries_than_xla_for_p1():
+    import planner
+    from experiments.measure import compile_stats
+
+    shape, src, dst = (360, 368, 320), P(None, "c", None), P(("a", "c"), None, "b")  # P1
+    mesh = planner.topology_mesh("v5p:2x2x2", {"a": 2, "b": 2, "c": 2})
+    x = jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, src))
+    ours = jax.jit(lambda v: redist.redistribute(v, src, dst, mesh=mesh))
+    xla = jax.jit(lambda v: v, out_shardings=NamedSharding(mesh, dst))
+    temp = [compile_stats(f, x)[1].temp_bytes for f in (ours, xla)]
+    assert temp[0] <= 1.05 * temp[1], temp  # folded, the plan needed 2x XLA's (115 vs 58 MB)
