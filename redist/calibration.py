@@ -82,6 +82,9 @@ class Calibration:
     # round: folded, Fig. 13's P1 (10 MB chunks) needs 115 MB of temporaries, unfolded 59
     # (XLA's program 58); below 2 MB chunks folding needs less or within 4 %.
     fold_max_bytes: int | None = None
+    # Matmul and convolution rates by operand dtype, and ``"<dtype>:<precision>"`` where a
+    # precision (``high``, ``highest``) runs slower than the default; others: flops_per_s.
+    dense_flops_per_s: dict[str, float] | None = None
 
     def collective_time(self, kind: str, nbytes: float, n: int, crosses: bool = False) -> float:
         """Seconds for ``kind`` over ``n`` devices; ``crosses``: the group spans two domains."""
@@ -105,13 +108,32 @@ class Calibration:
         d = digits(mesh)
         return any(d[f][0] * d[f][1] > self.domain_devices for f in factors)
 
-    def compute_time(self, flops: float, read_bytes: float, written_bytes: float = 0.0) -> float:
-        """Roofline: the slower of arithmetic and memory traffic (operands read at the streaming
-        rate, results written at the write rate, by default the copy rate)."""
+    def compute_time(
+        self, flops: float, read_bytes: float, written_bytes: float = 0.0,
+        flops_per_s: float | None = None,
+    ) -> float:  # fmt: skip
+        """Roofline: the slower of arithmetic (at ``flops_per_s``, by default the file's
+        ``flops_per_s``) and memory traffic (operands read at the streaming rate, results
+        written at the write rate, by default the copy rate)."""
         read_rate = self.read_bytes_per_s or self.copy_bytes_per_s
         write_rate = self.write_bytes_per_s or self.copy_bytes_per_s
         traffic = read_bytes / read_rate + written_bytes / write_rate
-        return max(flops / self.flops_per_s, traffic)
+        return max(flops / (flops_per_s or self.flops_per_s), traffic)
+
+    def dense_rate(self, dtype: str, precision: str = "default") -> float:
+        """Flops per second of a matmul or convolution on ``dtype`` operands at ``precision``
+        (``"default"``, ``"high"``, ``"highest"``): the file's rate for ``"<dtype>:<precision>"``,
+        else for ``dtype`` at the default precision, else ``flops_per_s``.
+
+        Example:
+            >>> cal = Calibration.named("h100_sxm")
+            >>> cal.dense_rate("float32") > cal.dense_rate("float32", "highest")
+            True
+        """
+        rates = self.dense_flops_per_s or {}
+        if precision != "default" and f"{dtype}:{precision}" in rates:
+            return rates[f"{dtype}:{precision}"]
+        return rates.get(dtype, self.flops_per_s)
 
     def device_memory_bytes(self, devices_per_host: int = 1) -> float | None:
         """Memory of one device: ``memory_bytes``, or for a host's memory shared by its devices

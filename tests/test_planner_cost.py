@@ -122,3 +122,29 @@ def test_simulator_prices_a_split_reduction_across_hosts_on_the_slow_network():
         sched = prog.schedule({dot.name: {reduce_loop: axis}}, {"node": 2, "gpu": 8})
         times[axis] = simulate(prog, sched, h100).time_s
     assert times["node"] > times["gpu#0"]
+
+
+@pytest.mark.parametrize("name", ["h100_sxm", "tpu_v5p"])
+def test_a_matmul_is_priced_by_its_dtype_and_precision(name):
+    """On the H100, bf16 runs about twice TF32 (float32 at the default precision), which runs
+    7.5x float32 at 'highest' (measured); on TPU, float32 at the default precision is one bf16
+    pass and 'highest' six."""
+    import jax.numpy as jnp
+
+    cal = Calibration.named(name)
+    times = {}
+    for dtype, precision in [("bfloat16", None), ("float32", None), ("float32", "highest")]:
+        a = jnp.ones((4096, 4096), dtype)
+        prog = planner.analyze(lambda x, y, p=precision: jnp.dot(x, y, precision=p), a, a)
+        dot = next(o for o in prog.ops if o.primitive == "dot_general")
+        sched = prog.schedule({}, {"a": 1})
+        ops = simulate(prog, sched, cal).ops
+        times[dtype, precision] = next(c.compute_s for c in ops if c.op == dot.name)
+    flops = 2 * 4096**3
+    highest = cal.dense_rate("float32", "highest")
+    assert np.isclose(times["float32", "highest"], flops / highest, rtol=1e-6)
+    assert times["float32", "highest"] > 5 * times["float32", None]
+    if name == "h100_sxm":
+        assert 1.7 < times["float32", None] / times["bfloat16", None] < 2.1
+    else:
+        assert np.isclose(times["float32", None], times["bfloat16", None], rtol=0.05)

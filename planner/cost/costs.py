@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from planner.program.ir import Program
-from planner.program.ops import Access, Op
+from planner.program.ops import Access, Op, itemsize
 from planner.program.rules import CUMULATIVE, ELEMENTWISE, REDUCTIONS, SCATTERS
 
 # No arithmetic: data movement, index computations the compiler folds, and region boundaries.
@@ -99,6 +99,25 @@ def _integer_pow_multiplies(y: int) -> int:
         return 0
     n = abs(y)
     return (n.bit_length() - 1) + (bin(n).count("1") - 1) + (1 if y < 0 else 0)
+
+
+def dense_kind(op: Op) -> tuple[str, str]:
+    """``(operand dtype, precision)`` of a matmul or convolution, what its rate depends on: the
+    wider operand dtype, and ``"highest"`` / ``"high"`` where the op's ``precision`` param asks
+    for either on some operand (else ``"default"``).
+
+    Example:
+        >>> dense_kind(op)   # jnp.dot(a, b, precision="highest") on float32  # doctest: +SKIP
+        ('float32', 'highest')
+    """
+    dtypes = [a.value.dtype for a in op.operands] or [r.value.dtype for r in op.results]
+    dtype = str(max(dtypes, key=itemsize))
+    given = op.eqn.params.get("precision") if op.eqn is not None else None
+    names = [str(p).lower() for p in (given if isinstance(given, tuple) else (given,))]
+    for level in ("highest", "high"):
+        if any(n.endswith(level) for n in names):
+            return dtype, level
+    return dtype, "default"
 
 
 def op_flops(op: Op, extents: Mapping[str, int] | None = None) -> tuple[float, float]:

@@ -41,7 +41,7 @@ import math
 
 import redist
 from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
-from planner.cost.costs import fusion, op_bytes, op_flops
+from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops
 from planner.layout.dataflow import dataflow, input_spec
 from planner.layout.staging import pipeline_runs, region_of
 from planner.program.halo import halo_bytes
@@ -162,7 +162,8 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     flops, transcendentals = (ran * x for x in op_flops(op, local))
     was_moved = {mv.value.name for mv in st.moves}
     read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
-    compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written)
+    rate = cal.dense_rate(*dense_kind(op)) if op.primitive in DENSE else None
+    compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written, rate)
     accessed += read + written
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
