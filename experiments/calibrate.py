@@ -3,7 +3,8 @@
 Usage:
     python -m experiments.calibrate --out=redist/calibrations/cpu.json [--devices=8]
 
-Measures per-device dense matmul throughput, local copy bandwidth (read + write a fresh buffer)
+Measures per-device dense matmul throughput (float32, float32 at "highest", bfloat16: the
+file's ``dense_flops_per_s``), local copy bandwidth (read + write a fresh buffer)
 and streaming read bandwidth (a column sum of a resident buffer) with all devices working at
 once (simulated CPU devices share the host's cores), and for every collective kind over all
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
@@ -44,9 +45,16 @@ def measure(repeats: int):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
                                      check_vma=False)), x  # fmt: skip
 
-    a = jax.device_put(np.ones((n * 512, 512), np.float32), NamedSharding(mesh, P("d")))
-    mm, a = on_all(lambda t: t @ jnp.ones((512, 512), t.dtype), a)
-    flops = 2 * 512**3 / seconds(mm, a)
+    def dense(dtype, precision=None) -> float:
+        """A 512-cube matmul's flops per second on ``dtype`` operands at ``precision``."""
+        a = jax.device_put(np.ones((n * 512, 512), dtype), NamedSharding(mesh, P("d")))
+        mm, a = on_all(lambda t: jnp.dot(t, jnp.ones((512, 512), t.dtype), precision=precision),
+                       a)  # fmt: skip
+        return 2 * 512**3 / seconds(mm, a)
+
+    flops = dense(np.float32)
+    rates = {"float32": flops, "float32:highest": dense(np.float32, "highest"),
+             "bfloat16": dense(jnp.bfloat16)}  # fmt: skip
     big = jax.device_put(np.ones((n * 2**21,), np.float32), NamedSharding(mesh, P("d")))
     copy, big = on_all(lambda t: t * 1.5, big)
     copy_bw = 2 * (big.nbytes // n) / seconds(copy, big)
@@ -55,7 +63,8 @@ def measure(repeats: int):
     read_bw = (wide.nbytes // n) / seconds(reduce, wide)
 
     latency, bandwidth = _collectives(mesh, n, seconds) if n > 1 else _shipped_collectives()
-    cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw)
+    cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw,
+                      dense_flops_per_s=rates)  # fmt: skip
     return _with_memory(cal, jax.devices()[0].device_kind)
 
 

@@ -307,6 +307,8 @@ def test_calibrate_on_one_device_measures_rates_and_borrows_collectives(tmp_path
     cal = Calibration.from_json(out.read_text())
     assert cal.flops_per_s > 0 and cal.copy_bytes_per_s > 0
     assert cal.bytes_per_s == Calibration.named("cpu").bytes_per_s
+    assert set(cal.dense_flops_per_s) == {"float32", "float32:highest", "bfloat16"}
+    assert cal.dense_rate("float32") == cal.flops_per_s and cal.dense_rate("bfloat16") > 0
 
 
 @pytest.mark.skipif(
