@@ -256,12 +256,12 @@ def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
             ops.append((step.kind, step))
 
     def kernel(x):
-        idx = None
+        # the device's index, for steps whose tables are looked up per device
+        indexed = any(k in ("dynslice", "reblock") or (k == "alltoall" and a.perm) for k, a in ops)
+        idx = _device_index(mesh_axes) if indexed else None
         for kind, arg in ops:
             if kind == "dynslice":
                 offsets, shape = arg
-                if idx is None:
-                    idx = _device_index(mesh_axes)
                 row = jnp.asarray(offsets, dtype=jnp.int32)[idx]
                 x = lax.dynamic_slice(x, [row[k] for k in range(x.ndim)], shape)
             elif kind == "allgather":
@@ -272,12 +272,8 @@ def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
             elif kind == "allreduce":
                 x = lax.psum(x, **_collective_args(mesh_axes, arg))
             elif kind == "reblock":
-                if idx is None:
-                    idx = _device_index(mesh_axes)
                 x = _reblock(x, arg, all_names, idx)
             elif kind == "alltoall" and arg.perm:
-                if idx is None:
-                    idx = _device_index(mesh_axes)
                 x = _all_to_all_permuted(x, arg, all_names, idx, num_devices)
             elif kind == "alltoall":
                 x = _all_to_all(x, arg, _collective_args(mesh_axes, arg))
