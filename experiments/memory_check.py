@@ -10,7 +10,7 @@ XLA:CPU (8 forced host devices): for every workload x strategy on ``config.mesh`
 donated, ``plan(..., donate_argnums=...)``; hand-written strategies as in the planner benchmark),
 its predicted peak per device (``planner.simulate``, the CPU calibration) and the compiled total
 of that schedule run as ``plan.jit`` runs it (arguments + outputs + temporaries - aliased, from
-``compiled.memory_analysis()``). With ``config.tpu``: for every TPU case (a workload, a TPU
+``compiled.memory_analysis()``; on TPU the compiler's own peak, ``CompiledReport.total_bytes``). With ``config.tpu``: for every TPU case (a workload, a TPU
 topology, mesh axes), the plan searched for those axes and priced for TPU v5p, compiled for the
 topology by the TPU compiler on this host (``planner.topology_mesh``). Writes ``config.json``,
 ``results.jsonl`` (one row per case, as soon as it is measured), ``summary.json`` (per backend:
@@ -196,7 +196,8 @@ def _size(n: float) -> str:
 
 def report(rows: list[dict], summary: dict) -> str:
     lines = ["# Predicted peak memory per device against the compiled program", "",
-             "Compiled: arguments + outputs + temporaries - aliased (`memory_analysis()`); "
+             "Compiled: arguments + outputs + temporaries - aliased (`memory_analysis()`; on TPU "
+             "the compiler's peak, `peak_memory_in_bytes`); "
              "ratio: predicted / compiled.", "", "```", json.dumps(summary, indent=2), "```", "",
              "| backend | workload | sizes | mesh | strategy | predicted | compiled | ratio | "
              "arguments | outputs | temporaries | aliased |",

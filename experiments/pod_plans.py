@@ -11,7 +11,7 @@ expert strategies of ``planner.expert_plans`` (``data_parallel``, ``fsdp``, ``fs
 data-like axes ``data`` and ``fsdp``, tensor axis ``tensor``). Each plan is compiled for the
 topology (``planner.topology_mesh``) and read:
 
-- memory: the compiled total per device (arguments + outputs + temporaries - aliased), whether it
+- memory: the compiled total per device (``CompiledReport.total_bytes``: the TPU compiler's peak), whether it
   fits HBM (the compiler refuses a program that does not), against the planner's prediction;
 - time: the compiled-program estimate, the compiler's ``optimal_seconds`` for the kernels plus
   the HLO's collectives priced by the calibration, each as often as it runs
@@ -309,7 +309,8 @@ def report(rows: list[dict], summary: dict) -> str:
         "Every plan:",
         "",
         "Each plan compiled by the TPU compiler for its topology on a 2-core CPU host. Memory: "
-        "the compiled total per device (arguments + outputs + temporaries - aliased) and the "
+        "the compiled total per device (the TPU compiler's peak: live arguments, outputs and "
+        "temporaries at its worst point, the figure it refuses a program on) and the "
         "planner's prediction. Estimate: the compiled program's kernels (optimal_seconds, per "
         "layer from 1- and 2-layer compiles; where libtpu's optimal_seconds is not positive, as "
         "on v6e, the calibration's roofline of the compiler's flops and bytes) plus its "
