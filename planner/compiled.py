@@ -136,8 +136,9 @@ class CompiledReport:
     ``total_bytes``: what the device must hold at once. Where the compiler reports its own peak
     (``peak_bytes``: ``memory_analysis().peak_memory_in_bytes``, the live arguments, outputs and
     temporaries at the worst point of its schedule; the TPU compiler refuses a program on that
-    figure), that peak; where it reports none (XLA:CPU), arguments + outputs + temporaries -
-    aliased (donated inputs reused as outputs). The TPU's temporaries are no bound: MaxText's
+    figure), that peak; elsewhere arguments + outputs + temporaries - aliased (donated inputs
+    reused as outputs; XLA:CPU's peak counts arguments and outputs alone, and XLA:GPU's has not
+    been held against a GPU). The TPU's temporaries are no bound: MaxText's
     Llama 2 70B step on 256 v5p chips has arguments + outputs + temporaries - aliased of 105 GB,
     a peak of 88.9 GB, and the compiler accepts it for a 95.74 GiB chip. ``hbm_bytes``: the
     device's memory as the compiler reports it (from the calibration file of the device kind,
@@ -295,7 +296,9 @@ def compile_and_report(
     mem = compiled.memory_analysis()
     arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     temp, alias = mem.temp_size_in_bytes, mem.alias_size_in_bytes
-    peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or None
+    peak = None  # XLA:CPU's peak counts arguments and outputs alone
+    if devices and devices[0].platform == "tpu":
+        peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or None
     total = peak or arg + out + temp - alias
     capacity = hbm_bytes or (device_memory_bytes(devices[0]) if devices else None)
     cost = compiled.cost_analysis()

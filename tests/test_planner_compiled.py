@@ -40,6 +40,18 @@ def test_topology_mesh_says_how_to_get_libtpu(monkeypatch):
         planner.topology_mesh("v5p:2x2x2", AXES)
 
 
+def test_on_cpu_the_report_sums_arguments_outputs_and_temporaries():
+    """XLA:CPU's own peak counts arguments and outputs alone: the report sums instead."""
+    mesh = jax.make_mesh((2, 2, 2), tuple(AXES), devices=jax.devices()[:8])
+    shard = [NamedSharding(mesh, s) for s in (P("data"), P(None, "tensor"), P("tensor"))]
+    f = jax.jit(sgd_step, in_shardings=tuple(shard), out_shardings=tuple(shard[1:]))
+    report = planner.compiled_report(f, *SHAPES)
+    mem = f.lower(*SHAPES).compile().memory_analysis()
+    assert report.peak_bytes is None and mem.temp_size_in_bytes > 0
+    assert report.total_bytes == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                  + mem.temp_size_in_bytes - mem.alias_size_in_bytes)  # fmt: skip
+
+
 @needs_libtpu
 def test_topology_mesh_is_auto_axes_over_the_topologys_chips():
     mesh = planner.topology_mesh("v5p:2x2x2", AXES)
