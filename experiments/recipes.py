@@ -58,6 +58,11 @@ RECIPES = {
     # src/maxtext/configs/tpu/v5p/llama2_70b.sh: v5p-512 = 256 chips, a 4M-token global batch
     "llama2_70b_v5p_512": dict(model="llama2-70b", topology="v5p:8x8x4", per_device_batch=4,
                                seq=4096, remat="save_dot_except_mlpwi"),
+    # MaxText benchmarks/maxtext_trillium_model_configs.py llama3_1_8b_8192 on v6e-256:
+    # ici_fsdp_parallelism -1, flash attention, remat_policy custom with the layer's input and
+    # its q, k, v and out projections offloaded to the host
+    "llama3_1_8b_v6e_256": dict(model="llama3.1-8b", topology="v6e:16x16", per_device_batch=4,
+                                seq=8192, remat="offload_qkvo"),
     # Mixtral 8x7B as the v6e recipe mixtral_8x7b_dropped runs it (top-2 of 8 experts, capacity
     # factor 1.25, per-device batch 12, sequence 4096, flash attention, pure FSDP), with the
     # remat policy "full" of its dropless and int8 variants (the dropped one offloads to the
@@ -71,6 +76,12 @@ RECIPES = {
                                                  vocab=8192),
                       topology="v5p:2x2x1", per_device_batch=4, seq=1024,
                       remat="save_dot_except_mlpwi"),
+    # Llama 3.1 8B's structure shrunk, its layer's input and projections offloaded to the host
+    "offload_v6e_4": dict(model=dataclasses.replace(MODELS["llama3.1-8b"], emb=1024, heads=8,
+                                                     kv_heads=2, head_dim=128, mlp=3584,
+                                                     layers=4, vocab=16384),
+                          topology="v6e:2x2", per_device_batch=4, seq=2048,
+                          remat="offload_qkvo"),
     # the same structure shrunk, for the smoke config and the tests
     "tiny_v5p_8": dict(model=dataclasses.replace(MODELS["llama2-70b"], emb=256, heads=4,
                                                   kv_heads=2, head_dim=64, mlp=512, layers=2,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import planner
 from planner.cost.buffers import BUFFER, FUSED, VIEW, kernel_copies, lifetimes
@@ -224,3 +225,69 @@ def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
     # residuals (8 MiB) that the compiler reads inside the product; in float32 the residuals
     # alone would be 1.7x
     assert 0.9 <= pred.peak_bytes / report.total_bytes <= 1.15, (pred.peak_bytes, report)
+
+
+def _offloading_step(offload: bool):
+    """SGD through 8 scanned layers whose ``tanh(x @ w)`` is saved for the backward pass, on
+    the device or offloaded to the host (a remat policy as MaxText's ``custom`` writes it)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policies = jax.checkpoint_policies
+    policy = (policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device",
+        offload_dst="pinned_host") if offload else policies.save_only_these_names("h"))  # fmt: skip
+
+    @jax.checkpoint
+    def layer(x, w):
+        h = checkpoint_name(jnp.tanh(x @ w), "h")
+        return jnp.tanh(h @ w), None
+
+    layer = jax.checkpoint(layer.__wrapped__, policy=policy)
+
+    def step(ws, x):
+        g = jax.grad(lambda ws: jnp.sum(jax.lax.scan(layer, x, ws)[0] ** 2))(ws)
+        return ws - 0.1 * g
+
+    return step
+
+
+def test_values_offloaded_to_the_host_take_no_device_memory_where_the_host_has_its_own():
+    """On TPU and GPU an offloaded residual lives in host memory: the stacked residual (8
+    layers x 256 x 64 float32, 512 KiB) leaves the device's peak. XLA:CPU's host memory is its
+    devices' own: nothing changes there."""
+    from redist.calibration import Calibration
+
+    args = [jax.ShapeDtypeStruct((8, 64, 64), F32), jax.ShapeDtypeStruct((256, 64), F32)]
+    progs = {o: planner.analyze(_offloading_step(o), *args) for o in (True, False)}
+    host = lifetimes(progs[True], "tpu").host
+    stacked = [v for v in host if progs[True].producer[v].primitive == "scan_ys"]
+    assert len(stacked) == 1 and not lifetimes(progs[False], "tpu").host
+    assert not lifetimes(progs[True], "cpu").host
+    peaks = {}
+    for cal in ("tpu_v5p", "h100_sxm", "cpu"):
+        for o, prog in progs.items():
+            sched = prog.schedule({}, {"a": 4}, default="replicate")
+            peaks[cal, o] = planner.simulate(prog, sched, Calibration.named(cal)).peak_bytes
+    residuals = 8 * 256 * 64 * 4
+    assert peaks["tpu_v5p", False] - peaks["tpu_v5p", True] >= residuals // 2  # bf16 on TPU
+    assert peaks["h100_sxm", False] - peaks["h100_sxm", True] >= residuals
+    assert abs(peaks["cpu", False] - peaks["cpu", True]) < residuals // 8
+
+
+def test_a_plan_that_offloads_computes_what_the_step_computes(mesh):
+    """The offloading step split over the batch on 8 CPU devices: the same update as the
+    unsharded step, the device_put to the host and back kept in the plan."""
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.standard_normal((4, 32, 32)) / 6, F32)
+    x = jnp.asarray(rng.standard_normal((64, 32)), F32)
+    step = _offloading_step(True)
+    want = np.asarray(jax.jit(step)(ws, x))
+    prog = planner.analyze(step, ws, x)
+    assert any(o.primitive == "device_put" for o in prog.ops)
+    from planner.baselines import expert_plans
+
+    plans = expert_plans(step, ws, x, mesh=mesh, data_axes=("a", "b"), tensor_axis="c")
+    for name in ("data_parallel", "fsdp_tensor"):
+        p = plans[name]
+        assert p.in_specs[1] != P(), name  # the batch is split
+        np.testing.assert_allclose(np.asarray(p(ws, x)), want, rtol=1e-5, atol=1e-6)

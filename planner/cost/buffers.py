@@ -52,6 +52,12 @@ stacked output that only default-precision products read in bfloat16
 (:data:`NARROW_DOT_OPERANDS`: measured on a 6.6 B-parameter language model on 256 v5p chips, the
 prediction went from 102 GB to 84.8 GB per device against 85.1 GB compiled).
 
+Host memory: on backends whose host memory is not the device's (:data:`HOST_MEMORY`), a value
+``device_put`` into a host memory space (a remat policy that offloads,
+``save_and_offload_only_these_names``; ``jax.device_put(x, s.with_memory_kind("pinned_host"))``)
+and what stacks, slices or views it there take no device memory (:attr:`Lifetimes.host`); the
+``device_put`` back makes a device buffer. XLA:CPU's host memory is its devices' own.
+
 Remat (``jax.checkpoint``) needs no rule: the jaxpr recomputes what it does not save, so the
 forward's values die at their last forward use.
 
@@ -116,6 +122,10 @@ TPU's one-pass matrix unit): the compiler keeps a loop's float32 stacked output 
 products read (through the backward loop's slices and views) in bfloat16, half its size, as
 the TPU compiler does with the residuals of attention probabilities and layer inputs kept for
 the weights' gradients."""
+
+HOST_MEMORY = frozenset({"tpu", "gpu"})
+"""Backends whose devices have memory of their own beside the host's: values offloaded to the
+host take none of it (the TPU compiler lists them as host temporaries)."""
 
 BATCH_LEADING = frozenset({"cpu", "gpu"})
 """Backends whose batched products want the batch dimensions of each operand leading (XLA:CPU
@@ -190,6 +200,7 @@ class Lifetimes:
         first: op result name -> the first op that runs one of its readers.
         narrowed: the stacked outputs ``(op index, result index)`` kept at half their size
             (:data:`NARROW_DOT_OPERANDS`).
+        host: names of the values held in host memory (:data:`HOST_MEMORY`).
         reuse: per op, its results (index, candidates) that may be written in place into a
             buffer that dies where the op runs and has the result's shape and dtype (an
             elementwise fusion's output, a scatter or dynamic_update_slice into its operand; a
@@ -206,6 +217,7 @@ class Lifetimes:
     made: dict[str, int]
     first: dict[str, int]
     narrowed: frozenset[tuple[int, int]] = frozenset()
+    host: frozenset[str] = frozenset()
 
 
 def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
@@ -217,8 +229,42 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
         lt = _lifetimes(prog, backend in UNSHARED_REDUCTIONS)
         if backend in NARROW_DOT_OPERANDS:
             lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(prog))
+        if backend in HOST_MEMORY:
+            lt = dataclasses.replace(lt, host=host_values(prog))
         cache[backend] = lt
     return cache[backend]
+
+
+def to_host(op: Op) -> bool:
+    """Whether ``op`` puts its operands into host memory: a ``device_put`` whose destinations are
+    a host memory space (``MemorySpace.Host``, as remat's offloading writes it) or shardings of
+    a host memory kind (``"pinned_host"``, ``"unpinned_host"``)."""
+    if op.primitive != "device_put" or op.eqn is None:
+        return False
+    dests = op.eqn.params.get("devices") or ()
+    return bool(dests) and all(
+        "Host" in str(d) or "host" in str(getattr(d, "memory_kind", None) or "") for d in dests
+    )
+
+
+def host_values(prog: Program) -> frozenset[str]:
+    """Values in host memory: results of :func:`to_host`, and views, slices, stacks and loop
+    entries of such values alone.
+
+    Example:
+        >>> host_values(planner.analyze(step_that_offloads, *args))     # doctest: +SKIP
+        frozenset({'v7', 'v11', 'v17'})
+    """
+    passing = VIEWS | ENTRIES | EXITS | STACKS | {"scan_xs"}
+    out: set[str] = set()
+    for op in prog.ops:
+        if to_host(op) or (
+            op.primitive in passing
+            and op.operands
+            and all(a.value.name in out for a in op.operands)
+        ):
+            out.update(r.value.name for r in op.results)
+    return frozenset(out)
 
 
 def _default_precision(op: Op) -> bool:

@@ -335,6 +335,8 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
 
     def size_of(key: tuple[int, int]) -> int:
         size = priced[key[0]][5][key[1]]
+        if name(key) in lt.host:
+            return 0
         return size // 2 if key in lt.narrowed else size
 
     after: dict[tuple, tuple] = {}  # a buffer -> the result written into it where it dies
