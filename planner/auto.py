@@ -125,9 +125,14 @@ def plan(
             return _remembered(searches.setdefault(name, []), bound, lambda: _search(
                 p, sizes, calibration, given, pipeline_axis, microbatches))  # fmt: skip
 
+        def free_for(name, p):
+            return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
+                p, sizes, calibration, None, pipeline_axis, microbatches))  # fmt: skip
+
         try:
             if choices:
-                return _choose_remat(candidate_names(choices), traced_as, search_for)
+                return _choose_remat(candidate_names(choices), traced_as, search_for,
+                                     free_for if bound < math.inf else None)  # fmt: skip
             return (prog, *search_for(None, prog), None)
         finally:
             searching[0] += time.perf_counter() - start
@@ -168,12 +173,28 @@ def _remembered(tried: list, bound: float, search: Callable):
     return result
 
 
-def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable):
+def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable,
+                  free_for: Callable | None = None):  # fmt: skip
     """``(program, schedule, prediction, RematDecision)`` of the fastest plan that fits among the
     program traced with each remat candidate (:mod:`planner.program.remat`); where none fits, the
-    error of the one whose smallest peak is lowest."""
+    error of the one whose smallest peak is lowest.
+
+    With ``free_for`` (the search without a memory limit, fast: no memory to trade), every
+    candidate's fastest plan comes first; candidates are then searched under the limit fastest
+    first, and one whose fastest plan is no faster than the best plan that fits is not searched
+    under the limit (no plan of it could be faster): its cost is recorded as ``(that bound,
+    None)``. Only candidates whose fastest plans do not fit and might win need the slow search.
+    """
     best, costs, errors = None, {}, []
+    bound: dict[str, float] = {}
+    if free_for is not None:
+        for name in names:
+            bound[name] = free_for(name, traced_as(name))[1].time_s
+        names = sorted(names, key=bound.__getitem__)  # stable: ties keep the user's order
     for name in names:
+        if best is not None and name in bound and bound[name] >= best[2].time_s:
+            costs[name] = (bound[name], None)
+            continue
         prog = traced_as(name)
         try:
             sched, pred = search_for(name, prog)

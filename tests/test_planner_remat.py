@@ -59,10 +59,21 @@ def test_the_fastest_candidate_that_fits_is_chosen(mesh, args):
     # under a limit that keeping everything exceeds, a candidate that keeps less is chosen
     limit = 0.9 * free.remat.candidates["everything"][1]
     tight = planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=limit)
-    fitting = {n: c for n, c in tight.remat.candidates.items() if c is not None}
+    found = {n: c for n, c in tight.remat.candidates.items() if c is not None}
+    fitting = {n: c for n, c in found.items() if c[1] is not None}
     assert fitting and all(peak <= limit for _, peak in fitting.values())
     assert tight.remat.chosen in fitting and tight.prediction.peak_bytes <= limit
-    assert tight.remat.candidates[tight.remat.chosen][0] == min(t for t, _ in fitting.values())
+    chosen_s = tight.remat.candidates[tight.remat.chosen][0]
+    assert chosen_s == min(t for t, _ in found.values())
+    # a candidate not searched under the limit (its fastest plan over it, and no faster than the
+    # chosen plan) has no plan under the limit faster than the chosen one: searched alone
+    skipped = [n for n, c in found.items() if c[1] is None]
+    assert skipped
+    for name in skipped:
+        assert found[name][0] >= chosen_s
+        alone = planner.plan(make_step(planner.remat_policy(**{name: DEFAULT_CANDIDATES[name]})),
+                             *args, mesh=mesh, memory_limit_bytes=limit)  # fmt: skip
+        assert alone.prediction.time_s >= found[name][0] * (1 - 1e-9)
     assert "remat: " in tight.summary() and tight.remat.describe() in tight.explain()
 
 

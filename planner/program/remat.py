@@ -114,16 +114,22 @@ def choosing(name: str | None) -> Iterator[None]:
 @dataclasses.dataclass(frozen=True)
 class RematDecision:
     """What the planner chose: ``chosen`` among ``candidates`` (name -> the best plan's
-    ``(predicted seconds, predicted peak bytes)``, ``None`` where nothing fitted)."""
+    ``(predicted seconds, predicted peak bytes)``, ``None`` where nothing fitted, ``(seconds,
+    None)`` where the candidate's fastest plan is over the memory limit and no faster than the
+    chosen one, so it was not searched under the limit)."""
 
     chosen: str
-    candidates: dict[str, tuple[float, int] | None]
+    candidates: dict[str, tuple[float, int | None] | None]
 
     def describe(self) -> str:
         """``remat: 'dots' (1.20 s, 40.0 GB); everything: does not fit; nothing: 1.41 s, 21.3 GB``"""
 
         def cost(v):
-            return "does not fit" if v is None else f"{v[0]:.3g} s, {v[1] / 1e9:.3g} GB"
+            if v is None:
+                return "does not fit"
+            if v[1] is None:
+                return f"at least {v[0]:.3g} s (its fastest plan is over the limit)"
+            return f"{v[0]:.3g} s, {v[1] / 1e9:.3g} GB"
 
         others = "; ".join(
             f"{n}: {cost(v)}" for n, v in self.candidates.items() if n != self.chosen
