@@ -122,8 +122,10 @@ def plan(
         start = time.perf_counter()
 
         def search_for(name, p):
-            return _remembered(searches.setdefault(name, []), bound, lambda: _search(
-                p, sizes, calibration, given, pipeline_axis, microbatches))  # fmt: skip
+            tried = searches.setdefault(name, [])
+            fastest = next((r for b, r in tried if b == math.inf and isinstance(r, tuple)), None)
+            return _remembered(tried, bound, lambda: _search(
+                p, sizes, calibration, given, pipeline_axis, microbatches, fastest))  # fmt: skip
 
         def free_for(name, p):
             return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
@@ -218,12 +220,14 @@ def _faster(a, b, tie: float = 1e-9) -> bool:
     return a.time_s < b.time_s
 
 
-def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches):
-    """The best schedule, with a pipeline over ``pipeline_axis`` where that is better."""
+def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches,
+            fastest=None):  # fmt: skip
+    """The best schedule, with a pipeline over ``pipeline_axis`` where that is better;
+    ``fastest``: the search's result without a memory limit, where it was made already."""
     if pipeline_axis is None:
         if microbatches is not None:
             raise ValueError("microbatches needs a pipeline_axis to pipeline over")
-        return search_within(prog, sizes, calibration, memory_limit_bytes)
+        return search_within(prog, sizes, calibration, memory_limit_bytes, fastest)
 
     limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
     flat, error = None, None

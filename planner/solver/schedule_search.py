@@ -408,13 +408,16 @@ def _result(score, evaluate: _Evaluator, limit):
     return sched, pred
 
 
-def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO):
-    """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`)."""
+def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO,
+                  fastest: tuple | None = None):  # fmt: skip
+    """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`);
+    ``fastest``: the ``(schedule, prediction)`` of the search without a limit, where the caller
+    has it already."""
     num_devices = math.prod(mesh_sizes.values())
     limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
     if memory_limit_bytes != AUTO or limit is None:
         return search(prog, mesh_sizes, calibration, limit)
-    sched, pred = search(prog, mesh_sizes, calibration, None)
+    sched, pred = fastest or search(prog, mesh_sizes, calibration, None)
     if pred.peak_bytes <= limit:
         return sched, pred
     try:
