@@ -50,6 +50,11 @@ def auto_mesh(text: str):
 
 @dataclasses.dataclass(frozen=True)
 class CompileStats:
+    """A compiled program's collectives, its temporary memory per device (on TPU the
+    temporaries live at the compiler's peak, :func:`planner.compiled.compiler_peak_bytes`, less
+    arguments and outputs; elsewhere ``memory_analysis().temp_size_in_bytes``) and whether XLA
+    rematerialized an array in full."""
+
     collectives: tuple[Collective, ...]
     temp_bytes: int
     full_remat: bool
@@ -64,10 +69,17 @@ class CompileStats:
 
 def compile_stats(jitted, *args) -> tuple[object, CompileStats]:
     """Compile ``jitted`` for ``args``; return the executable and its statistics."""
+    from planner.compiled import compiler_peak_bytes  # imports JAX: after force_host_devices
+
     with captured_stderr() as log:
         compiled = jitted.lower(*args).compile()
     mem = compiled.memory_analysis()
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
+    peak = compiler_peak_bytes(compiled)
+    if peak is not None:  # TPU: the temporaries live at the compiler's peak
+        temp = (
+            peak - mem.argument_size_in_bytes - mem.output_size_in_bytes + mem.alias_size_in_bytes
+        )
     stats = CompileStats(hlo_collectives(compiled.as_text()), temp, REMAT_WARNING in log[0])
     return compiled, stats
 

@@ -253,6 +253,21 @@ def _devices_of(compiled_or_lowered, args) -> list:
     return []
 
 
+def compiler_peak_bytes(compiled, devices=None) -> int | None:
+    """The TPU compiler's peak memory per device for ``compiled`` (live arguments, outputs and
+    temporaries at the worst point of its schedule: what it refuses programs on), None on other
+    backends (XLA:CPU's ``peak_memory_in_bytes`` counts arguments and outputs alone).
+
+    Example:
+        >>> compiler_peak_bytes(jax.jit(f).lower(x_on_tpu_topology).compile())  # doctest: +SKIP
+        54525952
+    """
+    devices = devices or _devices_of(compiled, ())
+    if not devices or devices[0].platform != "tpu":
+        return None
+    return int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0) or 0) or None
+
+
 def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> CompiledReport:
     """Compile ``fn`` and return the compiler's verdict per device (:class:`CompiledReport`).
 
@@ -296,9 +311,7 @@ def compile_and_report(
     mem = compiled.memory_analysis()
     arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     temp, alias = mem.temp_size_in_bytes, mem.alias_size_in_bytes
-    peak = None  # XLA:CPU's peak counts arguments and outputs alone
-    if devices and devices[0].platform == "tpu":
-        peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or None
+    peak = compiler_peak_bytes(compiled, devices)
     total = peak or arg + out + temp - alias
     capacity = hbm_bytes or (device_memory_bytes(devices[0]) if devices else None)
     cost = compiled.cost_analysis()
