@@ -69,6 +69,11 @@ RECIPES = {
     # host), on the v5p-128 the Llama 2 recipes use
     "mixtral_8x7b_v5p_128": dict(model="mixtral-8x7b", topology="v5p:4x4x4",
                                  per_device_batch=12, seq=4096, remat="full"),
+    # the same with expert parallelism: the experts over an axis of 4 (MaxText's
+    # ici_expert_parallelism), the rest FSDP over 16; the batch over both
+    "mixtral_8x7b_v5p_128_ep": dict(model="mixtral-8x7b", topology="v5p:4x4x4",
+                                    per_device_batch=12, seq=4096, remat="full",
+                                    axes={"data": 1, "fsdp": 16, "expert": 4, "tensor": 1}),
     # the 70B structure at 1 / 8 of its width and 4 layers on 4 chips: the memory model's gaps
     # at the scale of minutes (its remat policy varied by hand: full, minimal, ...)
     "mid_v5p_8": dict(model=dataclasses.replace(MODELS["llama2-70b"], emb=1024, heads=8,
@@ -95,7 +100,7 @@ RULES = {
     # the llama2 model files' override, kept for Mixtral too: its norm scales are under a MB),
     # first match wins, an axis used once per array; 'exp' and 'embed_no_exp' lay out the
     # experts' weights (MaxText's RoutedMoE kernel axes)
-    "activation_batch": ("data", "fsdp"),
+    "activation_batch": ("data", "fsdp", "expert"),
     "activation_length": (),
     "activation_embed": ("tensor",),
     "activation_heads": ("tensor",),
@@ -218,8 +223,9 @@ def mesh_size(recipe: dict) -> int:
 
 
 def topology_axes(recipe: dict) -> dict[str, int]:
-    """Pure FSDP over every chip, as the recipes' ``ici_fsdp_parallelism: -1``."""
-    return {"data": 1, "fsdp": mesh_size(recipe), "tensor": 1}
+    """The recipe's ``axes``, by default pure FSDP over every chip, as the recipes'
+    ``ici_fsdp_parallelism: -1``."""
+    return dict(recipe.get("axes") or {"data": 1, "fsdp": mesh_size(recipe), "tensor": 1})
 
 
 def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
@@ -284,7 +290,8 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     step, args = recipe_step(recipe, None)
     plans = {}
     if "recipe_planned" in todo:
-        made = expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"),
+        data_axes = tuple(a for a in ("data", "fsdp", "expert") if a in axes)
+        made = expert_plans(step, *args, mesh=mesh, data_axes=data_axes,
                             tensor_axis="tensor", calibration=cal, donate_argnums=(0, 1))  # fmt: skip
         plans["recipe_planned"] = made["fsdp"]
     if "searched" in todo:
