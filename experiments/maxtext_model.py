@@ -200,7 +200,8 @@ def maxtext_step(
     def layer(h, w):
         b, s, _ = h.shape
         h = constrain(h, ("activation_batch", "activation_length", "activation_embed"))
-        if remat in OFFLOADED_NAMES:  # MaxText names it; only these policies read the name
+        if callable(remat) or remat in OFFLOADED_NAMES:  # MaxText names it; only offloading
+            # policies read the name (and a policy the planner chooses, which may be one)
             h = checkpoint_name(h, "decoder_layer_input")
         x = rms_norm(h, w["attention_norm"])
         q = dense(x, w["query"], "bse,ehd->bshd", "query_proj")

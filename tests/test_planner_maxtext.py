@@ -237,3 +237,23 @@ def test_a_policy_that_offloads_to_the_host_is_planned_exactly(mesh):
     assert "device_put" in {o.primitive for o in planner.analyze(step, *args).ops}
     want = jax.jit(maxtext_step(TINY, batch=8, seq=16, remat="full", dtype="float32")[0])(*args)
     assert_same_step(planner.plan(step, *args, mesh=mesh)(*args), want, "float32")
+
+
+def test_the_offloading_candidate_of_a_remat_choice_is_the_offloading_step():
+    """Under ``planner.remat_policy`` the step traced with its offloading candidate offloads the
+    same values (the layer's input among them) as the step written with that policy."""
+    from planner.cost.buffers import host_values
+    from planner.program.remat import choosing
+
+    fixed_step, fixed_args = maxtext_step(TINY, batch=8, seq=16, remat="offload_qkvo")
+    fixed = planner.analyze(fixed_step, *fixed_args)
+    choice = planner.remat_policy(full=remat_policy("full"),
+                                  offload_qkvo=remat_policy("offload_qkvo"))  # fmt: skip
+    step, args = maxtext_step(TINY, batch=8, seq=16, remat=choice)
+    jax.clear_caches()  # JAX caches traces regardless of what the policy answers
+    with choosing("offload_qkvo"):
+        chosen = planner.analyze(step, *args)
+    jax.clear_caches()
+    puts = [sum(o.primitive == "device_put" for o in p.ops) for p in (fixed, chosen)]
+    assert puts[0] == puts[1] == 10  # five names, each to the host and back
+    assert len(host_values(chosen)) == len(host_values(fixed)) > 0
