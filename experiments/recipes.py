@@ -316,9 +316,12 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
         optimal = None
         remat = recipe["remat"] if p.remat is None else p.remat.chosen
         if config.layer_estimate and compiled is not None:
+            # the policy as the plan's program was traced with it: by name for a fixed one, as a
+            # policy object for a chosen one (MaxText's step names more values for those)
+            policy = remat if p.remat is None else remat_policy(remat)
             optimal = layer_optimal(
-                p, lambda d, r=remat: recipe_step(recipe, None, d, True, remat_policy(r)), layers,
-                mesh, cal, name)  # fmt: skip
+                p, lambda d, r=policy: recipe_step(recipe, None, d, True, r), layers, mesh, cal,
+                name)  # fmt: skip
         extra = {} if p.remat is None else {"remat": remat, "remat_candidates": p.remat.candidates}
         if p.memory_checks:
             extra["memory_checks"] = [dataclasses.asdict(c) for c in p.memory_checks]
