@@ -27,7 +27,13 @@ import jax
 from planner.autoplan import AutoPlan, mesh_devices
 from planner.calls import Signature, differences
 from planner.confirm import MARGIN, checks_compiled, confirmed
-from planner.cost.memory import AUTO, MemoryLimitError, default_calibration, resolve_memory_limit
+from planner.cost.memory import (
+    AUTO,
+    MEMORY_RESERVE,
+    MemoryLimitError,
+    default_calibration,
+    resolve_memory_limit,
+)
 from planner.cost.simulator import simulate
 from planner.persistence import (
     FORMAT,
@@ -151,7 +157,10 @@ def plan(
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None
-        p, checks = confirmed(search_under, plan_of, limit, margin)
+        # the reserve is for what the model does not see; the compiler's peak sees it all, so
+        # under the default limit a compiled plan may use the device's whole memory
+        capacity = limit / (1 - MEMORY_RESERVE) if memory_limit_bytes == AUTO else limit
+        p, checks = confirmed(search_under, plan_of, limit, margin, capacity)
         return dataclasses.replace(p, memory_checks=checks)
     return plan_of(search_under(limit))
 

@@ -301,3 +301,26 @@ def test_check_memory_is_validated():
         planner.plan(step, *args, mesh={"a": 4}, check_memory="compiled")
     p = planner.plan(step, *args, mesh={"a": 4})  # auto: an abstract mesh is not compiled
     assert p.memory_checks == ()
+
+
+def test_under_the_default_limit_a_compiled_plan_may_use_the_whole_device(monkeypatch):
+    """The default limit's reserve is for what the model does not see; the compiler's peak sees
+    it, so a plan compiled at 95 % of the device's memory is kept under the default limit, and
+    refused under the same 90 % given as a number."""
+    from planner.autoplan import AutoPlan
+    from planner.cost.memory import default_calibration, default_memory_limit
+
+    mesh = jax.make_mesh((4,), ("a",), devices=jax.devices()[:4])
+    limit = default_memory_limit(default_calibration(mesh), 4)
+    capacity = limit / (1 - planner.MEMORY_RESERVE)
+
+    def report(plan, mesh=None, moves="auto"):
+        return compiled_mod.CompiledReport("TPU v5", 4, True, int(0.95 * capacity), None)
+
+    monkeypatch.setattr(AutoPlan, "compiled_report", report)
+    step, args = _scanned_tanh_step(layers=4, d=64)
+    p = planner.plan(step, *args, mesh=mesh, check_memory="compiled")
+    assert [c.compiled_bytes for c in p.memory_checks] == [int(0.95 * capacity)]
+    assert "within" in p.summary()
+    with pytest.raises(planner.MemoryLimitError, match="over"):
+        planner.plan(step, *args, mesh=mesh, check_memory="compiled", memory_limit_bytes=limit)
