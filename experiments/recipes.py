@@ -350,7 +350,10 @@ def _checks(rounds) -> str:
     if not rounds:
         return ""
     limit = rounds[0]["searched_limit"]
-    verdicts = ", ".join("over" if (r["compiled_bytes"] or 0) > limit else "within" for r in rounds)
+    verdicts = ", ".join(
+        "over" if (r["compiled_bytes"] or 0) > (r.get("compiled_limit") or limit) else "within"
+        for r in rounds
+    )
     return f"{len(rounds)} ({verdicts}; {sum(r['compile_s'] for r in rounds):.0f} s)"
 
 
