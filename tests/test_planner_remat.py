@@ -68,13 +68,44 @@ def test_the_fastest_candidate_that_fits_is_chosen(mesh, args):
     # a candidate not searched under the limit (its fastest plan over it, and no faster than the
     # chosen plan) has no plan under the limit faster than the chosen one: searched alone
     skipped = [n for n, c in found.items() if c[1] is None]
-    assert skipped
     for name in skipped:
         assert found[name][0] >= chosen_s
         alone = planner.plan(make_step(planner.remat_policy(**{name: DEFAULT_CANDIDATES[name]})),
                              *args, mesh=mesh, memory_limit_bytes=limit)  # fmt: skip
         assert alone.prediction.time_s >= found[name][0] * (1 - 1e-9)
     assert "remat: " in tight.summary() and tight.remat.describe() in tight.explain()
+
+
+def test_a_candidate_no_faster_than_a_plan_that_fits_is_not_searched_under_the_limit():
+    """``_choose_remat`` with stand-in searches: each candidate's fastest plan first; ``slow``,
+    whose fastest plan is over the limit and slower than ``lean``'s plan that fits, is never
+    searched under the limit; ``keep_all``, the fastest but over the limit, is."""
+    from types import SimpleNamespace
+
+    from planner.auto import _choose_remat
+
+    limit = 100
+    free = {"keep_all": (1.0, 150), "lean": (2.0, 80), "slow": (3.0, 120)}
+    limited = {"keep_all": (2.5, 95), "lean": (2.0, 80)}
+    searched = []
+
+    def plan(time_s, peak):
+        return None, SimpleNamespace(time_s=time_s, peak_bytes=peak)
+
+    def free_for(name, prog):
+        return plan(*free[name])
+
+    def search_for(name, prog):
+        searched.append(name)
+        t, peak = free[name] if free[name][1] <= limit else limited[name]
+        return plan(t, peak)
+
+    prog, sched, pred, decision = _choose_remat(list(free), lambda n: n, search_for, free_for)
+    assert decision.chosen == "lean" and pred.time_s == 2.0
+    assert "slow" not in searched and "keep_all" in searched
+    assert decision.candidates["slow"] == (3.0, None)
+    assert decision.candidates["keep_all"] == (2.5, 95)
+    assert "at least 3 s" in decision.describe()
 
 
 def test_nothing_fits_names_the_smallest_peak(mesh, args):
