@@ -75,7 +75,7 @@ def compile_stats(jitted, *args) -> tuple[object, CompileStats]:
         compiled = jitted.lower(*args).compile()
     mem = compiled.memory_analysis()
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
-    peak = compiler_peak_bytes(compiled)
+    peak = compiler_peak_bytes(compiled, memory=mem)
     if peak is not None:  # TPU: the temporaries live at the compiler's peak
         temp = (
             peak - mem.argument_size_in_bytes - mem.output_size_in_bytes + mem.alias_size_in_bytes

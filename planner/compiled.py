@@ -253,7 +253,7 @@ def _devices_of(compiled_or_lowered, args) -> list:
     return []
 
 
-def compiler_peak_bytes(compiled, devices=None) -> int | None:
+def compiler_peak_bytes(compiled, devices=None, memory=None) -> int | None:
     """The TPU compiler's peak memory per device for ``compiled`` (live arguments, outputs and
     temporaries at the worst point of its schedule: what it refuses programs on), None on other
     backends (XLA:CPU's ``peak_memory_in_bytes`` counts arguments and outputs alone).
@@ -265,7 +265,8 @@ def compiler_peak_bytes(compiled, devices=None) -> int | None:
     devices = devices or _devices_of(compiled, ())
     if not devices or devices[0].platform != "tpu":
         return None
-    return int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0) or 0) or None
+    memory = memory or compiled.memory_analysis()
+    return int(getattr(memory, "peak_memory_in_bytes", 0) or 0) or None
 
 
 def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> CompiledReport:
@@ -311,7 +312,7 @@ def compile_and_report(
     mem = compiled.memory_analysis()
     arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
     temp, alias = mem.temp_size_in_bytes, mem.alias_size_in_bytes
-    peak = compiler_peak_bytes(compiled, devices)
+    peak = compiler_peak_bytes(compiled, devices, mem)
     total = peak or arg + out + temp - alias
     capacity = hbm_bytes or (device_memory_bytes(devices[0]) if devices else None)
     cost = compiled.cost_analysis()
