@@ -25,8 +25,11 @@ from planner.program.schedule import check_assignment
 from redist.types import MeshShape
 
 
-def random_schedule(prog: Program, mesh: dict[str, int], rng: random.Random) -> dict:
-    """A random valid assignment (op -> loop -> factors) for every op of ``prog``."""
+def random_schedule(
+    prog: Program, mesh: dict[str, int], rng: random.Random, uneven: bool = False
+) -> dict:
+    """A random valid assignment (op -> loop -> factors) for every op of ``prog``; with
+    ``uneven``, loops may be split into parts that do not divide them (as the search may)."""
     shape = MeshShape.of(mesh)
     out = {}
     for op in prog.ops:
@@ -41,7 +44,7 @@ def random_schedule(prog: Program, mesh: dict[str, int], rng: random.Random) -> 
                     break
                 trial = {**loops, loop: loops.get(loop, ()) + (f,)}
                 try:
-                    check_assignment(shape, op, trial)
+                    check_assignment(shape, op, trial, uneven)
                 except ValueError:
                     continue
                 loops = trial

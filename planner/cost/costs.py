@@ -20,6 +20,8 @@ Flops (XLA's ``HloCostAnalysis``, checked on the TPU compiler, libtpu 0.0.42):
 | broadcasts, reshapes, transposes, slices,  | none (data movement)                    |
 | gathers, concatenation, iota, scan bounds  |                                         |
 | a pending sum (all-reduce)                 | 1 per element of the buffer             |
+| a reduction over a loop split unevenly     | 3 per operand element: the padding      |
+|                                            | masked (index add, compare, select)     |
 
 Bytes follow fusion (:func:`fusion`): XLA fuses chains of elementwise ops, broadcasts and
 reshapes into the kernel that consumes them (a reduction, a product, the last op of the chain),
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from planner.program.ir import Program
 from planner.program.ops import Access, Op, itemsize
@@ -91,6 +93,25 @@ def elements(acc: Access, extents: Mapping[str, int]) -> int:
         math.prod(extents[lp] for lp in dims) if dims else n
         for n, dims in zip(acc.value.shape, acc.dims)
     )
+
+
+PAD_MASK_FLOPS = 3.0
+"""Per operand element of a reduction whose reduced loop is split unevenly: XLA's partitioner masks
+the padding (the element's global index: an add to an iota; below the extent: a compare; else the
+reduction's identity: a select), as XLA:CPU compiles it (tests/test_planner_uneven.py)."""
+
+
+def padding_mask_flops(op: Op, extents: Mapping[str, int], padded: Collection[str]) -> float:
+    """Flops XLA spends masking the padding of ``op``'s reduced loops split unevenly (``padded``:
+    the names of the loops whose tiles are padded; ``extents``: each loop's local extent).
+
+    Example:
+        >>> padding_mask_flops(reduce_sum_op, {"i0": 64, "r1": 126}, {"r1"})   # doctest: +SKIP
+        24192.0
+    """
+    if not op.operands or not any(lp in padded for lp, _ in op.reductions):
+        return 0.0
+    return PAD_MASK_FLOPS * elements(op.operands[0], extents)
 
 
 def _integer_pow_multiplies(y: int) -> int:

@@ -41,14 +41,14 @@ import math
 
 import redist
 from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
-from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops
-from planner.layout.dataflow import dataflow, input_spec
+from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops, padding_mask_flops
+from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
 from planner.layout.staging import pipeline_runs, region_of
 from planner.program.halo import halo_bytes
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
 from planner.program.ops import itemsize
-from planner.program.schedule import Schedule, Spec, local_shape, stage_factors
+from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, tile
 from redist.calibration import Calibration, wire_bytes
 
 
@@ -94,6 +94,12 @@ def step_costs(plan: redist.Plan, cal: Calibration) -> list[tuple[str, float, fl
         after = s.after.local_size * plan.itemsize
         if s.kind == "dynslice":
             out.append(("copy", after / cal.copy_bytes_per_s, 0.0))
+            continue
+        if s.kind == "reblock":  # rounds of collective-permutes of a few rows (redist.uneven)
+            rounds = s.collectives
+            seconds = sum(cal.collective_time("collective-permute", s.cost_bytes / rounds, n_dev)
+                          for _ in range(rounds)) if rounds else 0.0  # fmt: skip
+            out.append(("collective-permute", seconds, float(s.cost_bytes)))
             continue
         kind, nbytes = {
             "allgather": ("all-gather", after),
@@ -153,13 +159,15 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     ]
     ins = [_bytes(a.value.shape, sp, sizes, a.value.dtype)
            for a, sp in zip(op.operands, st.in_specs)]  # fmt: skip
-    local = {lp.name: lp.extent // math.prod(sizes[a] for a in sched.axes_of(op, lp.name))
-             for lp in op.loops}  # fmt: skip
+    parts = {lp.name: math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops}
+    local = {lp.name: tile(lp.extent, parts[lp.name]) for lp in op.loops}
+    padded = {lp.name for lp in op.loops if lp.extent % parts[lp.name]}
     fused = fusion(sched.program)
     # once per op (the compiler also counts a cheap op it copies into several kernels each time:
     # a few percent more on elementwise-heavy programs); none for an op no kernel needs
     ran = 1 if fused.runs[op.name] else 0
     flops, transcendentals = (ran * x for x in op_flops(op, local))
+    flops += ran * padding_mask_flops(op, local, padded)
     was_moved = {mv.value.name for mv in st.moves}
     read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
     rate = cal.dense_rate(*dense_kind(op)) if op.primitive in DENSE else None
@@ -308,6 +316,7 @@ def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[di
     for v, _ in prog.consts:
         held[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     free = [v for v in prog.inputs if v.name in prog.donated and v.name in held]
+    returned = dict(zip((v.name for v in prog.outputs), output_specs(prog, sched, steps)))
     outputs: dict[str, int] = {}
     for v in prog.outputs:
         if v.name in held or v.name in outputs:  # an input returned as it is, or a constant
@@ -315,13 +324,28 @@ def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[di
         op = prog.producer[v.name]
         k = prog.index[op.name]
         r = next(i for i, res in enumerate(op.results) if res.value.name == v.name)
-        spec = steps[k].out_specs[r]
+        spec = returned[v.name]
         donor = next((d for d in free if (d.shape, d.dtype, specs[d.name]) ==
                       (v.shape, v.dtype, spec)), None)  # fmt: skip
         if donor is not None:
             free.remove(donor)
-        outputs[v.name] = 0 if donor is not None else priced[k][5][r]
+        size = (priced[k][5][r] if spec == steps[k].out_specs[r]
+                else _bytes(v.shape, spec, sizes, v.dtype))  # fmt: skip
+        outputs[v.name] = 0 if donor is not None else size
     return held, outputs
+
+
+def returned_evenly(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[OpCost]:
+    """The moves of outputs made in uneven layouts to the even ones they are returned in
+    (:func:`planner.layout.dataflow.output_specs`), one :class:`OpCost` each."""
+    m = redist.MeshShape.of(sched.mesh)
+    out = []
+    made = made_specs(prog, sched, steps)
+    for v, src, dst in zip(prog.outputs, made, output_specs(prog, sched, steps)):
+        if src != dst:
+            seconds, wire = plan_cost(redist.plan(v.shape, src, dst, m, dtype=v.dtype), cal)
+            out.append(OpCost(f"{v.name} returned evenly", 0.0, seconds, wire, 0))
+    return out
 
 
 def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[int, int, int, str]]:
@@ -531,6 +555,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
+    costs += returned_evenly(prog, sched, steps, cal)
     total = sum(c.compute_s + c.comm_s for c in costs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
                       sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),

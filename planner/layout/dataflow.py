@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
-from planner.program.schedule import Axes, Schedule, Spec
+from planner.program.schedule import Axes, Schedule, Spec, even_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +50,29 @@ class OpStep:
 
 
 def input_spec(prog: Program, sched: Schedule, v: Value) -> Spec:
-    """An input's layout: its stored one if given, else what its first consumer requires."""
+    """An input's layout: its stored one if given, else what its first consumer requires (held
+    evenly: :func:`planner.program.schedule.even_layout`)."""
     if v.name in sched.stored:
         return sched.stored[v.name]
     uses = prog.uses.get(v.name)
-    return sched.spec(*uses[0]) if uses else ((),) * len(v.shape)
+    if not uses:
+        return ((),) * len(v.shape)
+    return even_layout(v.shape, sched.spec(*uses[0]), sched.mesh)
 
 
-def output_specs(prog: Program, sched: Schedule, steps) -> tuple[Spec, ...]:
-    """The layout each output of ``prog`` is left in by ``steps`` (its producer's, after any
+def made_specs(prog: Program, sched: Schedule, steps) -> tuple[Spec, ...]:
+    """The layout each output of ``prog`` is made in by ``steps`` (its producer's, after any
     reduce-scatter; an input returned as it is keeps its stored layout)."""
     layout = {v.name: input_spec(prog, sched, v) for v in prog.inputs}
     layout.update((r.value.name, s) for st in steps for r, s in zip(st.op.results, st.out_specs))
     return tuple(layout.get(v.name, ((),) * len(v.shape)) for v in prog.outputs)
+
+
+def output_specs(prog: Program, sched: Schedule, steps) -> tuple[Spec, ...]:
+    """The layout each output of ``prog`` is returned in: as :func:`made_specs`, held evenly
+    (:func:`planner.program.schedule.even_layout`: JAX returns no uneven layout from ``jit``)."""
+    made = made_specs(prog, sched, steps)
+    return tuple(even_layout(v.shape, s, sched.mesh) for v, s in zip(prog.outputs, made))
 
 
 def _next_requirement(prog: Program, sched: Schedule, value: Value) -> Spec | None:

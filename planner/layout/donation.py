@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 from planner.layout.dataflow import dataflow, input_spec
 from planner.program.ir import Program
 from planner.program.ops import Value
-from planner.program.schedule import Schedule
+from planner.program.schedule import Schedule, even_layout
 
 
 def donated_pairs(prog: Program) -> list[tuple[Value, Value]]:
@@ -53,8 +53,9 @@ def keep_state_layouts(prog: Program, sched: Schedule) -> Schedule:
     steps = dataflow(prog, sched, only=producers)
     made = dict(zip((r.value.name for st in steps for r in st.op.results),
                     (s for st in steps for s in st.out_specs)))  # fmt: skip
-    moved = {inp.name: made[out.name] for inp, out in pairs
-             if made[out.name] != input_spec(prog, sched, inp)}  # fmt: skip
+    kept = {out.name: even_layout(out.shape, made[out.name], sched.mesh) for _, out in pairs}
+    moved = {inp.name: kept[out.name] for inp, out in pairs
+             if kept[out.name] != input_spec(prog, sched, inp)}  # fmt: skip
     if not moved:
         return sched
     return dataclasses.replace(sched, program=prog, stored={**sched.stored, **moved})

@@ -55,7 +55,7 @@ from planner.program.jaxpr_params import scan_split, with_body
 from planner.program.microbatch import microbatching
 from planner.program.ops import Op, Region
 from planner.program.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
-from planner.program.schedule import Schedule, Spec, local_shape, stage_factors
+from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, uneven_splits
 from redist.calibration import Calibration
 from redist.execute import tile_kernel
 
@@ -93,7 +93,15 @@ class Lowered:
         self.mesh = mesh = factored_mesh(mesh, auto=backend == "xla")
         self.sizes = dict(mesh.shape)
         check_stages(prog, sched)
+        uneven = uneven_splits(sched)
+        if uneven and backend in ("explicit", "per-op"):
+            raise NotImplementedError(
+                f"the {backend!r} backend runs even splits only (shard_map holds no padded "
+                f"tiles); this schedule splits {', '.join(uneven)} unevenly: run it with "
+                "backend='xla' (what plan.jit runs)"
+            )
         self.steps = dataflow(prog, sched)
+        self.out_even = bool(uneven)
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
         self.in_shardings = in_shardings = tuple(NamedSharding(mesh, _pspec(s))
@@ -175,7 +183,11 @@ class Lowered:
         env: dict[str, object] = {v.name: x for v, x in zip(self.prog.inputs, flat)}
         env.update({v.name: c for v, c in self.prog.consts})
         self._run_range(0, len(self.steps), env, ())
-        return tuple(env[v.name] for v in self.prog.outputs)
+        outs = tuple(env[v.name] for v in self.prog.outputs)
+        if self.xla and self.out_even:  # outputs made unevenly are returned evenly
+            specs = output_specs(self.prog, self.sched, self.steps)
+            outs = tuple(map(self._constrain, outs, specs))
+        return outs
 
     def _run_range(self, lo: int, hi: int, env, inside: tuple[Region, ...]) -> None:
         k = lo

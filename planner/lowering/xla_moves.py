@@ -29,7 +29,7 @@ from planner.cost.simulator import plan_cost
 from planner.layout.dataflow import Move
 from planner.layout.explanation import entries
 from planner.program.ops import itemsize
-from planner.program.schedule import local_shape
+from planner.program.schedule import is_even, local_shape
 from redist.calibration import Calibration
 from redist.hlo import Collective, captured_stderr, hlo_collectives
 
@@ -43,9 +43,12 @@ class MoveChoice:
     xla_s: float
     redist_s: float
     rematerialises: bool
+    uneven: bool = False  # a layout is uneven: XLA's partitioner, which pads, makes it unasked
 
     @property
     def use_redist(self) -> bool:
+        if self.uneven and not math.isinf(self.xla_s):
+            return False
         return self.rematerialises or self.redist_s < self.xla_s
 
     def __str__(self) -> str:
@@ -54,6 +57,8 @@ class MoveChoice:
         why = "XLA rematerialises" if self.rematerialises else "predicted faster"
         if math.isinf(self.xla_s):
             xla, why = "not asked", "asked for"
+        elif self.uneven:
+            xla = "not probed (an uneven layout enters no jit)"
         return (
             f"{v.name} {v.shape}: {entries(self.move.src)} -> {entries(self.move.dst)}: XLA {xla} "
             f"({self.xla_s * 1e6:.1f} us), redist {self.redist_s * 1e6:.1f} us -> "
@@ -94,6 +99,8 @@ def choose(mesh, move: Move, cal: Calibration, probe: bool = True) -> MoveChoice
     redist_s = plan_cost(plan, cal)[0]
     if not probe:
         return MoveChoice(move, (), math.inf, redist_s, False)
+    if not all(is_even(v.shape, s, sizes) for s in (move.src, move.dst)):
+        return MoveChoice(move, (), 0.0, redist_s, False, uneven=True)
     colls = xla_collectives(mesh, tuple(v.shape), v.dtype, src, dst)
     tile = max(math.prod(local_shape(v.shape, s, sizes)) for s in (move.src, move.dst))
     remat = any(c.bytes > tile * itemsize(v.dtype) for c in colls)

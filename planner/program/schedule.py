@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from planner.program.halo import split
 from planner.program.ops import Access, Op
 from planner.program.rules import COMBINABLE
-from redist.types import MeshShape
+from redist.types import MeshShape, padded_size
 
 if TYPE_CHECKING:  # Program.schedule makes schedules, so this module sees Program as a type only
     from planner.program.ir import Program
@@ -67,8 +67,100 @@ Spec = tuple[Axes, ...]  # per array dimension, the mesh axes splitting it (majo
 
 
 def local_shape(shape, spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """Per-device shape of an array of ``shape`` laid out as ``spec`` over mesh factor ``sizes``."""
-    return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, spec))
+    """Per-device shape of an array of ``shape`` laid out as ``spec`` over mesh factor ``sizes``:
+    ``ceil(n / parts)`` per dimension, the last tiles padded where the parts do not divide ``n``
+    (as XLA lays it out).
+
+    Example:
+        >>> local_shape((12, 6), (("a",), ()), {"a": 8})
+        (2, 6)
+    """
+    return tuple(tile(n, math.prod(sizes[a] for a in axes)) for n, axes in zip(shape, spec))
+
+
+def tile(extent: int, parts: int) -> int:
+    """Rows per device of a dimension of ``extent`` split ``parts`` ways (padded where uneven).
+
+    Example:
+        >>> tile(50257, 8)
+        6283
+    """
+    return padded_size(extent, parts) // parts
+
+
+def is_even(shape, spec: Spec, sizes: Mapping[str, int]) -> bool:
+    """Whether every dimension of ``shape`` is divided by the parts ``spec`` splits it into."""
+    return all(n % math.prod(sizes[a] for a in axes) == 0 for n, axes in zip(shape, spec))
+
+
+def even_layout(shape, spec: Spec, sizes: Mapping[str, int]) -> Spec:
+    """The layout an array of ``shape`` in ``spec`` is held in at the program's boundary, where JAX
+    refuses uneven layouts (``in_shardings``, ``out_shardings``, ``device_put``): ``spec`` where
+    even; else the axes of each dimension they do not divide move to the largest dimension they
+    divide with the axes already there (an embedding split by vocabulary 50,257 is held split by
+    its width), or are dropped where none is.
+
+    Example:
+        >>> even_layout((50257, 768), (("a",), ()), {"a": 8})
+        ((), ('a',))
+    """
+    if is_even(shape, spec, sizes):
+        return spec
+    dims = [tuple(axes) for axes in spec]
+    loose: list[str] = []
+    for d, (n, axes) in enumerate(zip(shape, spec)):
+        if n % math.prod(sizes[a] for a in axes):
+            dims[d], loose = (), loose + list(axes)
+    parts = math.prod(sizes[a] for a in loose)
+    for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        if shape[d] % (math.prod(sizes[a] for a in dims[d]) * parts) == 0:
+            dims[d] += tuple(loose)
+            break
+    return tuple(dims)
+
+
+def uneven_splittable(op: Op, loop: str) -> bool:
+    """Whether ``loop`` of ``op`` may be split into parts that do not divide its extent (padded
+    tiles, run by XLA's partitioner: :meth:`planner.AutoPlan.jit`). Not a loop of an op with
+    windows (a convolution or pool split spatially runs on its own tiles, unpadded), of an access
+    with a halo, or the major loop of merged dimensions (a reshape: padding the major loop is no
+    padding of the merged dimension)."""
+    if op.windows:
+        return False
+    for acc in op.operands + op.results:
+        for k, d in enumerate(acc.dims):
+            if d and d[0] == loop and (len(d) > 1 or any(acc.halo[k : k + 1] and acc.halo[k])):
+                return False
+    return True
+
+
+def splits(op: Op, loop: str, parts: int, uneven: bool = False) -> bool:
+    """Whether ``loop`` of ``op`` may be split ``parts`` ways: a partitionable loop whose extent
+    ``parts`` divides, or with ``uneven``, one of at least ``parts`` iterations that
+    :func:`uneven_splittable` allows.
+
+    Example:
+        >>> splits(op, "n", 8, uneven=True)   # n = 50257             # doctest: +SKIP
+        True
+    """
+    lp = op.loop[loop]
+    if not lp.partitionable:
+        return False
+    if lp.extent % parts == 0:
+        return True
+    return uneven and lp.extent >= parts and uneven_splittable(op, loop)
+
+
+def uneven_splits(sched: Schedule) -> list[str]:
+    """``"op, loop (extent over parts)"`` for each loop ``sched`` splits into parts that do not
+    divide its extent (empty for an even schedule)."""
+    out = []
+    for o in sched.program.ops:
+        for lp in o.loops:
+            parts = math.prod(sched.mesh[a] for a in sched.axes_of(o, lp.name))
+            if lp.extent % parts:
+                out.append(f"{o.name}, loop {lp.name} ({lp.extent} over {parts})")
+    return out
 
 
 def _axes(value) -> Axes:
@@ -156,8 +248,9 @@ def factor_axes(shape: MeshShape, axes: Axes, where: str) -> Axes:
     return tuple(out)
 
 
-def check_assignment(shape: MeshShape, op: Op, loops: Mapping) -> dict:
-    """Validate one op's assignment; raise ``ValueError`` naming the op, loop and sizes."""
+def check_assignment(shape: MeshShape, op: Op, loops: Mapping, uneven: bool = False) -> dict:
+    """Validate one op's assignment; raise ``ValueError`` naming the op, loop and sizes. With
+    ``uneven``, loops may be split into parts that do not divide them (:func:`splits`)."""
     mesh = shape.factor_size
     out: dict[str, Axes] = {}
     seen: dict[str, str] = {}
@@ -181,10 +274,17 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping) -> dict:
                 f"op {op.name!r}, loop {loop!r} cannot be partitioned (its kernel needs the "
                 "whole range: gathers, concatenation axes, convolution windows, arg-reductions)"
             )
-        if lp.extent % parts:
+        if axes and not splits(op, loop, parts, uneven):
+            hint = (
+                "; with uneven=True (run by plan.jit) a loop of at least that many iterations "
+                "may be split, padded, unless its tiles must line up with another array's"
+                if not uneven
+                else " (not a window's loop, a loop with a halo or the major loop of a reshape)"
+            )
             raise ValueError(
                 f"op {op.name!r}, loop {loop!r} of extent {lp.extent} is not divisible by the "
                 f"{parts} parts of mesh axes {axes}; choose axes whose sizes divide {lp.extent}"
+                + hint
             )
         if axes:
             out[loop] = axes
@@ -219,6 +319,7 @@ def make_schedule(
     mesh: Mapping[str, int],
     default="propagate",
     stored: Mapping[str, Sequence] | None = None,
+    uneven: bool = False,
 ) -> Schedule:
     """Validate the named ops' assignments and complete the others (``default``).
 
@@ -226,6 +327,8 @@ def make_schedule(
     unpartitioned. ``stored`` gives inputs an at-rest layout (input name -> axes per dimension,
     e.g. FSDP's sharded parameters); such inputs are moved to what their consumers need, and
     propagation starts from it. Other inputs are stored as their first consumer needs them.
+    ``uneven``: loops may be split into parts that do not divide them (:func:`splits`; padded
+    tiles, which only XLA's partitioner runs: :meth:`planner.AutoPlan.jit`, the ``"xla"`` backend).
     """
     shape = MeshShape.of(mesh)
     mesh = shape.factor_size
@@ -236,12 +339,14 @@ def make_schedule(
     if default not in ("propagate", "replicate"):
         raise ValueError(f"default must be 'propagate' or 'replicate', got {default!r}")
     fixed = {
-        o.name: check_assignment(shape, o, assign[o.name]) for o in prog.ops if o.name in assign
+        o.name: check_assignment(shape, o, assign[o.name], uneven)
+        for o in prog.ops
+        if o.name in assign
     }
     at_rest = _stored_specs(prog, shape, stored or {})
     result = dict(fixed)
     if default == "propagate":
-        _propagate(prog, mesh, result, set(fixed), at_rest)
+        _propagate(prog, mesh, result, set(fixed), at_rest, uneven)
     for src, dst in prog.ties:  # a scan's carry leaves the body in the layout it entered with
         result[dst] = result.get(src, {})
     return Schedule(prog, mesh, result, at_rest)
@@ -270,15 +375,15 @@ def _stored_specs(prog: Program, shape: MeshShape, stored: Mapping) -> dict[str,
     return out
 
 
-def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
+def _try(op: Op, mesh, wanted: dict[str, Axes], uneven: bool = False) -> dict[str, Axes]:
     """Keep the wanted loop assignments that are valid for ``op`` (greedy, in loop order)."""
     out: dict[str, Axes] = {}
     used: set[str] = set()
     for lp in op.loops:
         axes = wanted.get(lp.name, ())
-        if not axes or not lp.partitionable or used & set(axes):
+        if not axes or used & set(axes):
             continue
-        if lp.extent % math.prod(mesh[a] for a in axes):
+        if not splits(op, lp.name, math.prod(mesh[a] for a in axes), uneven):
             continue
         out[lp.name] = axes
         used.update(axes)
@@ -293,7 +398,7 @@ def _try(op: Op, mesh, wanted: dict[str, Axes]) -> dict[str, Axes]:
 
 
 def _propagate(
-    prog: Program, mesh, result: dict, fixed: set[str], at_rest, rounds: int = 3
+    prog: Program, mesh, result: dict, fixed: set[str], at_rest, uneven: bool, rounds: int = 3
 ) -> None:
     consumers = prog.uses
     tied = dict((dst, src) for src, dst in prog.ties)
@@ -315,7 +420,7 @@ def _propagate(
                     for d, axes in zip(acc.dims, spec):
                         if d and axes and d[0] not in wanted:
                             wanted[d[0]] = axes
-                new = _try(o, mesh, wanted)
+                new = _try(o, mesh, wanted, uneven)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
             for acc in o.results:
@@ -332,7 +437,7 @@ def _propagate(
                     for d, axes in zip(res.dims, sched.spec(c, acc)):
                         if d and axes and d[0] not in wanted:
                             wanted[d[0]] = axes
-            result[o.name] = _try(o, mesh, wanted)
+            result[o.name] = _try(o, mesh, wanted, uneven)
             changed |= bool(result[o.name])
         if not changed:
             break

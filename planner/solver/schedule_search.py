@@ -38,7 +38,7 @@ from planner.layout.dataflow import input_spec
 from planner.layout.donation import keep_state_layouts
 from planner.program.ir import Program
 from planner.program.ops import Op, itemsize
-from planner.program.schedule import Schedule, make_schedule
+from planner.program.schedule import Schedule, make_schedule, splits
 from planner.solver import strategies
 from planner.solver.chain import ChainDP, with_siblings
 from redist.calibration import Calibration
@@ -86,19 +86,20 @@ def anchors(prog: Program) -> list[Op]:
     return [g[0] for g in groups(prog)]
 
 
-def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes) -> list[str | None]:
+def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes,
+             uneven: bool = False) -> list[str | None]:  # fmt: skip
     out: list[str | None] = [None]
     for lp in op.loops:
         parts = math.prod(sizes[a] for a in current.get(lp.name, ())) * size
-        if lp.partitionable and lp.extent % parts == 0:
+        if splits(op, lp.name, parts, uneven):
             out.append(lp.name)
     return out
 
 
 class _Evaluator:
-    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None):
+    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, uneven=False):
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
-        self.groups, self.priced_as = groups, priced_as
+        self.groups, self.priced_as, self.uneven = groups, priced_as, uneven
         self.cache: dict = {}
         self.best_peak = math.inf
         self.best_peak_schedule: Schedule | None = None
@@ -111,7 +112,8 @@ class _Evaluator:
         if key not in self.cache:
             try:
                 named = {k: v for k, v in with_siblings(assign, self.groups).items() if v}
-                sched = make_schedule(self.prog, named, self.mesh, default=default, stored=stored)
+                sched = make_schedule(self.prog, named, self.mesh, default=default, stored=stored,
+                                      uneven=self.uneven)  # fmt: skip
             except ValueError:
                 self.cache[key] = (math.inf, math.inf, None, None)
                 return self.cache[key]
@@ -200,8 +202,13 @@ def search(
     greedy_ops: int = 150,
     dp: bool = True,
     priced_as: Callable[[Schedule], Schedule] | None = None,
+    uneven: bool = True,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
+
+    ``uneven``: loops may be split into parts that do not divide them (a vocabulary of 50,257 over
+    8 devices: padded tiles, priced at their padded extent; the plan runs under
+    :meth:`planner.AutoPlan.jit`, XLA's partitioner, not the ``"explicit"`` backend).
 
     ``priced_as``: each candidate is priced (and held to the memory limit) as the schedule this
     makes of it, e.g. :func:`planner.layout.staging.staged` pipelining its scans over another axis;
@@ -217,14 +224,14 @@ def search(
     cal = calibration or Calibration.default()
     grouped = groups(prog)
     ops = [g[0] for g in grouped]
-    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as)
+    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as, uneven)
     empty: Assignment = {o.name: {} for o in ops}
 
     classes = interchangeable(shape, cal)
     names = shape.factor_names
 
     def choices(c: tuple[str, ...]) -> list[list]:
-        return [_options(o, {}, sizes[c[0]], sizes) for o in ops]
+        return [_options(o, {}, sizes[c[0]], sizes, uneven) for o in ops]
 
     joint = math.prod(
         math.comb(math.prod(map(len, choices(c))) + len(c) - 1, len(c)) for c in classes
@@ -261,7 +268,7 @@ def search(
         passes.append([(f,) for f in names])
     results = [evaluate(empty), *_seeds(prog, shape, evaluate)]  # never worse than replication
     if dp:
-        tables = ChainDP(prog, grouped, shape.sizes, cal)
+        tables = ChainDP(prog, grouped, shape.sizes, cal, uneven)
         results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]
     # The DP prices time only: when its plans break the memory limit, the greedy passes run too.
     if len(prog.ops) <= greedy_ops or all(math.isinf(r[0]) for r in results):
@@ -325,7 +332,7 @@ def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
     the result, propagated across segments and segment by segment, and the better is kept."""
     for group in factor_groups:
         size = math.prod(sizes[f] for f in group)
-        opts = [_options(o, assign[o.name], size, sizes) for o in ops]
+        opts = [_options(o, assign[o.name], size, sizes, evaluate.uneven) for o in ops]
         candidates = [[_extend(assign[o.name], loop, group) for loop in opt]
                       for o, opt in zip(ops, opts)]  # fmt: skip
         picks = dp.solve(candidates)
@@ -340,7 +347,7 @@ def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
 def _greedy(assign, groups, ops, sizes, evaluate, step_limit):
     for group in groups:
         size = math.prod(sizes[f] for f in group)
-        opts = [_options(o, assign[o.name], size, sizes) for o in ops]
+        opts = [_options(o, assign[o.name], size, sizes, evaluate.uneven) for o in ops]
         if math.prod(len(x) for x in opts) <= step_limit:
             candidates = [_with(assign, c, ops, group) for c in itertools.product(*opts)]
             assign = min(candidates, key=lambda a: evaluate(a)[:2])

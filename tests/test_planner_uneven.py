@@ -1,0 +1,204 @@
+"""The planner on loops the mesh does not divide: tiles of ``ceil(n / k)``, the last ones padded (as
+XLA lays such a dimension out), run by XLA's partitioner (``backend="xla"``, what ``plan.jit``
+runs). Random uneven schedules of every corpus program compute the unsharded program; the
+explicit backends refuse them by name; inputs and outputs cross the ``jit`` boundary evenly; the
+prices count the padded extent, checked against the compiled program; a searched plan splits a
+vocabulary of 50,257 where that pays."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+from planner_programs import PROGRAMS, random_schedule
+from test_planner_random_schedules import assert_same
+
+import planner
+from planner.layout.dataflow import dataflow, input_spec, output_specs
+from planner.program.schedule import (
+    even_layout,
+    local_shape,
+    make_schedule,
+    splits,
+    tile,
+    uneven_splits,
+)
+
+MESHES = {"5": ((5,), ("a",)), "4x2": ((4, 2), ("a", "b"))}
+
+
+def _mesh(name: str) -> Mesh:
+    shape, names = MESHES[name]
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _uneven_schedule(prog, sizes, seed: int):
+    """The first of a few random uneven-capable schedules that splits some loop unevenly."""
+    rng = random.Random(seed)
+    for _ in range(8):
+        sched = make_schedule(prog, random_schedule(prog, sizes, rng, uneven=True), sizes,
+                              default="replicate", uneven=True)  # fmt: skip
+        if uneven_splits(sched):
+            return sched
+    return None
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_random_uneven_schedules_compute_the_program(program, mesh_name):
+    fn, make = PROGRAMS[program]
+    args = make(np.random.default_rng(0))
+    prog = planner.analyze(fn, *args)
+    mesh = _mesh(mesh_name)
+    sizes = dict(mesh.shape)
+    sched = _uneven_schedule(prog, sizes, seed=len(program))
+    if sched is None:
+        pytest.skip(f"{program} has no loop that {sizes} splits unevenly")
+    low = planner.lower(prog, sched, mesh, backend="xla")
+    assert_same(low(*args), jax.jit(fn)(*args))
+    for v, spec in zip(prog.inputs, low.in_specs):  # what enters jit is even
+        assert all(n % np.prod([low.sizes[a] for a in axes], dtype=int) == 0
+                   for n, axes in zip(v.shape, spec))  # fmt: skip
+
+
+def test_most_corpus_programs_have_uneven_schedules():
+    """The test above checks something: uneven schedules exist for most programs."""
+    found = 0
+    for program, (fn, make) in PROGRAMS.items():
+        prog = planner.analyze(fn, *make(np.random.default_rng(0)))
+        found += _uneven_schedule(prog, {"a": 5}, seed=len(program)) is not None
+    assert found >= 0.7 * len(PROGRAMS), found
+
+
+def test_the_explicit_backends_refuse_uneven_schedules_by_name():
+    fn, make = PROGRAMS["matmul_tanh"]  # x (12, 24) @ w (24, 12)
+    args = make(np.random.default_rng(0))
+    prog = planner.analyze(fn, *args)
+    (dot,) = [o for o in prog.ops if o.primitive == "dot_general"]
+    mesh = _mesh("5")
+    with pytest.raises(ValueError, match="uneven=True"):
+        make_schedule(prog, {dot.name: {"m": "a"}}, {"a": 5})  # opt-in only
+    sched = make_schedule(prog, {dot.name: {"m": "a"}}, {"a": 5}, uneven=True)
+    assert uneven_splits(sched)[0].startswith(f"{dot.name}, loop m (12 over 5)")
+    for backend in ("explicit", "per-op"):
+        with pytest.raises(NotImplementedError, match="backend='xla'"):
+            planner.lower(prog, sched, mesh, backend=backend)
+    assert_same(planner.lower(prog, sched, mesh, backend="xla")(*args), jax.jit(fn)(*args))
+
+
+def test_padded_tiles_and_even_layouts():
+    assert tile(50257, 8) == 6283 and tile(12, 8) == 2 and tile(16, 8) == 2
+    assert local_shape((12, 6), (("a",), ()), {"a": 8}) == (2, 6)
+    # the split moves to the largest dimension it divides, else is dropped
+    assert even_layout((50257, 768), (("a",), ()), {"a": 8}) == ((), ("a",))
+    assert even_layout((12, 6), (("a",), ()), {"a": 8}) == ((), ())
+    assert even_layout((12, 6), (("a",), ("b",)), {"a": 4, "b": 3}) == (("a",), ("b",))
+    assert even_layout((10, 12), (("a",), ("b",)), {"a": 4, "b": 3}) == ((), ("b", "a"))
+
+
+def test_which_loops_split_unevenly():
+    fn, make = PROGRAMS["convpool_grad"]  # windows: their loops split evenly only
+    prog = planner.analyze(fn, *make(np.random.default_rng(0)))
+    windowed = [o for o in prog.ops if o.windows]
+    assert windowed
+    for o in windowed:
+        for w in o.windows:
+            extent = o.loop[w.owner].extent
+            parts = next(k for k in range(2, extent + 1) if extent % k)
+            assert not splits(o, w.owner, parts, uneven=True)
+    fn, make = PROGRAMS["broadcast_transpose_reshape"]  # a reshape's major loop stays even
+    prog = planner.analyze(fn, *make(np.random.default_rng(0)))
+    merged = [(o, d[0]) for o in prog.ops for a in o.operands + o.results for d in a.dims
+              if len(d) > 1 and o.loop[d[0]].partitionable]  # fmt: skip
+    assert merged
+    for o, loop in merged:
+        extent = o.loop[loop].extent
+        parts = next(k for k in range(2, extent + 1) if extent % k)
+        assert not splits(o, loop, parts, uneven=True)
+        assert splits(o, loop, parts, uneven=False) is False
+
+
+def _head(x, w):
+    """An unembedding and its log-softmax: logits (tokens, vocab)."""
+    return jax.nn.log_softmax(x @ w, axis=-1)
+
+
+def _lse(x, w):
+    return jax.nn.logsumexp(x @ w, axis=-1)
+
+
+def test_uneven_prices_count_the_padded_extent_as_the_compiler_does():
+    x = jnp.ones((64, 32), jnp.float32)
+    w = jnp.ones((32, 1001), jnp.float32)  # 1001 = 7 x 11 x 13: no power of two divides it
+    prog = planner.analyze(_lse, x, w)
+    (dot,) = [o for o in prog.ops if o.primitive == "dot_general"]
+    mesh = _mesh("4x2")
+    sched = make_schedule(prog, {dot.name: {"n": ("a", "b")}}, dict(mesh.shape), uneven=True)
+    pred = planner.simulate(prog, sched)
+    (cost,) = [c for c in pred.ops if c.op == dot.name]
+    assert cost.flops == 2 * 64 * 32 * tile(1001, 8)  # 126 columns per device, 1008 in all
+    compiled = planner.lower(prog, sched, mesh, backend="xla").lower(x, w).compile()
+    flops = compiled.cost_analysis()
+    flops = (flops[0] if isinstance(flops, list) else flops)["flops"]
+    assert 0.9 < pred.flops / flops < 1.15, (pred.flops, flops)
+    # the logits' tiles are padded: (64, 126) per device, not (64, 125)
+    steps = dataflow(prog, sched)
+    k = prog.index[dot.name]
+    assert local_shape((64, 1001), steps[k].out_specs[0], sched.mesh) == (64, 126)
+    # the weight enters jit split by its 32 rows (1001 columns: uneven), and moves
+    assert input_spec(prog, sched, prog.inputs[1]) == (("a#0", "a#1", "b"), ())
+    assert steps[k].moves
+
+
+def test_uneven_outputs_are_returned_evenly_and_priced():
+    x, w = jnp.ones((64, 32), jnp.float32), jnp.ones((32, 1001), jnp.float32)
+    prog = planner.analyze(_head, x, w)
+    (dot,) = [o for o in prog.ops if o.primitive == "dot_general"]
+    mesh = _mesh("4x2")
+    sched = make_schedule(prog, {dot.name: {"n": ("a", "b")}}, dict(mesh.shape), uneven=True)
+    steps = dataflow(prog, sched)
+    # made split by its 1001 columns, returned split by its 64 rows
+    assert output_specs(prog, sched, steps)[0] == (("a#0", "a#1", "b"), ())
+    pred = planner.simulate(prog, sched)
+    (back,) = [c for c in pred.ops if c.op.endswith("returned evenly")]
+    assert back.comm_s > 0 and back.comm_bytes > 0
+    out = planner.lower(prog, sched, mesh, backend="xla")(x, w)
+    assert out.sharding.spec == jax.sharding.PartitionSpec(("a#0", "a#1", "b"))
+
+
+def test_a_searched_plan_splits_an_uneven_vocabulary_where_it_pays():
+    """An unembedding of vocabulary 50,257 whose weight (12.9 MB) and logits (51 MB) do not fit
+    whole under 16 MiB: the search splits the vocabulary (tiles of 6,283 columns, padded to
+    50,264), below the whole weight's memory, and the plan equals the unsharded head."""
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 50257), jnp.float32)
+    mesh = jax.make_mesh((8,), ("a",), axis_types=(AxisType.Auto,))
+    p = planner.plan(_head, x, w, mesh=mesh, memory_limit_bytes=16 << 20)
+    (dot,) = [o for o in p.program.ops if o.primitive == "dot_general"]
+    assert p.schedule.axes_of(dot, "n"), p.schedule.grid(dot)
+    assert any(s.startswith(f"{dot.name}, loop n (50257 over") for s in uneven_splits(p.schedule))
+    assert p.prediction.peak_bytes < 64 * 50257 * 4
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((256, 64)).astype(np.float32)
+    ws = (rng.standard_normal((64, 50257)) / 8).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(p(xs, ws)), np.asarray(jax.jit(_head)(xs, ws)),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_an_uneven_plan_under_jit_grad_vmap_and_set_mesh():
+    from test_planner_transformations import _args, _close, _loss, _transformed
+
+    mesh = jax.make_mesh((2, 4), ("a", "pipe"), axis_types=(AxisType.Auto,) * 2)
+    args = _args(2, batch=12, d=8, hidden=12)  # 12 rows over 8 devices: tiles of 2, padded
+    prog = planner.analyze(_loss, *args)
+    first = next(o for o in prog.ops if o.primitive == "dot_general")
+    sched = make_schedule(prog, {first.name: {"m": ("a", "pipe")}}, dict(mesh.shape), uneven=True)
+    assert any("(12 over 8)" in s for s in uneven_splits(sched))
+    low = planner.lower(prog, sched, mesh, backend="xla")
+    got, want = _transformed(low, args, mesh), _transformed(_loss, args, mesh)
+    assert set(got) == set(want)
+    for name in want:
+        _close(got[name], want[name])
