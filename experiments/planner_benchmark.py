@@ -32,15 +32,18 @@ def memory_limit(prog, mesh, fraction: float) -> int:
 
 
 def schedule_for(strategy: str, prog, mesh, axes, limit: int | None = None):
-    """``(schedule, search seconds, backend)``; ``auto_memory`` searches under ``limit`` bytes."""
+    """``(schedule, search seconds, backend)``; ``auto_memory`` searches under ``limit`` bytes,
+    ``auto_even`` without the splits only XLA's partitioner runs (uneven loops, masked lookups)."""
     from planner import baselines
+    from planner.program.schedule import xla_splits
     from planner.solver.schedule_search import search
 
-    if strategy in ("auto", "auto_memory"):
+    if strategy in ("auto", "auto_memory", "auto_even"):
         limit = limit if strategy == "auto_memory" else None
         start = time.perf_counter()
-        sched, _ = search(prog, mesh, memory_limit_bytes=limit)
-        return sched, time.perf_counter() - start, "explicit"
+        sched, _ = search(prog, mesh, memory_limit_bytes=limit, xla=strategy != "auto_even")
+        # splits of padded tiles or masked lookups run under XLA's partitioner only (plan.jit)
+        return sched, time.perf_counter() - start, "xla" if xla_splits(sched) else "explicit"
     if strategy == "fsdp":
         stored = baselines.fsdp_stored(prog, axes, dict(mesh.shape))
         return (

@@ -66,6 +66,7 @@ def plan(
     pipeline_axis: str | None = None,
     microbatches: int | Sequence[int] | None = None,
     check_memory: str = "auto",
+    xla_only_splits: bool = True,
     **kwargs,
 ) -> AutoPlan:
     """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
@@ -102,6 +103,12 @@ def plan(
 
     A ``jax.checkpoint`` whose policy is :func:`planner.remat_policy` is planned once per
     candidate policy, and the fastest plan that fits is kept (:mod:`planner.program.remat`).
+
+    ``xla_only_splits``: the plan may split work in ways only XLA's partitioner runs, which
+    :meth:`AutoPlan.jit` (and calling the plan) uses: loops the mesh does not divide (a vocabulary
+    of 50,257 over 8 devices, as padded tiles) and the dimension a gather or scatter looks up (an
+    embedding's vocabulary: each device its own rows, the rest masked). ``False``: every split
+    also runs under ``plan.lowered``, the explicit lowering.
     """
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
@@ -131,11 +138,13 @@ def plan(
             tried = searches.setdefault(name, [])
             fastest = next((r for b, r in tried if b == math.inf and isinstance(r, tuple)), None)
             return _remembered(tried, bound, lambda: _search(
-                p, sizes, calibration, given, pipeline_axis, microbatches, fastest))  # fmt: skip
+                p, sizes, calibration, given, pipeline_axis, microbatches, fastest,
+                xla_only_splits))  # fmt: skip
 
         def free_for(name, p):
             return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
-                p, sizes, calibration, None, pipeline_axis, microbatches))  # fmt: skip
+                p, sizes, calibration, None, pipeline_axis, microbatches, None,
+                xla_only_splits))  # fmt: skip
 
         try:
             if choices:
@@ -230,18 +239,19 @@ def _faster(a, b, tie: float = 1e-9) -> bool:
 
 
 def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches,
-            fastest=None):  # fmt: skip
+            fastest=None, xla=True):  # fmt: skip
     """The best schedule, with a pipeline over ``pipeline_axis`` where that is better;
-    ``fastest``: the search's result without a memory limit, where it was made already."""
+    ``fastest``: the search's result without a memory limit, where it was made already; ``xla``:
+    splits only XLA's partitioner runs are allowed (:func:`planner.solver.search`)."""
     if pipeline_axis is None:
         if microbatches is not None:
             raise ValueError("microbatches needs a pipeline_axis to pipeline over")
-        return search_within(prog, sizes, calibration, memory_limit_bytes, fastest)
+        return search_within(prog, sizes, calibration, memory_limit_bytes, fastest, xla)
 
     limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
     flat, error = None, None
     try:
-        flat = search_within(prog, sizes, calibration, memory_limit_bytes)
+        flat = search_within(prog, sizes, calibration, memory_limit_bytes, xla=xla)
     except MemoryLimitError as e:
         error = e
     piped = search_staged(prog, sizes, calibration, limit, pipeline_axis, microbatches)

@@ -26,10 +26,10 @@ from redist.types import MeshShape
 
 
 def random_schedule(
-    prog: Program, mesh: dict[str, int], rng: random.Random, uneven: bool = False
+    prog: Program, mesh: dict[str, int], rng: random.Random, xla: bool = False
 ) -> dict:
     """A random valid assignment (op -> loop -> factors) for every op of ``prog``; with
-    ``uneven``, loops may be split into parts that do not divide them (as the search may)."""
+    ``xla``, loops may be split into parts that do not divide them (as the search may)."""
     shape = MeshShape.of(mesh)
     out = {}
     for op in prog.ops:
@@ -44,7 +44,7 @@ def random_schedule(
                     break
                 trial = {**loops, loop: loops.get(loop, ()) + (f,)}
                 try:
-                    check_assignment(shape, op, trial, uneven)
+                    check_assignment(shape, op, trial, xla)
                 except ValueError:
                     continue
                 loops = trial

@@ -7,6 +7,7 @@ import pytest
 from jax import lax
 
 import planner
+from planner.program.schedule import splits
 
 F = jnp.float32
 
@@ -106,11 +107,19 @@ def test_concatenate_and_indexing_ops_keep_their_indexed_dims_whole():
     assert ds.operands[0].dims == ((), ()) and not any(lp.partitionable for lp in ds.loops)
     ds = op_of(only(lambda x: lax.dynamic_slice(x, (1, 0), (2, 6)), (4, 6)), "dynamic_slice")
     assert ds.operands[0].dims == ((), ("i1",)) and ds.loop["i1"].partitionable
-    # an embedding lookup: the gathered rows are whole, the looked-up positions and the
-    # feature dimension split
+    # an embedding lookup: the looked-up positions and the feature dimension split; the
+    # vocabulary is a masked loop summed over (each device looks up its own rows: XLA only)
     g = op_of(only(lambda x, i: x[i], (10, 3), (4,), dtype=jnp.int32), "gather")
-    assert g.operands[0].dims == ((), ("i1",)) and g.operands[1].dims == (("i0",), ())
+    assert g.operands[0].dims == (("r0",), ("i1",)) and g.operands[1].dims == (("i0",), ())
     assert g.loop["i0"].partitionable and g.loop["i1"].partitionable
+    assert g.loop["r0"].masked and g.loop["r0"].extent == 10 and g.reductions == (("r0", "sum"),)
+    assert not splits(g, "r0", 2) and splits(g, "r0", 2, xla=True)
+    # its gradient, a scatter-add: each device writes the rows in its range (XLA only)
+    grad = jax.grad(lambda x, i: jnp.sum(x[i] ** 2))
+    s = op_of(planner.analyze(grad, jax.ShapeDtypeStruct((10, 3), F),
+                              jax.ShapeDtypeStruct((4,), jnp.int32)), "scatter-add")  # fmt: skip
+    assert s.loop["i0"].masked and s.results[0].dims == (("i0",), ("i1",))
+    assert not splits(s, "i0", 2) and splits(s, "i0", 2, xla=True)
     cs = op_of(only(lambda x: jnp.cumsum(x, axis=1), (4, 6)), "cumsum")
     assert cs.loop["i0"].partitionable and not cs.loop["i1"].partitionable
 

@@ -23,7 +23,7 @@ from planner.program.schedule import (
     make_schedule,
     splits,
     tile,
-    uneven_splits,
+    xla_splits,
 )
 
 MESHES = {"5": ((5,), ("a",)), "4x2": ((4, 2), ("a", "b"))}
@@ -39,9 +39,9 @@ def _uneven_schedule(prog, sizes, seed: int):
     """The first of a few random uneven-capable schedules that splits some loop unevenly."""
     rng = random.Random(seed)
     for _ in range(8):
-        sched = make_schedule(prog, random_schedule(prog, sizes, rng, uneven=True), sizes,
-                              default="replicate", uneven=True)  # fmt: skip
-        if uneven_splits(sched):
+        sched = make_schedule(prog, random_schedule(prog, sizes, rng, xla=True), sizes,
+                              default="replicate", xla=True)  # fmt: skip
+        if xla_splits(sched):
             return sched
     return None
 
@@ -79,10 +79,10 @@ def test_the_explicit_backends_refuse_uneven_schedules_by_name():
     prog = planner.analyze(fn, *args)
     (dot,) = [o for o in prog.ops if o.primitive == "dot_general"]
     mesh = _mesh("5")
-    with pytest.raises(ValueError, match="uneven=True"):
+    with pytest.raises(ValueError, match="xla=True"):
         make_schedule(prog, {dot.name: {"m": "a"}}, {"a": 5})  # opt-in only
-    sched = make_schedule(prog, {dot.name: {"m": "a"}}, {"a": 5}, uneven=True)
-    assert uneven_splits(sched)[0].startswith(f"{dot.name}, loop m (12 over 5)")
+    sched = make_schedule(prog, {dot.name: {"m": "a"}}, {"a": 5}, xla=True)
+    assert xla_splits(sched)[0].startswith(f"{dot.name}, loop m (12 over 5)")
     for backend in ("explicit", "per-op"):
         with pytest.raises(NotImplementedError, match="backend='xla'"):
             planner.lower(prog, sched, mesh, backend=backend)
@@ -108,7 +108,7 @@ def test_which_loops_split_unevenly():
         for w in o.windows:
             extent = o.loop[w.owner].extent
             parts = next(k for k in range(2, extent + 1) if extent % k)
-            assert not splits(o, w.owner, parts, uneven=True)
+            assert not splits(o, w.owner, parts, xla=True)
     fn, make = PROGRAMS["broadcast_transpose_reshape"]  # a reshape's major loop stays even
     prog = planner.analyze(fn, *make(np.random.default_rng(0)))
     merged = [(o, d[0]) for o in prog.ops for a in o.operands + o.results for d in a.dims
@@ -117,8 +117,8 @@ def test_which_loops_split_unevenly():
     for o, loop in merged:
         extent = o.loop[loop].extent
         parts = next(k for k in range(2, extent + 1) if extent % k)
-        assert not splits(o, loop, parts, uneven=True)
-        assert splits(o, loop, parts, uneven=False) is False
+        assert not splits(o, loop, parts, xla=True)
+        assert splits(o, loop, parts, xla=False) is False
 
 
 def _head(x, w):
@@ -136,7 +136,7 @@ def test_uneven_prices_count_the_padded_extent_as_the_compiler_does():
     prog = planner.analyze(_lse, x, w)
     (dot,) = [o for o in prog.ops if o.primitive == "dot_general"]
     mesh = _mesh("4x2")
-    sched = make_schedule(prog, {dot.name: {"n": ("a", "b")}}, dict(mesh.shape), uneven=True)
+    sched = make_schedule(prog, {dot.name: {"n": ("a", "b")}}, dict(mesh.shape), xla=True)
     pred = planner.simulate(prog, sched)
     (cost,) = [c for c in pred.ops if c.op == dot.name]
     assert cost.flops == 2 * 64 * 32 * tile(1001, 8)  # 126 columns per device, 1008 in all
@@ -148,7 +148,7 @@ def test_uneven_prices_count_the_padded_extent_as_the_compiler_does():
     steps = dataflow(prog, sched)
     k = prog.index[dot.name]
     assert local_shape((64, 1001), steps[k].out_specs[0], sched.mesh) == (64, 126)
-    # the weight enters jit split by its 32 rows (1001 columns: uneven), and moves
+    # the weight enters jit split by its 32 rows (1001 columns: xla), and moves
     assert input_spec(prog, sched, prog.inputs[1]) == (("a#0", "a#1", "b"), ())
     assert steps[k].moves
 
@@ -158,7 +158,7 @@ def test_uneven_outputs_are_returned_evenly_and_priced():
     prog = planner.analyze(_head, x, w)
     (dot,) = [o for o in prog.ops if o.primitive == "dot_general"]
     mesh = _mesh("4x2")
-    sched = make_schedule(prog, {dot.name: {"n": ("a", "b")}}, dict(mesh.shape), uneven=True)
+    sched = make_schedule(prog, {dot.name: {"n": ("a", "b")}}, dict(mesh.shape), xla=True)
     steps = dataflow(prog, sched)
     # made split by its 1001 columns, returned split by its 64 rows
     assert output_specs(prog, sched, steps)[0] == (("a#0", "a#1", "b"), ())
@@ -179,7 +179,7 @@ def test_a_searched_plan_splits_an_uneven_vocabulary_where_it_pays():
     p = planner.plan(_head, x, w, mesh=mesh, memory_limit_bytes=16 << 20)
     (dot,) = [o for o in p.program.ops if o.primitive == "dot_general"]
     assert p.schedule.axes_of(dot, "n"), p.schedule.grid(dot)
-    assert any(s.startswith(f"{dot.name}, loop n (50257 over") for s in uneven_splits(p.schedule))
+    assert any(s.startswith(f"{dot.name}, loop n (50257 over") for s in xla_splits(p.schedule))
     assert p.prediction.peak_bytes < 64 * 50257 * 4
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((256, 64)).astype(np.float32)
@@ -195,10 +195,54 @@ def test_an_uneven_plan_under_jit_grad_vmap_and_set_mesh():
     args = _args(2, batch=12, d=8, hidden=12)  # 12 rows over 8 devices: tiles of 2, padded
     prog = planner.analyze(_loss, *args)
     first = next(o for o in prog.ops if o.primitive == "dot_general")
-    sched = make_schedule(prog, {first.name: {"m": ("a", "pipe")}}, dict(mesh.shape), uneven=True)
-    assert any("(12 over 8)" in s for s in uneven_splits(sched))
+    sched = make_schedule(prog, {first.name: {"m": ("a", "pipe")}}, dict(mesh.shape), xla=True)
+    assert any("(12 over 8)" in s for s in xla_splits(sched))
     low = planner.lower(prog, sched, mesh, backend="xla")
     got, want = _transformed(low, args, mesh), _transformed(_loss, args, mesh)
     assert set(got) == set(want)
     for name in want:
         _close(got[name], want[name])
+
+
+@pytest.mark.parametrize(
+    "program", ["embedding", "embedding_grad", "cross_entropy_and_grad", "scatter_add_onto_values"]
+)
+def test_masked_lookups_compute_the_program(program):
+    """Gathers and scatters split along the dimension they look up (each device its own range,
+    XLA's partitioner masking the rest): every such loop over ``a``, the rest propagated."""
+    fn, make = PROGRAMS[program]
+    args = make(np.random.default_rng(0))
+    prog = planner.analyze(fn, *args)
+    masked = [(o, lp) for o in prog.ops for lp in o.loops if lp.masked]
+    assert masked
+    mesh = _mesh("4x2")
+    assign = {o.name: {lp.name: ("a",)} for o, lp in masked}
+    sched = make_schedule(prog, assign, dict(mesh.shape), xla=True)
+    assert any("(looked up, masked)" in s or " over 4)" in s for s in xla_splits(sched))
+    with pytest.raises(ValueError, match="xla=True"):
+        make_schedule(prog, assign, dict(mesh.shape))
+    assert_same(planner.lower(prog, sched, mesh, backend="xla")(*args), jax.jit(fn)(*args))
+
+
+def test_a_gpt2_shaped_step_splits_its_vocabulary_exactly():
+    """GPT-2's vocabulary (50,257) and 12 heads at a smaller width (d 96, one layer) on 8
+    devices: the searched plan splits the vocabulary (the head's columns padded, the
+    cross-entropy's lookup masked), its predicted peak below the plan searched without such
+    splits, and the step equals ``jax.jit(step)``."""
+    from test_planner_lm import assert_step_equal
+
+    from experiments.language_model import lm_step
+
+    step, args = lm_step(batch=8, seq=32, d=96, heads=12, layers=1, vocab=50257, scan=True)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    p = planner.plan(step, *args, mesh=mesh)
+    even = planner.plan(step, *args, mesh=mesh, xla_only_splits=False)
+    split = xla_splits(p.schedule)
+    looked_up = {o.name for o in p.program.ops for lp in o.loops
+                 if lp.masked and p.schedule.axes_of(o, lp.name)}  # fmt: skip
+    assert any("50257 over" in s for s in split) and looked_up, split
+    assert not xla_splits(even.schedule)
+    assert p.prediction.peak_bytes < even.prediction.peak_bytes
+    with pytest.raises(NotImplementedError, match="backend='xla'"):
+        p.lowered  # noqa: B018  (the explicit lowering refuses, naming the splits)
+    assert_step_equal(p(*args), jax.jit(step)(*args), param_atol=1e-4)

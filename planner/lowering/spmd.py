@@ -55,7 +55,7 @@ from planner.program.jaxpr_params import scan_split, with_body
 from planner.program.microbatch import microbatching
 from planner.program.ops import Op, Region
 from planner.program.rules import OPERAND_SIZE_PARAMS, POOLS, SCATTER_ADD
-from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, uneven_splits
+from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, xla_splits
 from redist.calibration import Calibration
 from redist.execute import tile_kernel
 
@@ -93,15 +93,16 @@ class Lowered:
         self.mesh = mesh = factored_mesh(mesh, auto=backend == "xla")
         self.sizes = dict(mesh.shape)
         check_stages(prog, sched)
-        uneven = uneven_splits(sched)
-        if uneven and backend in ("explicit", "per-op"):
+        only_xla = xla_splits(sched)
+        if only_xla and backend in ("explicit", "per-op"):
             raise NotImplementedError(
-                f"the {backend!r} backend runs even splits only (shard_map holds no padded "
-                f"tiles); this schedule splits {', '.join(uneven)} unevenly: run it with "
-                "backend='xla' (what plan.jit runs)"
+                f"the {backend!r} backend runs even splits of its own kernels only (shard_map "
+                f"holds no padded tiles, and its gathers and scatters look up whole operands); "
+                f"this schedule splits {'; '.join(only_xla)}: run it with backend='xla' (what "
+                "plan.jit runs)"
             )
         self.steps = dataflow(prog, sched)
-        self.out_even = bool(uneven)
+        self.out_even = bool(only_xla)
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
         self.events = events(self.steps, redist.MeshShape.of(self.sizes))
         self.in_shardings = in_shardings = tuple(NamedSharding(mesh, _pspec(s))

@@ -54,11 +54,15 @@ def is_key(dtype: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Loop:
     """A loop dimension: ``name``, ``extent``; ``partitionable`` is False where a local kernel could
-    not compute a slice of it (gathers, concatenation axes, convolution windows, unknown ops)."""
+    not compute a slice of it (concatenation axes, convolution windows, unknown ops). ``masked``:
+    the looked-up dimension of a gather's operand or a scatter's (an embedding's vocabulary),
+    which only XLA's partitioner splits: each device looks up, or writes, the indices in its own
+    range and masks the others (a gather's partial results are then summed)."""
 
     name: str
     extent: int
     partitionable: bool = True
+    masked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +147,14 @@ class Op:
 
     @property
     def flops(self) -> int:
-        """Arithmetic of one run of the whole op: 2 per loop point for products, else 1."""
-        return (2 if self.dense else 1) * math.prod(lp.extent for lp in self.loops)
+        """Arithmetic of one run of the whole op: 2 per loop point for products, else 1 (a looked-up
+        dimension, :attr:`Loop.masked`, adds none)."""
+        return (2 if self.dense else 1) * math.prod(lp.extent for lp in self.loops if not lp.masked)
 
     def __str__(self) -> str:
         loops = " ".join(
-            f"{lp.name}={lp.extent}" + ("" if lp.partitionable else "!") for lp in self.loops
+            f"{lp.name}={lp.extent}" + ("~" if lp.masked else "" if lp.partitionable else "!")
+            for lp in self.loops
         )
         red = ", ".join(f"{kind} over {name}" for name, kind in self.reductions)
         ins = " ".join(str(a) for a in self.operands)

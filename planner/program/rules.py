@@ -15,9 +15,12 @@
 | sort, top_k, rev                | along is not partitionable             |                                  |
 | slice, pad, dynamic_slice,      | one per result dim; dims not taken     | operands whole on those dims     |
 | dynamic_update_slice            | whole are not partitionable            |                                  |
-| gather                          | index batch dims, whole-slice offsets  | indexed operand dims whole       |
-| scatter, scatter-add            | window dims; scatter dims (scatter-add:| indexed operand dims whole;      |
-|                                 | a sum, the operand added once)         |                                  |
+| gather                          | index batch dims, whole-slice offsets; | indexed operand dims whole, but  |
+|                                 | a dim looked up one element at a time: | those masked loops split (XLA's  |
+|                                 | a masked loop, summed over             | partitioner only)                |
+| scatter, scatter-add            | window dims; scatter dims (scatter-add:| indexed operand dims whole, but  |
+|                                 | a sum, the operand added once); dims   | masked ones split (XLA only)     |
+|                                 | written one element at a time: masked  |                                  |
 | iota                            | one per result dim (counted one: not)  |                                  |
 | random ops, PRNG key values     | whole (a split would draw other bits)  | read whole                       |
 | conv_general_dilated            | n, g (groups), o (features), i (in     | the input's spatial dims split   |
@@ -351,7 +354,10 @@ def _indexed(
 
 def gather(name, eqn, ins, outs):
     """Output batch dims share loops with the indices (and operand batching dims); offset dims
-    that take a whole operand dimension share loops with it; indexed dimensions stay whole."""
+    that take a whole operand dimension share loops with it; an indexed dimension read one element
+    at a time (an embedding's vocabulary, ``take_along_axis``'s axis) is a masked loop summed
+    over (:attr:`planner.program.ops.Loop.masked`: each device looks up its own range, XLA's
+    partitioner masks the rest and sums); other indexed dimensions stay whole."""
     v, idx = ins
     out = outs[0]
     if v is None or idx is None:
@@ -374,8 +380,15 @@ def gather(name, eqn, ins, outs):
         if jd in dn.start_indices_batching_dims:
             vd = dn.operand_batching_dims[dn.start_indices_batching_dims.index(jd)]
             vdims[vd] = (loops[od].name,)
-    # fmt: skip
-    return Op(name, "gather", tuple(loops), (_acc(v, vdims), _acc(idx, idims)), (_acc(out, odims),))
+    reductions = []
+    for vd in dn.start_index_map:
+        if sizes[vd] == 1 and v.shape[vd] > 1 and not vdims[vd]:
+            lp = Loop(f"r{len(reductions)}", v.shape[vd], masked=True)
+            loops.append(lp)
+            vdims[vd] = (lp.name,)
+            reductions.append((lp.name, "sum"))
+    return Op(name, "gather", tuple(loops), (_acc(v, vdims), _acc(idx, idims)),
+              (_acc(out, odims),), tuple(reductions))  # fmt: skip
 
 
 def scatter(name, eqn, ins, outs):
@@ -411,8 +424,12 @@ def scatter(name, eqn, ins, outs):
         udims[ud] = idims[jd] = (lp.name,)
         if add:
             reductions.append((lp.name, "sum"))
+    looked_up = set(dn.inserted_window_dims) & set(dn.scatter_dims_to_operand_dims)
     for vd in range(len(v.shape)):
-        if vd not in shared:
+        if vd in looked_up and vd not in shared and v.shape[vd] > 1:
+            # each device writes the updates whose index falls in its range (XLA masks the rest)
+            loops[vd] = Loop(loops[vd].name, loops[vd].extent, masked=True)
+        elif vd not in shared:
             loops[vd] = Loop(loops[vd].name, loops[vd].extent, False)
             vdims[vd] = ()
     return Op(name, eqn.primitive.name, tuple(loops),

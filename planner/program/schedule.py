@@ -79,7 +79,7 @@ def local_shape(shape, spec: Spec, sizes: Mapping[str, int]) -> tuple[int, ...]:
 
 
 def tile(extent: int, parts: int) -> int:
-    """Rows per device of a dimension of ``extent`` split ``parts`` ways (padded where uneven).
+    """Rows per device of a dimension of ``extent`` split ``parts`` ways (padded where xla).
 
     Example:
         >>> tile(50257, 8)
@@ -134,32 +134,37 @@ def uneven_splittable(op: Op, loop: str) -> bool:
     return True
 
 
-def splits(op: Op, loop: str, parts: int, uneven: bool = False) -> bool:
+def splits(op: Op, loop: str, parts: int, xla: bool = False) -> bool:
     """Whether ``loop`` of ``op`` may be split ``parts`` ways: a partitionable loop whose extent
-    ``parts`` divides, or with ``uneven``, one of at least ``parts`` iterations that
-    :func:`uneven_splittable` allows.
+    ``parts`` divides; with ``xla``, also splits only XLA's partitioner runs (``plan.jit``): a
+    loop of at least ``parts`` iterations that :func:`uneven_splittable` allows (padded tiles),
+    and a looked-up dimension of a gather or scatter (:attr:`Loop.masked`).
 
     Example:
-        >>> splits(op, "n", 8, uneven=True)   # n = 50257             # doctest: +SKIP
+        >>> splits(op, "n", 8, xla=True)   # n = 50257             # doctest: +SKIP
         True
     """
     lp = op.loop[loop]
-    if not lp.partitionable:
+    if not lp.partitionable or (lp.masked and not xla):
         return False
     if lp.extent % parts == 0:
         return True
-    return uneven and lp.extent >= parts and uneven_splittable(op, loop)
+    return xla and lp.extent >= parts and uneven_splittable(op, loop)
 
 
-def uneven_splits(sched: Schedule) -> list[str]:
-    """``"op, loop (extent over parts)"`` for each loop ``sched`` splits into parts that do not
-    divide its extent (empty for an even schedule)."""
+def xla_splits(sched: Schedule) -> list[str]:
+    """The splits of ``sched`` only XLA's partitioner runs, as ``"op, loop l (50257 over 8)"`` for
+    a loop split into parts that do not divide it and ``"op, loop l (looked up, masked)"`` for a
+    gather's or scatter's looked-up dimension (empty for a schedule any backend runs)."""
     out = []
     for o in sched.program.ops:
         for lp in o.loops:
-            parts = math.prod(sched.mesh[a] for a in sched.axes_of(o, lp.name))
+            axes = sched.axes_of(o, lp.name)
+            parts = math.prod(sched.mesh[a] for a in axes)
             if lp.extent % parts:
                 out.append(f"{o.name}, loop {lp.name} ({lp.extent} over {parts})")
+            elif lp.masked and axes:
+                out.append(f"{o.name}, loop {lp.name} (looked up, masked)")
     return out
 
 
@@ -248,9 +253,9 @@ def factor_axes(shape: MeshShape, axes: Axes, where: str) -> Axes:
     return tuple(out)
 
 
-def check_assignment(shape: MeshShape, op: Op, loops: Mapping, uneven: bool = False) -> dict:
+def check_assignment(shape: MeshShape, op: Op, loops: Mapping, xla: bool = False) -> dict:
     """Validate one op's assignment; raise ``ValueError`` naming the op, loop and sizes. With
-    ``uneven``, loops may be split into parts that do not divide them (:func:`splits`)."""
+    ``xla``, loops may be split into parts that do not divide them (:func:`splits`)."""
     mesh = shape.factor_size
     out: dict[str, Axes] = {}
     seen: dict[str, str] = {}
@@ -274,12 +279,19 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping, uneven: bool = Fa
                 f"op {op.name!r}, loop {loop!r} cannot be partitioned (its kernel needs the "
                 "whole range: gathers, concatenation axes, convolution windows, arg-reductions)"
             )
-        if axes and not splits(op, loop, parts, uneven):
+        if axes and lp.masked and not xla:
+            raise ValueError(
+                f"op {op.name!r}, loop {loop!r} is the dimension a {op.primitive} looks up; only "
+                "XLA's partitioner splits it (each device looks up its own range, the rest "
+                "masked): make the schedule with xla=True and run it with plan.jit"
+            )
+        if axes and not splits(op, loop, parts, xla):
             hint = (
-                "; with uneven=True (run by plan.jit) a loop of at least that many iterations "
+                "; with xla=True (run by plan.jit) a loop of at least that many iterations "
                 "may be split, padded, unless its tiles must line up with another array's"
-                if not uneven
-                else " (not a window's loop, a loop with a halo or the major loop of a reshape)"
+                if not xla
+                else " (not a loop of a convolution or pool, with a halo or the major loop of a "
+                "reshape)"
             )
             raise ValueError(
                 f"op {op.name!r}, loop {loop!r} of extent {lp.extent} is not divisible by the "
@@ -319,7 +331,7 @@ def make_schedule(
     mesh: Mapping[str, int],
     default="propagate",
     stored: Mapping[str, Sequence] | None = None,
-    uneven: bool = False,
+    xla: bool = False,
 ) -> Schedule:
     """Validate the named ops' assignments and complete the others (``default``).
 
@@ -327,7 +339,7 @@ def make_schedule(
     unpartitioned. ``stored`` gives inputs an at-rest layout (input name -> axes per dimension,
     e.g. FSDP's sharded parameters); such inputs are moved to what their consumers need, and
     propagation starts from it. Other inputs are stored as their first consumer needs them.
-    ``uneven``: loops may be split into parts that do not divide them (:func:`splits`; padded
+    ``xla``: loops may be split into parts that do not divide them (:func:`splits`; padded
     tiles, which only XLA's partitioner runs: :meth:`planner.AutoPlan.jit`, the ``"xla"`` backend).
     """
     shape = MeshShape.of(mesh)
@@ -339,14 +351,14 @@ def make_schedule(
     if default not in ("propagate", "replicate"):
         raise ValueError(f"default must be 'propagate' or 'replicate', got {default!r}")
     fixed = {
-        o.name: check_assignment(shape, o, assign[o.name], uneven)
+        o.name: check_assignment(shape, o, assign[o.name], xla)
         for o in prog.ops
         if o.name in assign
     }
     at_rest = _stored_specs(prog, shape, stored or {})
     result = dict(fixed)
     if default == "propagate":
-        _propagate(prog, mesh, result, set(fixed), at_rest, uneven)
+        _propagate(prog, mesh, result, set(fixed), at_rest, xla)
     for src, dst in prog.ties:  # a scan's carry leaves the body in the layout it entered with
         result[dst] = result.get(src, {})
     return Schedule(prog, mesh, result, at_rest)
@@ -375,7 +387,7 @@ def _stored_specs(prog: Program, shape: MeshShape, stored: Mapping) -> dict[str,
     return out
 
 
-def _try(op: Op, mesh, wanted: dict[str, Axes], uneven: bool = False) -> dict[str, Axes]:
+def _try(op: Op, mesh, wanted: dict[str, Axes], xla: bool = False) -> dict[str, Axes]:
     """Keep the wanted loop assignments that are valid for ``op`` (greedy, in loop order)."""
     out: dict[str, Axes] = {}
     used: set[str] = set()
@@ -383,7 +395,7 @@ def _try(op: Op, mesh, wanted: dict[str, Axes], uneven: bool = False) -> dict[st
         axes = wanted.get(lp.name, ())
         if not axes or used & set(axes):
             continue
-        if not splits(op, lp.name, math.prod(mesh[a] for a in axes), uneven):
+        if not splits(op, lp.name, math.prod(mesh[a] for a in axes), xla):
             continue
         out[lp.name] = axes
         used.update(axes)
@@ -398,7 +410,7 @@ def _try(op: Op, mesh, wanted: dict[str, Axes], uneven: bool = False) -> dict[st
 
 
 def _propagate(
-    prog: Program, mesh, result: dict, fixed: set[str], at_rest, uneven: bool, rounds: int = 3
+    prog: Program, mesh, result: dict, fixed: set[str], at_rest, xla: bool, rounds: int = 3
 ) -> None:
     consumers = prog.uses
     tied = dict((dst, src) for src, dst in prog.ties)
@@ -420,7 +432,7 @@ def _propagate(
                     for d, axes in zip(acc.dims, spec):
                         if d and axes and d[0] not in wanted:
                             wanted[d[0]] = axes
-                new = _try(o, mesh, wanted, uneven)
+                new = _try(o, mesh, wanted, xla)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
             for acc in o.results:
@@ -437,7 +449,7 @@ def _propagate(
                     for d, axes in zip(res.dims, sched.spec(c, acc)):
                         if d and axes and d[0] not in wanted:
                             wanted[d[0]] = axes
-            result[o.name] = _try(o, mesh, wanted, uneven)
+            result[o.name] = _try(o, mesh, wanted, xla)
             changed |= bool(result[o.name])
         if not changed:
             break

@@ -155,8 +155,8 @@ class ChainDP:
     """Tables of segment and border costs, and the Viterbi recursion over them."""
 
     def __init__(self, prog: Program, groups: Sequence[Sequence[Op]], mesh, cal: Calibration,
-                 uneven: bool = False):  # fmt: skip
-        self.prog, self.mesh, self.cal, self.uneven = prog, dict(mesh), cal, uneven
+                 xla: bool = False):  # fmt: skip
+        self.prog, self.mesh, self.cal, self.xla = prog, dict(mesh), cal, xla
         self._index = prog.index
         self.anchors = [g[0] for g in groups]
         self.siblings = [siblings(g) for g in groups]
@@ -202,13 +202,13 @@ class ChainDP:
                 )
                 # Inputs the anchor reads are assumed laid out as it needs them, so that the
                 # group's other products (which share such an input) propagate from them too.
-                head = make_schedule(sub, named, self.mesh, default="replicate", uneven=self.uneven)
+                head = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
                 op = self.anchors[g]
                 given = {v.name for v in sub.inputs}
                 seeds = {
                     a.value.name: head.spec(op, a) for a in op.operands if a.value.name in given
                 }
-                sched = make_schedule(sub, named, self.mesh, stored=seeds, uneven=self.uneven)
+                sched = make_schedule(sub, named, self.mesh, stored=seeds, xla=self.xla)
                 self._grids[frozen] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
             except ValueError:
                 self._grids[frozen] = None
@@ -240,9 +240,7 @@ class ChainDP:
             if named is None:
                 self._costs[full] = math.inf
             else:
-                sched = make_schedule(
-                    sub, named, self.mesh, default="replicate", uneven=self.uneven
-                )
+                sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
                 pred = simulate(sub, sched, self.cal)
                 self._costs[full] = pred.time_s
                 self._op_times[full] = tuple(c.compute_s + c.comm_s for c in pred.ops)

@@ -87,19 +87,19 @@ def anchors(prog: Program) -> list[Op]:
 
 
 def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes,
-             uneven: bool = False) -> list[str | None]:  # fmt: skip
+             xla: bool = False) -> list[str | None]:  # fmt: skip
     out: list[str | None] = [None]
     for lp in op.loops:
         parts = math.prod(sizes[a] for a in current.get(lp.name, ())) * size
-        if splits(op, lp.name, parts, uneven):
+        if splits(op, lp.name, parts, xla):
             out.append(lp.name)
     return out
 
 
 class _Evaluator:
-    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, uneven=False):
+    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, xla=False):
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
-        self.groups, self.priced_as, self.uneven = groups, priced_as, uneven
+        self.groups, self.priced_as, self.xla = groups, priced_as, xla
         self.cache: dict = {}
         self.best_peak = math.inf
         self.best_peak_schedule: Schedule | None = None
@@ -113,7 +113,7 @@ class _Evaluator:
             try:
                 named = {k: v for k, v in with_siblings(assign, self.groups).items() if v}
                 sched = make_schedule(self.prog, named, self.mesh, default=default, stored=stored,
-                                      uneven=self.uneven)  # fmt: skip
+                                      xla=self.xla)  # fmt: skip
             except ValueError:
                 self.cache[key] = (math.inf, math.inf, None, None)
                 return self.cache[key]
@@ -202,11 +202,11 @@ def search(
     greedy_ops: int = 150,
     dp: bool = True,
     priced_as: Callable[[Schedule], Schedule] | None = None,
-    uneven: bool = True,
+    xla: bool = True,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
-    ``uneven``: loops may be split into parts that do not divide them (a vocabulary of 50,257 over
+    ``xla``: loops may be split into parts that do not divide them (a vocabulary of 50,257 over
     8 devices: padded tiles, priced at their padded extent; the plan runs under
     :meth:`planner.AutoPlan.jit`, XLA's partitioner, not the ``"explicit"`` backend).
 
@@ -224,14 +224,14 @@ def search(
     cal = calibration or Calibration.default()
     grouped = groups(prog)
     ops = [g[0] for g in grouped]
-    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as, uneven)
+    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as, xla)
     empty: Assignment = {o.name: {} for o in ops}
 
     classes = interchangeable(shape, cal)
     names = shape.factor_names
 
     def choices(c: tuple[str, ...]) -> list[list]:
-        return [_options(o, {}, sizes[c[0]], sizes, uneven) for o in ops]
+        return [_options(o, {}, sizes[c[0]], sizes, xla) for o in ops]
 
     joint = math.prod(
         math.comb(math.prod(map(len, choices(c))) + len(c) - 1, len(c)) for c in classes
@@ -268,7 +268,7 @@ def search(
         passes.append([(f,) for f in names])
     results = [evaluate(empty), *_seeds(prog, shape, evaluate)]  # never worse than replication
     if dp:
-        tables = ChainDP(prog, grouped, shape.sizes, cal, uneven)
+        tables = ChainDP(prog, grouped, shape.sizes, cal, xla)
         results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]
     # The DP prices time only: when its plans break the memory limit, the greedy passes run too.
     if len(prog.ops) <= greedy_ops or all(math.isinf(r[0]) for r in results):
@@ -332,7 +332,7 @@ def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
     the result, propagated across segments and segment by segment, and the better is kept."""
     for group in factor_groups:
         size = math.prod(sizes[f] for f in group)
-        opts = [_options(o, assign[o.name], size, sizes, evaluate.uneven) for o in ops]
+        opts = [_options(o, assign[o.name], size, sizes, evaluate.xla) for o in ops]
         candidates = [[_extend(assign[o.name], loop, group) for loop in opt]
                       for o, opt in zip(ops, opts)]  # fmt: skip
         picks = dp.solve(candidates)
@@ -347,7 +347,7 @@ def _dynamic(assign, factor_groups, ops, sizes, evaluate, dp: ChainDP):
 def _greedy(assign, groups, ops, sizes, evaluate, step_limit):
     for group in groups:
         size = math.prod(sizes[f] for f in group)
-        opts = [_options(o, assign[o.name], size, sizes, evaluate.uneven) for o in ops]
+        opts = [_options(o, assign[o.name], size, sizes, evaluate.xla) for o in ops]
         if math.prod(len(x) for x in opts) <= step_limit:
             candidates = [_with(assign, c, ops, group) for c in itertools.product(*opts)]
             assign = min(candidates, key=lambda a: evaluate(a)[:2])
@@ -416,19 +416,19 @@ def _result(score, evaluate: _Evaluator, limit):
 
 
 def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO,
-                  fastest: tuple | None = None):  # fmt: skip
+                  fastest: tuple | None = None, xla: bool = True):  # fmt: skip
     """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`);
     ``fastest``: the ``(schedule, prediction)`` of the search without a limit, where the caller
-    has it already."""
+    has it already; ``xla``: as :func:`search`'s."""
     num_devices = math.prod(mesh_sizes.values())
     limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
     if memory_limit_bytes != AUTO or limit is None:
-        return search(prog, mesh_sizes, calibration, limit)
-    sched, pred = fastest or search(prog, mesh_sizes, calibration, None)
+        return search(prog, mesh_sizes, calibration, limit, xla=xla)
+    sched, pred = fastest or search(prog, mesh_sizes, calibration, None, xla=xla)
     if pred.peak_bytes <= limit:
         return sched, pred
     try:
-        return search(prog, mesh_sizes, calibration, limit)
+        return search(prog, mesh_sizes, calibration, limit, xla=xla)
     except MemoryLimitError as e:
         capacity = limit / (1 - MEMORY_RESERVE)
         note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "

@@ -58,7 +58,7 @@ def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limi
             best = (sched, pred, k)
 
     try:
-        base, _ = search(prog, others or {"_": 1}, calibration, None)
+        base, _ = search(prog, others or {"_": 1}, calibration, None, xla=False)
     except MemoryLimitError:
         return None
     choices = microbatch_choices(sizes[axis], microbatches)
@@ -67,7 +67,7 @@ def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limi
     k = best[2] if best else choices[-1]
     try:
         again, _ = search(prog, others or {"_": 1}, calibration, memory_limit_bytes,
-                          priced_as=lambda s: pipelined(s, k) or s)  # fmt: skip
+                          priced_as=lambda s: pipelined(s, k) or s, xla=False)  # fmt: skip
     except MemoryLimitError:
         again = None
     if again is not None:
