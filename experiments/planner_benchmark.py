@@ -6,7 +6,8 @@ Usage:
 For every workload x strategy (all lowered the same way): measured time (interleaved repetitions,
 inputs placed on the devices once as the program wants them),
 per-device memory of the compiled program (arguments + outputs + temporaries), collective bytes from
-the HLO, the simulator's predicted time / bytes / peak memory, and the search time for ``auto``.
+the HLO, the simulator's predicted time / bytes / peak memory, the search time for ``auto``, and
+the largest difference of its outputs from the unsharded program's (``max_error``, relative).
 Writes ``results.jsonl``, ``summary.json`` (Spearman rank correlation of predicted and measured
 times; per workload the auto plan's time over the best baseline's), ``report.md`` and figures.
 """
@@ -67,6 +68,21 @@ def schedule_for(strategy: str, prog, mesh, axes, limit: int | None = None):
     }[strategy]()
     default = "replicate" if strategy == "replicated" else "propagate"
     return prog.schedule(assign, mesh, default=default), 0.0, "explicit"
+
+
+def max_error(got, want) -> float:
+    """The largest difference between matching outputs, each relative to its output's largest
+    magnitude (0 where equal; integers and booleans count exact differences)."""
+    import numpy as np
+
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g.shape != w.shape:
+            return float("inf")
+        scale = max(float(np.max(np.abs(w), initial=0.0)), 1e-30)
+        worst = max(worst, float(np.max(np.abs(g - w), initial=0.0)) / scale)
+    return worst
 
 
 def spearman(a, b) -> float:
@@ -133,9 +149,11 @@ def run(config, workdir: str) -> dict:
             runs.append(lambda c=compiled, a=placed: c(*a))
             print(f"{name}/{strategy}: {pred}", flush=True)
         times = interleaved_times(runs, config.repeats, config.warmup, config.min_time_s)
-        for row, t in zip(rows, times):
+        want = jax.tree.leaves(jax.jit(fn)(*args))  # the unsharded program
+        for row, t, once in zip(rows, times, runs):
             row["measured_s"] = t["median"]
             row["measured_min_s"] = t["min"]
+            row["max_error"] = max_error(jax.tree.leaves(once()), want)
         results += rows
     with open(os.path.join(workdir, "results.jsonl"), "w") as f:
         for r in results:
@@ -185,13 +203,14 @@ def summarize(results: list[dict]) -> dict:
 def report(results: list[dict], summary: dict) -> str:
     lines = ["# Planner benchmark", "", "```", json.dumps(summary, indent=2), "```", "",
              "| workload | strategy | measured ms | predicted ms | device MiB | predicted peak MiB "
-             "| collective MiB | search s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| collective MiB | search s | max error |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         lines.append(
             f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.3f} | "
             f"{r['predicted_s'] * 1e3:.3f} | {r['device_bytes'] / 2**20:.2f} | "
             f"{r['predicted_peak_bytes'] / 2**20:.2f} | {r['collective_bytes'] / 2**20:.2f} | "
-            f"{r['search_s']:.2f} |"
+            f"{r['search_s']:.2f} | {r.get('max_error', float('nan')):.1e} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 
 from configs import smoke
@@ -57,6 +58,8 @@ def test_planner_benchmark_smoke(tmp_path):
     assert set(summary["workloads"]) == {"mm", "mlp", "tf"}
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+    assert all(r["max_error"] < 1e-4 for r in rows)  # against the unsharded program
+    assert planner_benchmark.max_error([np.ones(3)], [np.ones(3) * 2]) == 0.5
     assert [r["strategy"] for r in rows[:4]] == ["replicated", "data", "auto", "auto_memory"]
     limited = summary["workloads"]["mlp"]["auto_memory"]
     assert limited["predicted_peak_bytes"] <= limited["limit_bytes"]
