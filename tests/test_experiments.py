@@ -59,7 +59,7 @@ def test_planner_benchmark_smoke(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
     assert all(r["max_error"] < 1e-4 for r in rows)  # against the unsharded program
-    assert planner_benchmark.max_error([np.ones(3)], [np.ones(3) * 2]) == 0.5
+    assert planner_benchmark.max_error([np.array([1.0, 2.0])], [np.array([1.0, 4.0])]) == 0.5
     assert [r["strategy"] for r in rows[:4]] == ["replicated", "data", "auto", "auto_memory"]
     limited = summary["workloads"]["mlp"]["auto_memory"]
     assert limited["predicted_peak_bytes"] <= limited["limit_bytes"]
