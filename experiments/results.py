@@ -107,7 +107,8 @@ def run(workdir: str) -> str:
             for name, r in lowered.items()
         ),
     ]
-    text = "\n".join(lines + tpu_sections(workdir) + spatial_section(workdir)) + "\n"
+    sections = tpu_sections(workdir) + spatial_section(workdir) + uneven_section(workdir)
+    text = "\n".join(lines + sections) + "\n"
     with open(os.path.join(workdir, "README.md"), "w") as f:
         f.write(text)
     return text
@@ -181,6 +182,31 @@ def spatial_section(workdir: str) -> list[str]:
             continue
         lines.append(f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.1f} | "
                      f"{r['predicted_s'] * 1e3:.1f} | {r['device_bytes'] / 2**20:.1f} |")  # fmt: skip
+    return lines
+
+
+def uneven_section(workdir: str) -> list[str]:
+    """Markdown on the GPT-2-sized run (``planner_uneven/``, ``python -m
+    experiments.planner_benchmark --config=configs/planner_uneven.py``), read from its rows."""
+    path = os.path.join(workdir, "planner_uneven", "results.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = [json.loads(line) for line in open(path)]
+    lines = ["", "## A vocabulary the mesh does not divide (`planner_uneven/`)", "",
+             "A GPT-2-sized training step (flax, adamw; 2 scanned layers, d 768, 12 heads, "
+             "vocabulary 50,257, batch 8 x 256) on 8 simulated CPU devices: the search with the "
+             "splits only XLA's partitioner runs (`auto`: the vocabulary in padded tiles, the "
+             "cross-entropy's lookup masked) and without them (`auto_even`), against data "
+             "parallelism and FSDP, timed interleaved; max error: the largest difference from the "
+             "unsharded step over its largest output.", "",
+             "| workload | strategy | measured ms | predicted ms | device MiB | max error |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r.get("measured_s") is None:
+            continue
+        lines.append(f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.0f} | "
+                     f"{r['predicted_s'] * 1e3:.0f} | {r['device_bytes'] / 2**20:.0f} | "
+                     f"{r.get('max_error', float('nan')):.1e} |")  # fmt: skip
     return lines
 
 
