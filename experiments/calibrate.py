@@ -10,11 +10,15 @@ once (simulated CPU devices share the host's cores), and for every collective ki
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
 ``redist.calibration``). Collectives need two devices or more: on one, compute and memory rates
 are measured and the collectives' figures are those of the shipped calibration for the device
-(or the backend's default), as the log says.
+(or the backend's default), as the log says. Fixed costs (a kernel's, a program call's, a rolled
+loop's slowdown: :func:`fixed_costs`) are measured on the first device;
+``--update=kernel_s,step_s,loop_body_factor`` measures only those into the existing file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 from absl import app, flags, logging
@@ -22,6 +26,12 @@ from absl import app, flags, logging
 _OUT = flags.DEFINE_string("out", "redist/calibrations/cpu.json", "Where to write the file.")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Simulated host devices (CPU).")
 _REPEATS = flags.DEFINE_integer("repeats", 15, "Repetitions per measurement (median).")
+_UPDATE = flags.DEFINE_list(
+    "update",
+    [],
+    "Measure only these fields (of kernel_s, step_s, loop_body_factor) and write "
+    "them into the existing --out file, keeping the rest.",
+)
 
 
 def measure(repeats: int):
@@ -64,8 +74,47 @@ def measure(repeats: int):
 
     latency, bandwidth = _collectives(mesh, n, seconds) if n > 1 else _shipped_collectives()
     cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw,
-                      dense_flops_per_s=rates)  # fmt: skip
+                      dense_flops_per_s=rates, **fixed_costs(seconds))  # fmt: skip
     return _with_memory(cal, jax.devices()[0].device_kind)
+
+
+FIXED = ("kernel_s", "step_s", "loop_body_factor")
+
+
+def fixed_costs(seconds) -> dict[str, float]:
+    """On the first device: ``step_s``, a tiny jitted op called back to back (less one kernel);
+    ``kernel_s``, what each of 50 chained reductions in one program adds; ``loop_body_factor``,
+    a 4-layer training step of the language model with its layers scanned over the same step
+    unrolled, less what runs outside the loop (the step measured with no layers), as the
+    simulator applies it (:func:`planner.cost.simulator.rolled_ops`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.language_model import lm_step
+
+    x = jax.device_put(jnp.ones((8, 128), jnp.float32), jax.devices()[0])
+    one = jax.jit(lambda t: jnp.sum(t, axis=0, keepdims=True) + t)
+
+    @jax.jit
+    def chain(t):
+        for i in range(50):
+            t = jnp.sum(t * (i + 1), axis=0, keepdims=True) + t
+        return t
+
+    t_one, t_chain = seconds(one, x), seconds(chain, x)
+    kernel = max(0.0, (t_chain - t_one) / 49)
+    times = {}
+    for layers, unroll in ((4, 1), (4, True), (0, 1)):
+        step, args = lm_step(8, 128, 128, 4, layers, 512, scan=True, unroll=unroll)
+        args = jax.device_put(args, jax.devices()[0])
+        times[layers, unroll] = seconds(jax.jit(step), *args)
+    outside = times[0, 1]
+    factor = (times[4, 1] - outside) / max(times[4, True] - outside, 1e-9)
+    return {
+        "kernel_s": kernel,
+        "step_s": max(0.0, t_one - kernel),
+        "loop_body_factor": max(1.0, factor),
+    }
 
 
 def _shipped_collectives() -> tuple[dict, dict]:
@@ -139,6 +188,22 @@ def main(argv):
     from experiments.measure import force_host_devices
 
     force_host_devices(_DEVICES.value)
+    if _UPDATE.value:
+        unknown = sorted(set(_UPDATE.value) - set(FIXED))
+        if unknown:
+            raise ValueError(f"--update takes fields of {FIXED}, got {unknown}")
+        from experiments.measure import interleaved_times
+        from redist.calibration import Calibration
+
+        def seconds(f, *args):
+            return interleaved_times([lambda: f(*args)], _REPEATS.value, 2)[0]["median"]
+
+        measured = fixed_costs(seconds)
+        cal = dataclasses.replace(Calibration.load(_OUT.value),
+                                  **{k: measured[k] for k in _UPDATE.value})  # fmt: skip
+        cal.save(_OUT.value)
+        print(json.dumps(measured, indent=2))
+        return
     cal = measure(_REPEATS.value)
     os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
     cal.save(_OUT.value)

@@ -701,7 +701,8 @@ def summarize(plan) -> Summary:
         mem[key] = mem.get(key, 0) + nbytes
     held = sum(mem.get(k, 0) for k in ("parameters", "optimizer state", "batch", "inputs"))
     mem["rest_bytes"] = max(0, pred.peak_bytes - held)
-    at = max(pred.ops, key=lambda c: c.memory_bytes, default=None)
+    at = max((c for c in pred.ops if c.op in prog.index), key=lambda c: c.memory_bytes,
+             default=None)  # fmt: skip
     if at is not None and at.memory_bytes >= pred.peak_bytes:
         mem["peak_at"] = f"{at.op}, {_where(prog.op(at.op).source)}"
 

@@ -85,6 +85,14 @@ class Calibration:
     # Matmul and convolution rates by operand dtype, and ``"<dtype>:<precision>"`` where a
     # precision (``high``, ``highest``) runs slower than the default; others: flops_per_s.
     dense_flops_per_s: dict[str, float] | None = None
+    # Kernels of a loop the compiler keeps rolled (a scan's body, a while's) run this many times
+    # slower than the same kernels unrolled: no fusion across iterations, stacked operands
+    # sliced and written each iteration.
+    loop_body_factor: float = 1.0
+    # Fixed costs: each kernel of a program (a launch and its tail), and each call of a compiled
+    # program (dispatch).
+    kernel_s: float = 0.0
+    step_s: float = 0.0
 
     def collective_time(self, kind: str, nbytes: float, n: int, crosses: bool = False) -> float:
         """Seconds for ``kind`` over ``n`` devices; ``crosses``: the group spans two domains."""
@@ -147,7 +155,9 @@ class Calibration:
         return self.memory_bytes
 
     def to_json(self) -> str:
-        data = dataclasses.asdict(self)
+        """The file's text: every field but those left at their defaults of none (``None``, no
+        sources)."""
+        data = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != ()}
         if self.host_memory:  # read again from the machine that loads the file
             data["memory_bytes"] = HOST
             del data["host_memory"]

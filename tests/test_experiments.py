@@ -341,3 +341,23 @@ def test_recipes_compiles_the_recipe_and_the_plans_on_its_topology(tmp_path):
     assert "| tiny_v5p_8 | recipe | " in table and "1.00x" in table
     assert len(recipes.run(config, str(tmp_path))) == 3
     assert len(open(tmp_path / "results.jsonl").readlines()) == 3
+
+
+def test_gpu_check_measures_here_and_compares_with_the_recorded_h100(tmp_path):
+    """The measuring path (what a GPU run takes) on this machine's device with its own
+    calibration, and the H100 calibration against the figures recorded on an H100."""
+    from configs import gpu_check, gpu_check_smoke
+    from experiments import gpu_check as check
+
+    summary = check.run(gpu_check_smoke.get_config(), str(tmp_path / "here"))
+    rows = [json.loads(line) for line in open(tmp_path / "here" / "results.jsonl")]
+    assert summary["workloads"] == 2 and summary["against"] == "cpu"
+    assert all(r["measured_ms"] > 0 and r["compiled_mib"] > 0 for r in rows)
+    config = gpu_check.get_config()
+    config.workloads = "matmul=matmul:8192x8192x8192;attention=attention:8x2048x16x64"
+    summary = check.run(config, str(tmp_path / "recorded"))
+    rows = [json.loads(line) for line in open(tmp_path / "recorded" / "results.jsonl")]
+    assert all(r["source"].startswith("recorded") for r in rows)
+    assert [r["measured_ms"] for r in rows] == [3.20, 3.87]
+    assert all(0.6 <= r["time_ratio"] <= 1.6 for r in rows), rows
+    assert "recorded on an H100" in (tmp_path / "recorded" / "report.md").read_text()

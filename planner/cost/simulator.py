@@ -7,7 +7,9 @@ Walks the :func:`planner.layout.dataflow.dataflow` of a schedule in program orde
   one per element of arithmetic, none for data movement; a value fused into the kernel that
   consumes it costs no bytes); a region boundary op (a value passing into or out of a scan
   body) costs nothing but its moves;
-- an op inside a scan body costs its trip count times its one run (``op.trips``);
+- an op inside a scan body costs its trip count times its one run (``op.trips``), its kernel at
+  the calibration's ``loop_body_factor`` where the compiler keeps the loop rolled
+  (:func:`rolled_ops`); every kernel costs ``kernel_s`` more, and the program's call ``step_s``;
 - each layout change costs its ``redist`` plan, step by step (dynslice: a local copy; collectives:
   latency + wire bytes / bandwidth of their kind and group size);
 - each pending sum (or max, min, ...) costs an all-reduce, or a reduce-scatter when the
@@ -126,6 +128,31 @@ def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
     return t, wire
 
 
+def rolled_ops(prog: Program) -> frozenset[str]:
+    """The ops of loop bodies the compiler keeps as loops: a ``while``'s, and a scan's whose
+    ``unroll`` is below its length (cached on the program). Their kernels are priced at the
+    calibration's ``loop_body_factor`` (no fusion across iterations, slicing of stacked operands).
+
+    Example:
+        >>> "dot_general_12" in rolled_ops(prog)   # a scanned layer's product   # doctest: +SKIP
+        True
+    """
+    cached = prog.__dict__.get("_rolled")
+    if cached is not None:
+        return cached
+    names = set()
+    for r in prog.regions:
+        if r.kind == "scan":
+            unroll, length = r.eqn.params.get("unroll", 1), r.eqn.params.get("length", 1)
+            if unroll is True or (not isinstance(unroll, bool) and unroll >= length):
+                continue
+        elif r.kind != "while":
+            continue
+        names.update(o.name for o in prog.ops[r.body : r.stop] if o.how != "region")
+    prog.__dict__["_rolled"] = out = frozenset(names)
+    return out
+
+
 def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
     """Per-op prices already computed for this program, calibration and mesh: a search prices
     thousands of schedules that differ in a few ops, so each op's price under the same layouts
@@ -168,10 +195,12 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     ran = 1 if fused.runs[op.name] else 0
     flops, transcendentals = (ran * x for x in op_flops(op, local))
     flops += ran * padding_mask_flops(op, local, padded)
+    launched = ran and op.how != "region" and any(fused.writes[op.name])  # a kernel of its own
     was_moved = {mv.value.name for mv in st.moves}
     read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
     rate = cal.dense_rate(*dense_kind(op)) if op.primitive in DENSE else None
     compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written, rate)
+    compute += cal.kernel_s if launched else 0.0
     accessed += read + written
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
@@ -239,7 +268,8 @@ def op_seconds(
     out = {}
     for st in dataflow(prog, sched, only=names):
         compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo)
-        out[st.op.name] = (compute + comm_t) * st.op.trips
+        slower = cal.loop_body_factor if st.op.name in rolled_ops(prog) else 1.0
+        out[st.op.name] = (compute * slower + comm_t) * st.op.trips
     return out
 
 
@@ -531,6 +561,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
                      "scratch")  # fmt: skip
             starts.setdefault(begin, []).append((other, size, end))
         names: dict = {}  # the live buffers (value names, or others), with bytes and last op
+    rolled = rolled_ops(prog)
     for k, st in enumerate(steps):
         compute, comm_t, wire, transient, moved, outs, kernel, counts = priced[k]
         live += grow[k]
@@ -549,6 +580,8 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
                 on_peak(st.op.name, fixed, values, others, scratch)
             names = {key: (b, end) for key, (b, end) in names.items() if end > k}
         peak = max(peak, now)
+        if st.op.name in rolled:  # a kernel of a loop the compiler keeps rolled
+            compute *= cal.loop_body_factor
         costs.append(OpCost(st.op.name, compute * st.op.trips, comm_t * st.op.trips,
                             wire * st.op.trips, now, counts[0] * st.op.trips,
                             counts[2] * st.op.trips))  # fmt: skip
@@ -556,6 +589,8 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
     costs += returned_evenly(prog, sched, steps, cal)
+    if cal.step_s:
+        costs.append(OpCost("program call (dispatch)", cal.step_s, 0.0, 0.0, 0))
     total = sum(c.compute_s + c.comm_s for c in costs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
                       sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),

@@ -242,7 +242,8 @@ class ChainDP:
             else:
                 sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
                 pred = simulate(sub, sched, self.cal)
-                self._costs[full] = pred.time_s
+                # the program's call is priced once, in total(), not once per window
+                self._costs[full] = pred.time_s - self.cal.step_s
                 self._op_times[full] = tuple(c.compute_s + c.comm_s for c in pred.ops)
         return self._costs[full]
 
@@ -371,7 +372,8 @@ class ChainDP:
 
     def total(self, candidates: Sequence[Sequence[dict]], picks: Sequence[int]) -> float:
         """The decomposed cost of ``picks`` (for checking it against a full simulation)."""
-        out = sum(self.cost((g,), (candidates[g][a],)) for g, a in enumerate(picks))
+        out = self.cal.step_s
+        out += sum(self.cost((g,), (candidates[g][a],)) for g, a in enumerate(picks))
         for i, j in self.edges:
             out += self.border(i, j, candidates[i][picks[i]], candidates[j][picks[j]])
         return out
