@@ -164,49 +164,51 @@ def tpu_sections(workdir: str) -> list[str]:
 def spatial_section(workdir: str) -> list[str]:
     """Markdown on the spatial-partitioning run (``planner_spatial/``, ``python -m
     experiments.planner_benchmark --config=configs/planner_spatial.py``), read from its rows."""
-    path = os.path.join(workdir, "planner_spatial", "results.jsonl")
-    if not os.path.exists(path):
-        return []
-    rows = [json.loads(line) for line in open(path)]
-    lines = ["", "## Spatial partitioning (`planner_spatial/`)", "",
-             "Training steps on two 256x256 images over 8 simulated CPU devices (the batch "
-             "splits 2 ways) of a 3x3 convolutional network (`convnet`) and of one with a "
-             "depthwise convolution, a 3x3 max pool and a 2x2 average pool per layer "
-             "(`convpool`): the searched plan against batch x channels (groups), batch x rows "
-             "(every convolution and pool, and their gradients, split by rows with halos) and "
-             "replication, timed interleaved.", "",
-             "| workload | strategy | measured ms | predicted ms | device MiB |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        if r.get("measured_s") is None:
-            continue
-        lines.append(f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.1f} | "
-                     f"{r['predicted_s'] * 1e3:.1f} | {r['device_bytes'] / 2**20:.1f} |")  # fmt: skip
-    return lines
+    return _benchmark_section(
+        workdir, "planner_spatial", "Spatial partitioning",
+        "Training steps on two 256x256 images over 8 simulated CPU devices (the batch splits 2 "
+        "ways) of a 3x3 convolutional network (`convnet`) and of one with a depthwise "
+        "convolution, a 3x3 max pool and a 2x2 average pool per layer (`convpool`): the searched "
+        "plan against batch x channels (groups), batch x rows (every convolution and pool, and "
+        "their gradients, split by rows with halos) and replication, timed interleaved.",
+        digits=1, error=False,
+    )  # fmt: skip
 
 
 def uneven_section(workdir: str) -> list[str]:
     """Markdown on the GPT-2-sized run (``planner_uneven/``, ``python -m
     experiments.planner_benchmark --config=configs/planner_uneven.py``), read from its rows."""
-    path = os.path.join(workdir, "planner_uneven", "results.jsonl")
+    return _benchmark_section(
+        workdir, "planner_uneven", "A vocabulary the mesh does not divide",
+        "A GPT-2-sized training step (flax, adamw; 2 scanned layers, d 768, 12 heads, vocabulary "
+        "50,257, batch 8 x 256) on 8 simulated CPU devices: the search with the splits only "
+        "XLA's partitioner runs (`auto`: the vocabulary in padded tiles, the cross-entropy's "
+        "lookup masked) and without them (`auto_even`), against data parallelism and FSDP, timed "
+        "interleaved; max error: the largest difference from the unsharded step over its largest "
+        "output.",
+        digits=0, error=True,
+    )  # fmt: skip
+
+
+def _benchmark_section(workdir: str, name: str, title: str, intro: str, digits: int,
+                       error: bool) -> list[str]:  # fmt: skip
+    """A planner-benchmark run's rows under ``workdir/name`` as a markdown table (none if the run
+    is absent): measured and predicted ms and compiled MiB with ``digits`` decimals, and with
+    ``error`` each plan's largest difference from the unsharded program."""
+    path = os.path.join(workdir, name, "results.jsonl")
     if not os.path.exists(path):
         return []
     rows = [json.loads(line) for line in open(path)]
-    lines = ["", "## A vocabulary the mesh does not divide (`planner_uneven/`)", "",
-             "A GPT-2-sized training step (flax, adamw; 2 scanned layers, d 768, 12 heads, "
-             "vocabulary 50,257, batch 8 x 256) on 8 simulated CPU devices: the search with the "
-             "splits only XLA's partitioner runs (`auto`: the vocabulary in padded tiles, the "
-             "cross-entropy's lookup masked) and without them (`auto_even`), against data "
-             "parallelism and FSDP, timed interleaved; max error: the largest difference from the "
-             "unsharded step over its largest output.", "",
-             "| workload | strategy | measured ms | predicted ms | device MiB | max error |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    head = "| workload | strategy | measured ms | predicted ms | device MiB |"
+    lines = ["", f"## {title} (`{name}/`)", "", intro, "",
+             head + (" max error |" if error else ""),
+             "|---|---|---|---|---|" + ("---|" if error else "")]  # fmt: skip
     for r in rows:
         if r.get("measured_s") is None:
             continue
-        lines.append(f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.0f} | "
-                     f"{r['predicted_s'] * 1e3:.0f} | {r['device_bytes'] / 2**20:.0f} | "
-                     f"{r.get('max_error', float('nan')):.1e} |")  # fmt: skip
+        line = (f"| {r['workload']} | {r['strategy']} | {r['measured_s'] * 1e3:.{digits}f} | "
+                f"{r['predicted_s'] * 1e3:.{digits}f} | {r['device_bytes'] / 2**20:.{digits}f} |")  # fmt: skip
+        lines.append(line + (f" {r.get('max_error', float('nan')):.1e} |" if error else ""))
     return lines
 
 
