@@ -20,7 +20,7 @@ import json
 import math
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 # Measured on one H100 80GB HBM3 (JAX 0.11.2, CUDA 13): median ms of 15 runs after 3 warm-ups,
@@ -146,14 +146,14 @@ def report(rows: list[dict], summary: dict, calibration: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/gpu_check.py")
-_WORKDIR = flags.DEFINE_string("workdir", "results/gpu_check", "Where to write the results.")
-
-
 def main(argv):
     del argv
-    print(json.dumps(run(_CONFIG.value, _WORKDIR.value), indent=2))
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
+    print(json.dumps(run(flags.FLAGS.config, flags.FLAGS.workdir), indent=2))
 
 
 if __name__ == "__main__":
+    # Flags are defined here, not at import, so that several runners can be imported together.
+    config_flags.DEFINE_config_file("config", "configs/gpu_check.py", "Config file.")
+    flags.DEFINE_string("workdir", "results/gpu_check", "Where to write the results.")
     app.run(main)
