@@ -46,7 +46,14 @@ from planner.program.halo import halo_bytes, split
 from planner.program.ir import Program
 from planner.program.microbatch import microbatching
 from planner.program.ops import Op, is_key, itemsize
-from planner.program.schedule import Schedule, Spec, local_shape, make_schedule, stage_factors
+from planner.program.schedule import (
+    Schedule,
+    Spec,
+    local_shape,
+    make_schedule,
+    stage_factors,
+    xla_splits,
+)
 from planner.solver import strategies
 from redist.calibration import Calibration, wire_bytes
 from redist.types import MeshShape
@@ -726,10 +733,29 @@ def summarize(plan) -> Summary:
         header, rows, layouts, _group_layouts(leaves, shapes, spec_texts), outputs, parts_note,
         [{k: v for k, v in g.items()} for g in heavy], coll, mem,
         sorted(whole.values(), key=lambda w: -w["time_s"]), n_whole, t_whole / total, total_ops,
-        pred.time_s, pipeline_words(prog, sched),
+        pred.time_s, pipeline_words(prog, sched) + xla_only_words(sched),
     )  # fmt: skip
     plan.__dict__["_summary"] = summary
     return summary
+
+
+def xla_only_words(sched: Schedule) -> tuple[str, ...]:
+    """A line on the splits only XLA's partitioner runs, where the plan has any: loops split into
+    parts that do not divide them (padded tiles) and looked-up dimensions (masked).
+
+    Example:
+        ``  Splits only XLA runs (plan.jit; plan.lowered refuses them): 37 loops split unevenly
+        (padded tiles), e.g. dot_general_232, loop n (50257 over 8)``
+    """
+    splits = xla_splits(sched)
+    if not splits:
+        return ()
+    padded = [s for s in splits if not s.endswith("(looked up, masked)")]
+    parts = [f"{len(padded)} loops split unevenly (padded tiles)" if padded else "",
+             f"{len(splits) - len(padded)} looked-up dimensions split (masked)"
+             if len(padded) < len(splits) else ""]  # fmt: skip
+    return (f"  Splits only XLA runs (plan.jit; plan.lowered refuses them): "
+            f"{', '.join(p for p in parts if p)}, e.g. {splits[0]}",)  # fmt: skip
 
 
 def pipeline_words(prog: Program, sched: Schedule) -> tuple[str, ...]:

@@ -245,4 +245,6 @@ def test_a_gpt2_shaped_step_splits_its_vocabulary_exactly():
     assert p.prediction.peak_bytes < even.prediction.peak_bytes
     with pytest.raises(NotImplementedError, match="backend='xla'"):
         p.lowered  # noqa: B018  (the explicit lowering refuses, naming the splits)
+    assert "Splits only XLA runs (plan.jit; plan.lowered refuses them)" in p.explain()
+    assert "Splits only XLA runs" not in even.explain()
     assert_step_equal(p(*args), jax.jit(step)(*args), param_atol=1e-4)
