@@ -99,8 +99,9 @@ def step_costs(plan: redist.Plan, cal: Calibration) -> list[tuple[str, float, fl
             continue
         if s.kind == "reblock":  # rounds of collective-permutes of a few rows (redist.uneven)
             rounds = s.collectives
-            seconds = sum(cal.collective_time("collective-permute", s.cost_bytes / rounds, n_dev)
-                          for _ in range(rounds)) if rounds else 0.0  # fmt: skip
+            seconds = rounds and rounds * cal.collective_time(
+                "collective-permute", s.cost_bytes / rounds, n_dev
+            )
             out.append(("collective-permute", seconds, float(s.cost_bytes)))
             continue
         kind, nbytes = {
@@ -266,9 +267,10 @@ def op_seconds(
     m = redist.MeshShape.of(sizes)
     memo = _memo(prog, cal, sizes)
     out = {}
+    rolled = rolled_ops(prog)
     for st in dataflow(prog, sched, only=names):
         compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo)
-        slower = cal.loop_body_factor if st.op.name in rolled_ops(prog) else 1.0
+        slower = cal.loop_body_factor if st.op.name in rolled else 1.0
         out[st.op.name] = (compute * slower + comm_t) * st.op.trips
     return out
 
@@ -332,7 +334,8 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
     return Peak(pred.peak_bytes, found[0], tuple(found[1]))
 
 
-def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[dict, dict]:
+def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt,
+           returned: tuple[Spec, ...]) -> tuple[dict, dict]:  # fmt: skip
     """Bytes per device of what the compiled program takes from its caller: the inputs it reads
     and its constants (held throughout), and its outputs (held from where they are made; zero
     for those written into a donated input of the same shape, dtype and layout, as
@@ -346,7 +349,7 @@ def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[di
     for v, _ in prog.consts:
         held[v.name] = _bytes(v.shape, ((),) * len(v.shape), sizes, v.dtype)
     free = [v for v in prog.inputs if v.name in prog.donated and v.name in held]
-    returned = dict(zip((v.name for v in prog.outputs), output_specs(prog, sched, steps)))
+    returned = dict(zip((v.name for v in prog.outputs), returned))
     outputs: dict[str, int] = {}
     for v in prog.outputs:
         if v.name in held or v.name in outputs:  # an input returned as it is, or a constant
@@ -365,13 +368,13 @@ def _fixed(prog: Program, sched: Schedule, steps, priced, sizes, lt) -> tuple[di
     return held, outputs
 
 
-def returned_evenly(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[OpCost]:
-    """The moves of outputs made in uneven layouts to the even ones they are returned in
-    (:func:`planner.layout.dataflow.output_specs`), one :class:`OpCost` each."""
+def returned_evenly(prog: Program, sched: Schedule, made, returned, cal: Calibration) -> list:
+    """The moves of outputs ``made`` in uneven layouts to the even ones they are ``returned`` in
+    (:func:`planner.layout.dataflow.made_specs`, :func:`~planner.layout.dataflow.output_specs`),
+    one :class:`OpCost` each."""
     m = redist.MeshShape.of(sched.mesh)
     out = []
-    made = made_specs(prog, sched, steps)
-    for v, src, dst in zip(prog.outputs, made, output_specs(prog, sched, steps)):
+    for v, src, dst in zip(prog.outputs, made, returned):
         if src != dst:
             seconds, wire = plan_cost(redist.plan(v.shape, src, dst, m, dtype=v.dtype), cal)
             out.append(OpCost(f"{v.name} returned evenly", 0.0, seconds, wire, 0))
@@ -512,7 +515,9 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)
     priced = [_priced(st, sched, sizes, m, cal, memo) for st in steps]
-    fixed, outputs = _fixed(prog, sched, steps, priced, sizes, lt)
+    made = made_specs(prog, sched, steps)
+    returned = output_specs(prog, sched, steps, made)
+    fixed, outputs = _fixed(prog, sched, steps, priced, sizes, lt, returned)
     base = sum(fixed.values())
     n = len(steps)
     grow, release = [0] * n, [0] * n
@@ -588,7 +593,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
-    costs += returned_evenly(prog, sched, steps, cal)
+    costs += returned_evenly(prog, sched, made, returned, cal)
     if cal.step_s:
         costs.append(OpCost("program call (dispatch)", cal.step_s, 0.0, 0.0, 0))
     total = sum(c.compute_s + c.comm_s for c in costs)

@@ -68,10 +68,11 @@ def made_specs(prog: Program, sched: Schedule, steps) -> tuple[Spec, ...]:
     return tuple(layout.get(v.name, ((),) * len(v.shape)) for v in prog.outputs)
 
 
-def output_specs(prog: Program, sched: Schedule, steps) -> tuple[Spec, ...]:
-    """The layout each output of ``prog`` is returned in: as :func:`made_specs`, held evenly
-    (:func:`planner.program.schedule.even_layout`: JAX returns no uneven layout from ``jit``)."""
-    made = made_specs(prog, sched, steps)
+def output_specs(prog: Program, sched: Schedule, steps, made=None) -> tuple[Spec, ...]:
+    """The layout each output of ``prog`` is returned in: as :func:`made_specs` (``made``, where
+    the caller has them), held evenly (:func:`planner.program.schedule.even_layout`: JAX returns
+    no uneven layout from ``jit``)."""
+    made = made_specs(prog, sched, steps) if made is None else made
     return tuple(even_layout(v.shape, s, sched.mesh) for v, s in zip(prog.outputs, made))
 
 
