@@ -15,5 +15,7 @@ def get_config() -> ml_collections.ConfigDict:
         "mixtral_8x7b_v5p_128"
     )
     c.strategies = "recipe,recipe_planned,searched,searched_remat"
+    # the policies searched_remat chooses among beside the recipe's own (MaxText's names)
+    c.remat_candidates = "full,minimal,save_dot_except_mlpwi,save_dot_except_mlp,save_qkv_proj"
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
     return c

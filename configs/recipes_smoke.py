@@ -7,4 +7,5 @@ def get_config():
     c = recipes.get_config()
     c.recipes = "tiny_v5p_8"
     c.strategies = "recipe,recipe_planned,searched_remat"  # searched_remat runs the searched path
+    c.remat_candidates = "full"  # a choice of two: the recipe's policy and full remat
     return c

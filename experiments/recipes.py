@@ -204,11 +204,12 @@ def recipe_step(recipe: dict, mesh, layers: int | None = None, unroll: int | boo
                         **kwargs)  # fmt: skip
 
 
-def remat_choice(recipe: dict):
-    """``planner.remat_policy`` over the recipe's remat policy and :data:`REMAT_CANDIDATES`."""
+def remat_choice(recipe: dict, candidates: tuple[str, ...] = REMAT_CANDIDATES):
+    """``planner.remat_policy`` over the recipe's remat policy and ``candidates`` (MaxText's
+    names; by default :data:`REMAT_CANDIDATES`)."""
     import planner
 
-    names = dict.fromkeys((recipe["remat"], *REMAT_CANDIDATES))
+    names = dict.fromkeys((recipe["remat"], *candidates))
     return planner.remat_policy(**{n: remat_policy(n) for n in names})
 
 
@@ -302,7 +303,8 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
             rows.append({**base, "strategy": "searched", "planning_s": time.perf_counter() - start,
                          "fits": False, "error": str(e)[:800]})  # fmt: skip
     if "searched_remat" in todo:
-        step_r, args_r = recipe_step(recipe, None, remat=remat_choice(recipe))
+        candidates = tuple(c for c in config.remat_candidates.split(",") if c)
+        step_r, args_r = recipe_step(recipe, None, remat=remat_choice(recipe, candidates))
         start = time.perf_counter()
         try:
             plans["searched_remat"] = planner.plan(step_r, *args_r, mesh=mesh,
