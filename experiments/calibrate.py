@@ -4,7 +4,8 @@ Usage:
     python -m experiments.calibrate --out=redist/calibrations/cpu.json [--devices=8]
 
 Measures per-device dense matmul throughput (float32, float32 at "highest", bfloat16: the
-file's ``dense_flops_per_s``), local copy bandwidth (read + write a fresh buffer)
+file's ``dense_flops_per_s``, and ``dense_half_flops``, the size at which a matmul reaches half of
+it, from two sizes), local copy bandwidth (read + write a fresh buffer)
 and streaming read bandwidth (a column sum of a resident buffer) with all devices working at
 once (simulated CPU devices share the host's cores), and for every collective kind over all
 devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
@@ -12,7 +13,8 @@ devices the time at a small and a large size, fitting latency + bytes / bandwidt
 are measured and the collectives' figures are those of the shipped calibration for the device
 (or the backend's default), as the log says. Fixed costs (a kernel's, a program call's, a rolled
 loop's slowdown: :func:`fixed_costs`) are measured on the first device;
-``--update=kernel_s,step_s,loop_body_factor`` measures only those into the existing file.
+``--update=kernel_s,step_s,loop_body_factor`` (or ``dense_flops_per_s,dense_half_flops``)
+measures only those into the existing file.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 15, "Repetitions per measurement (med
 _UPDATE = flags.DEFINE_list(
     "update",
     [],
-    "Measure only these fields (of kernel_s, step_s, loop_body_factor) and write "
+    "Measure only these fields (of kernel_s, step_s, loop_body_factor, dense_flops_per_s, "
+    "dense_half_flops) and write "
     "them into the existing --out file, keeping the rest.",
 )
 
@@ -55,16 +58,9 @@ def measure(repeats: int):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
                                      check_vma=False)), x  # fmt: skip
 
-    def dense(dtype, precision=None) -> float:
-        """A 512-cube matmul's flops per second on ``dtype`` operands at ``precision``."""
-        a = jax.device_put(np.ones((n * 512, 512), dtype), NamedSharding(mesh, P("d")))
-        mm, a = on_all(lambda t: jnp.dot(t, jnp.ones((512, 512), t.dtype), precision=precision),
-                       a)  # fmt: skip
-        return 2 * 512**3 / seconds(mm, a)
-
-    flops = dense(np.float32)
-    rates = {"float32": flops, "float32:highest": dense(np.float32, "highest"),
-             "bfloat16": dense(jnp.bfloat16)}  # fmt: skip
+    fixed = fixed_costs(seconds)
+    rates, halves = dense_rates(mesh, seconds)
+    flops = rates["float32"]
     big = jax.device_put(np.ones((n * 2**21,), np.float32), NamedSharding(mesh, P("d")))
     copy, big = on_all(lambda t: t * 1.5, big)
     copy_bw = 2 * (big.nbytes // n) / seconds(copy, big)
@@ -74,11 +70,58 @@ def measure(repeats: int):
 
     latency, bandwidth = _collectives(mesh, n, seconds) if n > 1 else _shipped_collectives()
     cal = Calibration(jax.default_backend(), flops, copy_bw, latency, bandwidth, read_bw,
-                      dense_flops_per_s=rates, **fixed_costs(seconds))  # fmt: skip
+                      dense_flops_per_s=rates, dense_half_flops=halves, **fixed)  # fmt: skip
     return _with_memory(cal, jax.devices()[0].device_kind)
 
 
 FIXED = ("kernel_s", "step_s", "loop_body_factor")
+DENSE = ("dense_flops_per_s", "dense_half_flops")
+DENSE_SIZES = (128, 512)
+
+
+def hockney(flops: tuple[float, float], seconds: tuple[float, float], overhead: float = 0.0):
+    """``(r_inf, n_1/2)`` of the line through two ``(flops, seconds)`` of one kernel, less the
+    fixed ``overhead`` (a program call, a kernel) in each: time = overhead + (f + n_1/2) / r_inf.
+    Where the larger run is not the slower (noise), ``(f / t of the larger, 0.0)``.
+
+    Example:
+        >>> [round(x) for x in hockney((1e6, 1e8), (4e-6, 103e-6), overhead=2e-6)]
+        [1000000000000, 1000000]
+    """
+    (f1, f2), (t1, t2) = flops, seconds
+    if t2 <= t1 or f2 <= f1:
+        return f2 / t2, 0.0
+    rate = (f2 - f1) / (t2 - t1)
+    return rate, max(0.0, (t1 - overhead) * rate - f1)
+
+
+def dense_rates(mesh, seconds) -> tuple[dict[str, float], dict[str, float]]:
+    """``dense_flops_per_s`` and ``dense_half_flops`` per device with every device of ``mesh``
+    busy (float32, float32 at "highest", bfloat16): an n-cube matmul per device at each of
+    :data:`DENSE_SIZES`, fit by :func:`hockney` less the same program's time at n = 1 (its call
+    and launch on every device)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def matmul_seconds(s, dtype, precision):
+        a = jax.device_put(np.ones((mesh.size * s, s), dtype), NamedSharding(mesh, P("d")))
+        b = jnp.ones((s, s), dtype)
+        mm = jax.jit(jax.shard_map(lambda t: jnp.dot(t, b, precision=precision), mesh=mesh,
+                                   in_specs=P("d"), out_specs=P("d"), check_vma=False))  # fmt: skip
+        return seconds(mm, a)
+
+    rates, halves = {}, {}
+    for key, dtype, precision in (("float32", np.float32, None),
+                                  ("float32:highest", np.float32, "highest"),
+                                  ("bfloat16", jnp.bfloat16, None)):  # fmt: skip
+        overhead = matmul_seconds(1, dtype, precision)
+        times = tuple(matmul_seconds(s, dtype, precision) for s in DENSE_SIZES)
+        flops = tuple(2.0 * s**3 for s in DENSE_SIZES)
+        rates[key], halves[key] = hockney(flops, times, overhead)
+    return rates, halves
 
 
 def fixed_costs(seconds) -> dict[str, float]:
@@ -189,9 +232,12 @@ def main(argv):
 
     force_host_devices(_DEVICES.value)
     if _UPDATE.value:
-        unknown = sorted(set(_UPDATE.value) - set(FIXED))
+        unknown = sorted(set(_UPDATE.value) - set(FIXED) - set(DENSE))
         if unknown:
-            raise ValueError(f"--update takes fields of {FIXED}, got {unknown}")
+            raise ValueError(f"--update takes fields of {FIXED + DENSE}, got {unknown}")
+        import jax
+        from jax.sharding import AxisType
+
         from experiments.measure import interleaved_times
         from redist.calibration import Calibration
 
@@ -199,6 +245,10 @@ def main(argv):
             return interleaved_times([lambda: f(*args)], _REPEATS.value, 2)[0]["median"]
 
         measured = fixed_costs(seconds)
+        if set(DENSE) & set(_UPDATE.value):
+            mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Auto,))
+            rates, halves = dense_rates(mesh, seconds)
+            measured.update(dense_flops_per_s=rates, dense_half_flops=halves)
         cal = dataclasses.replace(Calibration.load(_OUT.value),
                                   **{k: measured[k] for k in _UPDATE.value})  # fmt: skip
         cal.save(_OUT.value)

@@ -85,6 +85,10 @@ class Calibration:
     # Matmul and convolution rates by operand dtype, and ``"<dtype>:<precision>"`` where a
     # precision (``high``, ``highest``) runs slower than the default; others: flops_per_s.
     dense_flops_per_s: dict[str, float] | None = None
+    # Small matmuls do not reach those rates: Hockney's half-performance size, the flops of one
+    # matmul on one device that runs at half its key's rate (a matmul of f flops takes
+    # (f + half) / rate seconds), by the same keys; a key without one: no size effect.
+    dense_half_flops: dict[str, float] | None = None
     # Kernels of a loop the compiler keeps rolled (a scan's body, a while's) run this many times
     # slower than the same kernels unrolled: no fusion across iterations, stacked operands
     # sliced and written each iteration.
@@ -128,20 +132,31 @@ class Calibration:
         traffic = read_bytes / read_rate + written_bytes / write_rate
         return max(flops / (flops_per_s or self.flops_per_s), traffic)
 
-    def dense_rate(self, dtype: str, precision: str = "default") -> float:
+    def dense_rate(
+        self, dtype: str, precision: str = "default", flops: float | None = None
+    ) -> float:
         """Flops per second of a matmul or convolution on ``dtype`` operands at ``precision``
         (``"default"``, ``"high"``, ``"highest"``): the file's rate for ``"<dtype>:<precision>"``,
-        else for ``dtype`` at the default precision, else ``flops_per_s``.
+        else for ``dtype`` at the default precision, else ``flops_per_s``; given the matmul's
+        ``flops`` on one device, times ``flops / (flops + half)`` where the file has a
+        ``dense_half_flops`` for that key (Hockney's r_inf, n_1/2).
 
         Example:
             >>> cal = Calibration.named("h100_sxm")
             >>> cal.dense_rate("float32") > cal.dense_rate("float32", "highest")
             True
+            >>> cal.dense_rate("bfloat16", flops=2 * 512**3) < cal.dense_rate("bfloat16") / 10
+            True
         """
         rates = self.dense_flops_per_s or {}
+        key = dtype
         if precision != "default" and f"{dtype}:{precision}" in rates:
-            return rates[f"{dtype}:{precision}"]
-        return rates.get(dtype, self.flops_per_s)
+            key = f"{dtype}:{precision}"
+        rate = rates.get(key, self.flops_per_s)
+        half = (self.dense_half_flops or {}).get(key, 0.0)
+        if flops is None or not half:
+            return rate
+        return rate * flops / (flops + half) if flops > 0 else rate
 
     def device_memory_bytes(self, devices_per_host: int = 1) -> float | None:
         """Memory of one device: ``memory_bytes``, or for a host's memory shared by its devices

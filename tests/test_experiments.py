@@ -311,7 +311,21 @@ def test_calibrate_on_one_device_measures_rates_and_borrows_collectives(tmp_path
     assert cal.flops_per_s > 0 and cal.copy_bytes_per_s > 0
     assert cal.bytes_per_s == Calibration.named("cpu").bytes_per_s
     assert set(cal.dense_flops_per_s) == {"float32", "float32:highest", "bfloat16"}
+    assert set(cal.dense_half_flops) == set(cal.dense_flops_per_s)
+    assert all(h >= 0 for h in cal.dense_half_flops.values())
     assert cal.dense_rate("float32") == cal.flops_per_s and cal.dense_rate("bfloat16") > 0
+
+
+def test_hockney_recovers_a_rate_and_half_size_from_two_timings():
+    """Times made from r_inf = 2e10, n_1/2 = 3e6 and a fixed 40 us give those back; a larger
+    run that is not slower (noise) gives its own rate and no size effect."""
+    from experiments.calibrate import hockney
+
+    flops = (2.0 * 128**3, 2.0 * 512**3)
+    times = tuple(40e-6 + (f + 3e6) / 2e10 for f in flops)
+    rate, half = hockney(flops, times, overhead=40e-6)
+    assert np.isclose(rate, 2e10) and np.isclose(half, 3e6)
+    assert hockney(flops, (1e-3, 1e-3)) == (flops[1] / 1e-3, 0.0)
 
 
 @pytest.mark.skipif(

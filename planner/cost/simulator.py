@@ -199,7 +199,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     launched = ran and op.how != "region" and any(fused.writes[op.name])  # a kernel of its own
     was_moved = {mv.value.name for mv in st.moves}
     read, written = op_bytes(op, fused, ins, outs, [a.value.name in was_moved for a in op.operands])
-    rate = cal.dense_rate(*dense_kind(op)) if op.primitive in DENSE else None
+    rate = cal.dense_rate(*dense_kind(op), flops) if op.primitive in DENSE else None
     compute = 0.0 if op.how == "region" else cal.compute_time(flops, read, written, rate)
     compute += cal.kernel_s if launched else 0.0
     accessed += read + written
