@@ -178,7 +178,9 @@ def test_small_matmuls_are_priced_below_peak_as_measured_on_the_h100():
         assert 0.9 < predicted / rate < 1.1, (dtype, n, predicted / 1e12)
     rates = [2 * n**3 / dot_seconds(n, "float32", flat) for n in (1024, 8192)]
     assert np.isclose(rates[0], rates[1], rtol=0.01)
-    assert dot_seconds(4096, "bfloat16", cal, parts=8) > dot_seconds(4096, "bfloat16", cal) / 8 * 1.2
+    assert (
+        dot_seconds(4096, "bfloat16", cal, parts=8) > dot_seconds(4096, "bfloat16", cal) / 8 * 1.2
+    )
 
 
 def test_a_rolled_loop_and_fixed_costs_are_priced_where_the_calibration_says():
