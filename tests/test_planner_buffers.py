@@ -227,6 +227,29 @@ def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
     assert 0.9 <= pred.peak_bytes / report.total_bytes <= 1.15, (pred.peak_bytes, report)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"')  # fmt: skip
+def test_attention_scores_are_exponentiated_in_place_on_tpu_and_beside_them_on_gpu():
+    """Attention over 8 x 2048 x 16 heads in float32 (2 GiB of scores): one H100 compiled it to
+    4240 MiB (the exponentiated scores a second buffer: XLA:GPU computes them with their sum in
+    one kernel), the TPU compiler to 2224 MiB (in place); the predictions follow both."""
+    from experiments.workloads import workload
+    from redist.calibration import Calibration
+
+    fn, args = workload("attention", [8, 2048, 16, 64], np.random.default_rng(0))
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    prog = planner.analyze(fn, *shapes)
+    sched = prog.schedule({}, {"d": 4}, default="replicate")  # each chip computes it whole
+    predicted = {name: planner.simulate(prog, sched, Calibration.named(name)).peak_bytes
+                 for name in ("h100_sxm", "tpu_v5p")}  # fmt: skip
+    assert 0.9 <= predicted["h100_sxm"] / (4240 * 2**20) <= 1.1, predicted
+    mesh = planner.topology_mesh("v5p:2x2x1", {"d": 4})
+    p = planner.AutoPlan(prog, sched, None, mesh, 0.0, jax.tree.structure(tuple(shapes)),
+                         jax.tree.structure(jax.eval_shape(fn, *shapes)))  # fmt: skip
+    report = p.compiled_report()
+    assert 0.9 <= predicted["tpu_v5p"] / report.total_bytes <= 1.1, (predicted, report)
+
+
 def _offloading_step(offload: bool):
     """SGD through 8 scanned layers whose ``tanh(x @ w)`` is saved for the backward pass, on
     the device or offloaded to the host (a remat policy as MaxText's ``custom`` writes it)."""

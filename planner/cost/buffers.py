@@ -47,7 +47,9 @@ Backends differ (a calibration's ``backend``): XLA:CPU's reductions do not recom
 that other ops also read, nor a broadcast that several ops read (:data:`UNSHARED_REDUCTIONS`);
 XLA:CPU and XLA:GPU copy a batched product's operands whose batch dimensions are not leading
 (:func:`kernel_copies`); XLA:CPU makes a reduce-scatter as an all-reduce and a slice
-(:data:`ALL_REDUCE_THEN_SLICE`). The TPU compiler does none of these, but keeps a float32
+(:data:`ALL_REDUCE_THEN_SLICE`); XLA:GPU never writes an elementwise result that a reduction
+also reads into its operand's buffer (:data:`REDUCED_NOT_IN_PLACE`). The TPU compiler does none
+of these, but keeps a float32
 stacked output that only default-precision products read in bfloat16
 (:data:`NARROW_DOT_OPERANDS`: measured on a 6.6 B-parameter language model on 256 v5p chips, the
 prediction went from 102 GB to 84.8 GB per device against 85.1 GB compiled).
@@ -122,6 +124,13 @@ TPU's one-pass matrix unit): the compiler keeps a loop's float32 stacked output 
 products read (through the backward loop's slices and views) in bfloat16, half its size, as
 the TPU compiler does with the residuals of attention probabilities and layer inputs kept for
 the weights' gradients."""
+
+REDUCED_NOT_IN_PLACE = frozenset({"gpu"})
+"""Backends that compute an elementwise result which a reduction also reads in one kernel with
+the reduction (XLA:GPU's multi-output fusions), whose output is never its operand's buffer: an
+attention's exponentiated scores are a second buffer beside the scores (8 x 2048 x 16 heads,
+float32 on one H100: 4240 MiB compiled, two 2 GiB buffers; the TPU compiler writes them in
+place, 2224 MiB)."""
 
 HOST_MEMORY = frozenset({"tpu", "gpu"})
 """Backends whose devices have memory of their own beside the host's: values offloaded to the
@@ -226,7 +235,7 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
     program and backend."""
     cache = prog.__dict__.setdefault("_lifetimes", {})
     if backend not in cache:
-        lt = _lifetimes(prog, backend in UNSHARED_REDUCTIONS)
+        lt = _lifetimes(prog, backend in UNSHARED_REDUCTIONS, backend in REDUCED_NOT_IN_PLACE)
         if backend in NARROW_DOT_OPERANDS:
             lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(prog))
         if backend in HOST_MEMORY:
@@ -379,7 +388,7 @@ def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[st
     return kind
 
 
-def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
+def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = False) -> Lifetimes:
     ops, index, uses = prog.ops, prog.index, prog.uses
     n = len(ops)
     cats = [category(op) for op in ops]
@@ -425,7 +434,16 @@ def _lifetimes(prog: Program, unshared_reductions: bool) -> Lifetimes:
         free[end].append(key)
     reuse = []
     for k, op in enumerate(ops):
-        if cats[k] not in ("fusible", "view") and op.primitive not in IN_PLACE:
+        reduced = (
+            reduced_apart
+            and cats[k] == "fusible"
+            and any(
+                cats[index[c.name]] == "fusing"
+                for r in op.results
+                for c, _ in uses.get(r.value.name, ())
+            )
+        )
+        if reduced or (cats[k] not in ("fusible", "view") and op.primitive not in IN_PLACE):
             reuse.append(())
             continue
         reuse.append(tuple(
