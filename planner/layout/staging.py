@@ -174,3 +174,54 @@ def microbatch_choices(stages: int, given=None) -> tuple[int, ...]:
     if not out or any(not isinstance(k, int) or k < 1 for k in out):
         raise ValueError(f"microbatches must be positive integers, got {given!r}")
     return out
+
+
+PASS_THROUGH = frozenset("reshape squeeze expand_dims transpose copy copy_p "
+                         "convert_element_type".split())  # fmt: skip
+"""Ops a partial sum may pass through on its way out of a pipelined layer: linear, one operand."""
+
+
+def deferred_sums(prog: Program, sched: Schedule, steps) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The weight gradients of ``sched``'s pipelined scans summed once, after the last tick,
+    instead of once per layer and microbatch: stacked output (exit op name) -> ``(op name,
+    axes)``, where the op inside the layer adds partial results over mesh axes ``axes`` (not the
+    stage axis; a ``psum``, not a ``psum_scatter``) into a value that only passes (through views
+    and casts, each value read once) into that output, which sums over microbatches. The op then
+    leaves its result partial; the pipeline adds the microbatches' partial results and combines
+    them over ``axes`` once. ``steps``: the data flow's :class:`OpStep` of every op, in order.
+
+    Example:
+        >>> deferred_sums(prog, sched, dataflow(prog, sched))  # doctest: +SKIP
+        {'scan_ys_412': ('dot_general_398', ('data',))}
+    """
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    uses, producer = prog.uses, prog.producer
+    for st in sched.stages:
+        r = region_of(prog, st)
+        stage = set(stage_factors(st.axis, sched.mesh))
+        kinds = microbatching(prog, r).exits
+        for exit_op, kind in zip(prog.ops[r.stop - len(kinds) : r.stop], kinds):
+            if kind != "sum":
+                continue
+            v = exit_op.operands[0].value
+            op, chain = producer.get(v.name), [exit_op]
+            while op is not None and op.primitive in PASS_THROUGH and len(uses[v.name]) == 1:
+                chain.append(op)
+                v = op.operands[0].value
+                op = producer.get(v.name)
+            if op is None or not r.body <= prog.index[op.name] < r.stop or len(uses[v.name]) != 1:
+                continue
+            step = steps[prog.index[op.name]]
+            pending = set(step.pending)
+            # the partial value is neither moved nor laid out over the axes it is partial over
+            # on its way (a slice of each device's own part would not sum to the result's)
+            kept = all(not steps[prog.index[o.name]].moves
+                       and not pending & {a for sp in (*steps[prog.index[o.name]].in_specs,
+                                                       *steps[prog.index[o.name]].out_specs)
+                                          for d in sp for a in d}
+                       for o in chain)  # fmt: skip
+            if (pending and kept and step.combine == "sum" and len(op.results) == 1
+                    and all(s is None for s in step.scatter)
+                    and not stage & pending):  # fmt: skip
+                out[exit_op.name] = (op.name, tuple(step.pending))
+    return out

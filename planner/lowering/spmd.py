@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -40,7 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import redist
 from planner.layout.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.layout.explanation import COLLECTIVE, entries, events, explain_rows, render
-from planner.layout.staging import check_stages
+from planner.layout.staging import check_stages, deferred_sums
 from planner.lowering.gpipe import (
     merge_microbatches,
     microbatch_buffer,
@@ -117,6 +118,10 @@ class Lowered:
             )
         self.micro: dict[str, tuple[int, ...]] | None = None  # shapes inside a pipelined body
         self.micro_axes: tuple[str, ...] = ()  # its stage axis' factors
+        # ops whose partial sums a pipeline combines once, after its ticks (deferred_sums)
+        self.deferred = frozenset(
+            name for name, _ in deferred_sums(prog, sched, self.steps).values()
+        ) if self.local else frozenset()  # fmt: skip
         if self.xla and moves != "xla":
             cal = calibration or Calibration.default()
             for st in self.steps:
@@ -249,6 +254,9 @@ class Lowered:
         stages, k_mb = math.prod(self.sizes[a] for a in axes), st.microbatches
         mb = microbatching(self.prog, r)
         self._check_stages(r, st, axes, mb)
+        later = {e: pending
+                 for e, (op, pending) in deferred_sums(self.prog, self.sched, self.steps).items()
+                 if op in self.deferred}  # fmt: skip
         entered, exits = self._enter(r, env), self._exits(r)
         n_ys = len(exits) - nk
         micro = {
@@ -343,6 +351,9 @@ class Lowered:
             carry_out = [lax.psum(merge_microbatches(o, 0), axes) for o in outs]
             ys_out = [merge_microbatches(b, exit_dim(k)) if mb.exits[k] == "batch" else b
                       for k, b in enumerate(bufs)]  # fmt: skip
+            for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
+                if e.name in later:  # the microbatches' partial sums, combined once
+                    ys_out[k] = lax.psum(ys_out[k], later[e.name])
             return carry_out, ys_out
 
         values = [env[n] for n in entered]
@@ -479,6 +490,8 @@ class Lowered:
             shapes = [self.micro.get(r.value.name, r.value.shape) for r in op.results]
             if self.local:
                 shapes = [local_shape(sh, sp, self.sizes) for sh, sp in zip(shapes, step.out_specs)]
+                if op.name in self.deferred:  # left partial: summed once after the ticks
+                    step = dataclasses.replace(step, pending=())
                 outs = _bind(op, *args, local_out=shapes, step=step)
             else:
                 outs = _bind(op, *args, local_out=shapes)
