@@ -286,11 +286,13 @@ def test_the_tpu_compiler_confirms_a_pipelined_plans_memory():
     assert report.argument_bytes <= weights / 2 + 2 * batch * d * 4 + 2**20
 
 
-def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks():
-    """Explicit lowering: the pipelined backward scan's weight gradients, summed over a batch
-    split over another axis, stay partial through the ticks (each stage adds its microbatches'
-    parts) and each stage's stacked gradients are all-reduced once, after the pipeline: exact,
-    and the program's only all-reduces of a gradient are of the stage's stack (2 layers)."""
+@pytest.mark.parametrize("backend", ["explicit", "xla"])
+def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks(backend):
+    """The pipelined backward scan's weight gradients, summed over a batch split over another
+    axis, stay partial through the ticks (each stage adds its microbatches' parts; under XLA on
+    an axis of parts of their own) and each stage's stacked gradients are all-reduced once,
+    after the pipeline: exact, and the program's only all-reduces of a gradient are of the
+    stage's stack (2 layers)."""
     from planner.layout.dataflow import dataflow
     from planner.layout.staging import deferred_sums
     from planner.solver.strategies import data_parallel
@@ -304,7 +306,7 @@ def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks():
     sched = dataclasses.replace(base, stages=tuple(Stages(r.start, stage, 2) for r in _scans(prog)))
     deferred = deferred_sums(prog, sched, dataflow(prog, sched))
     assert len(deferred) == 2, deferred  # the two weight matrices' gradients
-    lowered = planner.lower(prog, sched, mesh, backend="explicit")
+    lowered = planner.lower(prog, sched, mesh, backend=backend)
     _assert_close(lowered(*args), want)
     text = lowered.lower(*args).compile().as_text()
     gradients = {prog.op(op).results[0].value.shape for op, _ in deferred.values()}
@@ -314,3 +316,10 @@ def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks():
                  if f"f32[{','.join(map(str, s))}]" in line.split("=")[1][:40]]  # fmt: skip
     assert any(s in line for line in reduced for s in stacks), reduced
     assert not per_layer, per_layer
+    # priced so: each gradient's all-reduce once per stage's stack, 1 / P of the loop's (every
+    # tick's, (K + P - 1) / P of it, before)
+    comm = {k: {c.op: c.comm_s for c in planner.simulate(prog, s).ops}
+            for k, s in (("pipelined", sched), ("plain", base))}  # fmt: skip
+    for op, _ in deferred.values():
+        assert comm["plain"][op] > 0
+        assert np.isclose(comm["pipelined"][op], comm["plain"][op] / 2), (op, comm)

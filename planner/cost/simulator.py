@@ -45,7 +45,7 @@ import redist
 from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
 from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops, padding_mask_flops
 from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
-from planner.layout.staging import pipeline_runs, region_of
+from planner.layout.staging import deferred_sums, pipeline_runs, region_of
 from planner.program.halo import halo_bytes
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
@@ -482,11 +482,13 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
     as GPipe runs them (:class:`planner.layout.staging.Runs`): work and the communication of
     batch-carrying values at ``(K + P - 1) / (K P)`` of the whole loop's (the bubble being
     ``(P - 1) / (K + P - 1)`` of it), communication of whole values (a layer's weights gathered,
-    its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's; plus the
-    stage :func:`hand_overs`."""
+    its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's, but a weight
+    gradient's partial sums combined once after the ticks (:func:`deferred_sums`) ``1 / P`` times
+    the loop's; plus the stage :func:`hand_overs`."""
     if not sched.stages:
         return costs
     costs = list(costs)
+    once = {op for op, _ in deferred_sums(prog, sched, steps).values()}
     for i, st in enumerate(steps):
         run = runs.get(st.op.name)
         if run is None:
@@ -494,6 +496,8 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
         sent = [mv.value.name for mv in st.moves]
         sent += [r.value.name for r in st.op.results] if st.pending else []
         comm = run.share if all(n in micro for n in sent) else run.calls
+        if st.op.name in once:  # its stage's layers' sums, combined once after the ticks
+            comm = 1 / run.stages
         c = costs[i]
         costs[i] = dataclasses.replace(c, compute_s=c.compute_s * run.share,
                                        comm_s=c.comm_s * comm, comm_bytes=c.comm_bytes * comm,

@@ -121,7 +121,10 @@ class Lowered:
         # ops whose partial sums a pipeline combines once, after its ticks (deferred_sums)
         self.deferred = frozenset(
             name for name, _ in deferred_sums(prog, sched, self.steps).values()
-        ) if self.local else frozenset()  # fmt: skip
+        ) if self.local or self.xla else frozenset()  # fmt: skip
+        # under XLA: values inside a pipelined body that hold per-device partial sums on a
+        # leading axis of their own, split over the axes they are partial over
+        self.parts: dict[str, tuple[str, ...]] = {}
         if self.xla and moves != "xla":
             cal = calibration or Calibration.default()
             for st in self.steps:
@@ -257,8 +260,13 @@ class Lowered:
         later = {e: pending
                  for e, (op, pending) in deferred_sums(self.prog, self.sched, self.steps).items()
                  if op in self.deferred}  # fmt: skip
+
         entered, exits = self._enter(r, env), self._exits(r)
         n_ys = len(exits) - nk
+        parted = {} if self.local else {  # stacked output -> axes its partial sums are over
+            k: later[e.name] for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop])
+            if e.name in later
+        }  # fmt: skip
         micro = {
             v.value.name: mb.shape(v.value.name, v.value.shape, k_mb)
             for o in self.prog.ops[r.start : r.stop]
@@ -297,6 +305,8 @@ class Lowered:
                     ys = [inner[n] for n in exits[nk:]]
                     bs = [put_microbatch(b, y, exit_dim(k), mc, where=valid, layer=layer)
                           if mb.exits[k] == "batch" else
+                          jax.vmap(lambda b, y: put_layer(b, y, layer, where=valid, add=True))(b, y)
+                          if k in parted else
                           put_layer(b, y, layer, where=valid, add=mb.exits[k] == "sum")
                           for k, (b, y) in enumerate(zip(bs, ys))]  # fmt: skip
                     return ([inner[n] for n in exits[:nk]], bs), None
@@ -343,6 +353,10 @@ class Lowered:
                 local = (per, *self._tile(v.shape[1:], e))
                 if mb.exits[k] == "batch":
                     bufs0.append(microbatch_buffer(local, v.dtype, exit_dim(k), exit_rows(k), k_mb))
+                elif k in parted:  # each device's partial sums, on a leading axis of parts
+                    parts = math.prod(self.sizes[a] for a in parted[k])
+                    bufs0.append(self._constrain(jnp.zeros((parts, *local), v.dtype),
+                                                 (parted[k],)))  # fmt: skip
                 else:
                     bufs0.append(jnp.zeros(local, v.dtype))
             (_, bufs, outs), _ = lax.scan(
@@ -352,7 +366,9 @@ class Lowered:
             ys_out = [merge_microbatches(b, exit_dim(k)) if mb.exits[k] == "batch" else b
                       for k, b in enumerate(bufs)]  # fmt: skip
             for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
-                if e.name in later:  # the microbatches' partial sums, combined once
+                if k in parted:  # the microbatches' partial sums, combined once (by XLA)
+                    ys_out[k] = jnp.sum(ys_out[k], axis=0)
+                elif e.name in later:  # the same on this device's tiles
                     ys_out[k] = lax.psum(ys_out[k], later[e.name])
             return carry_out, ys_out
 
@@ -493,6 +509,10 @@ class Lowered:
                 if op.name in self.deferred:  # left partial: summed once after the ticks
                     step = dataclasses.replace(step, pending=())
                 outs = _bind(op, *args, local_out=shapes, step=step)
+            elif op.name in self.deferred:
+                outs = self._partial(op, step, args, shapes)
+            elif any(a.value.name in self.parts for a in op.operands):  # a view of partial sums
+                outs = jax.vmap(functools.partial(_bind, op, local_out=shapes))(*args)
             else:
                 outs = _bind(op, *args, local_out=shapes)
         elif not step.partitioned or (self.xla and not _spatially_split(step)):
@@ -512,10 +532,17 @@ class Lowered:
                     out_specs=tuple(_pspec(s) for s in step.out_specs),
                     check_vma=False,
                 )(*args)
+        parted = next((self.parts[a.value.name] for a in op.operands
+                       if a.value.name in self.parts), None) if self.micro is not None else None
+        if op.name in self.deferred and self.xla and self.micro is not None:
+            parted = step.pending
         if self.xla and op.how != "region":  # a boundary op keeps its operand's constraint
-            outs = [self._constrain(x, sp) for x, sp in zip(outs, step.out_specs)]
+            outs = [self._constrain(x, sp if parted is None else (parted, *sp))
+                    for x, sp in zip(outs, step.out_specs)]  # fmt: skip
         for r, x in zip(op.results, outs):
             env[r.value.name] = x
+            if parted is not None:
+                self.parts[r.value.name] = parted
 
     def _constrain(self, x, spec: Spec):
         """``x`` constrained to ``spec`` (backend ``"xla"``): on the mesh, or inside a pipeline's
@@ -523,6 +550,23 @@ class Lowered:
         ops, under ``jax.grad``, check their operands' meshes against it)."""
         mesh = jax.sharding.get_abstract_mesh() if self.micro is not None else self.mesh
         return lax.with_sharding_constraint(x, NamedSharding(mesh, _pspec(spec)))
+
+    def _partial(self, op: Op, step: OpStep, args, shapes):
+        """``op`` on one microbatch under XLA, its sums over ``step.pending`` left partial: a
+        ``shard_map`` manual over those axes runs it on each device's part and returns the
+        partial results on a new leading axis split over them (the pipeline adds them over its
+        ticks and sums that axis once, after the last)."""
+        pending = step.pending
+        mesh = jax.sharding.get_abstract_mesh()
+        in_specs = tuple(PartitionSpec(*[tuple(a for a in d if a in pending) or None for d in sp])
+                         for sp in step.in_specs)  # fmt: skip
+
+        def part(*local):
+            return tuple(x[None] for x in _bind(op, *local, local_out=shapes))
+
+        return jax.shard_map(part, mesh=mesh, in_specs=in_specs,
+                             out_specs=tuple(PartitionSpec(pending) for _ in op.results),
+                             axis_names=set(pending), check_vma=False)(*args)  # fmt: skip
 
     # ----- the baseline: XLA propagates from the inputs -----
     def _xla(self, *flat):
