@@ -532,8 +532,13 @@ class Lowered:
                     out_specs=tuple(_pspec(s) for s in step.out_specs),
                     check_vma=False,
                 )(*args)
-        parted = next((self.parts[a.value.name] for a in op.operands
-                       if a.value.name in self.parts), None) if self.micro is not None else None
+        parted = (
+            next(
+                (self.parts[a.value.name] for a in op.operands if a.value.name in self.parts), None
+            )
+            if self.micro is not None
+            else None
+        )
         if op.name in self.deferred and self.xla and self.micro is not None:
             parted = step.pending
         if self.xla and op.how != "region":  # a boundary op keeps its operand's constraint
