@@ -215,11 +215,10 @@ def deferred_sums(prog: Program, sched: Schedule, steps) -> dict[str, tuple[str,
             pending = set(step.pending)
             # the partial value is neither moved nor laid out over the axes it is partial over
             # on its way (a slice of each device's own part would not sum to the result's)
-            kept = all(not steps[prog.index[o.name]].moves
-                       and not pending & {a for sp in (*steps[prog.index[o.name]].in_specs,
-                                                       *steps[prog.index[o.name]].out_specs)
-                                          for d in sp for a in d}
-                       for o in chain)  # fmt: skip
+            on_way = [steps[prog.index[o.name]] for o in chain]
+            kept = all(not w.moves and not pending & {a for sp in (*w.in_specs, *w.out_specs)
+                                                      for d in sp for a in d}
+                       for w in on_way)  # fmt: skip
             if (pending and kept and step.combine == "sum" and len(op.results) == 1
                     and all(s is None for s in step.scatter)
                     and not stage & pending):  # fmt: skip

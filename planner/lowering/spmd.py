@@ -118,10 +118,9 @@ class Lowered:
             )
         self.micro: dict[str, tuple[int, ...]] | None = None  # shapes inside a pipelined body
         self.micro_axes: tuple[str, ...] = ()  # its stage axis' factors
-        # ops whose partial sums a pipeline combines once, after its ticks (deferred_sums)
-        self.deferred = frozenset(
-            name for name, _ in deferred_sums(prog, sched, self.steps).values()
-        ) if self.local or self.xla else frozenset()  # fmt: skip
+        # stacked output -> (op, axes): partial sums a pipeline combines once, after its ticks
+        self.later = deferred_sums(prog, sched, self.steps) if self.local or self.xla else {}
+        self.deferred = frozenset(op for op, _ in self.later.values())
         # under XLA: values inside a pipelined body that hold per-device partial sums on a
         # leading axis of their own, split over the axes they are partial over
         self.parts: dict[str, tuple[str, ...]] = {}
@@ -257,10 +256,7 @@ class Lowered:
         stages, k_mb = math.prod(self.sizes[a] for a in axes), st.microbatches
         mb = microbatching(self.prog, r)
         self._check_stages(r, st, axes, mb)
-        later = {e: pending
-                 for e, (op, pending) in deferred_sums(self.prog, self.sched, self.steps).items()
-                 if op in self.deferred}  # fmt: skip
-
+        later = {e: axes for e, (_, axes) in self.later.items()}
         entered, exits = self._enter(r, env), self._exits(r)
         n_ys = len(exits) - nk
         parted = {} if self.local else {  # stacked output -> axes its partial sums are over
@@ -532,15 +528,11 @@ class Lowered:
                     out_specs=tuple(_pspec(s) for s in step.out_specs),
                     check_vma=False,
                 )(*args)
-        parted = (
-            next(
+        parted = None  # under XLA in a pipelined body: the axes a partial result is over
+        if self.xla and self.micro is not None:
+            parted = step.pending if op.name in self.deferred else next(
                 (self.parts[a.value.name] for a in op.operands if a.value.name in self.parts), None
-            )
-            if self.micro is not None
-            else None
-        )
-        if op.name in self.deferred and self.xla and self.micro is not None:
-            parted = step.pending
+            )  # fmt: skip
         if self.xla and op.how != "region":  # a boundary op keeps its operand's constraint
             outs = [self._constrain(x, sp if parted is None else (parted, *sp))
                     for x, sp in zip(outs, step.out_specs)]  # fmt: skip
