@@ -103,7 +103,9 @@ def test_each_stage_keeps_its_layers_and_hands_activations_on():
 def test_the_language_model_step_pipelines_both_scans():
     """The flax LM's training step: its forward scan's residuals and its backward scan's weight
     gradients split into microbatches exactly (layer norms, attention, tied embedding; the
-    tolerances of ``test_planner_lm``, where the key bias' exact gradient is zero)."""
+    tolerances of ``test_planner_lm``, where the key bias' exact gradient is zero), replicated
+    and with the batch split over another axis (weight gradients summed once after the ticks)
+    on both backends."""
     from test_planner_lm import LR, assert_step_equal
 
     from experiments.language_model import lm_step
@@ -121,6 +123,19 @@ def test_the_language_model_step_pipelines_both_scans():
         jax.tree.structure(want), planner.lower(prog, sched, mesh, "xla")(*args)
     )
     assert_step_equal(got, want, param_atol=0.05 * LR)
+    # the batch split over a as well: its 16 weight gradients summed once after the ticks
+    from planner.layout.dataflow import dataflow
+    from planner.layout.staging import deferred_sums
+    from planner.solver.strategies import data_parallel
+
+    base = make_schedule(prog, data_parallel(prog, ["a"]), dict(mesh.shape))
+    sched = dataclasses.replace(base, stages=tuple(Stages(r.start, stage, 2) for r in scans))
+    assert len(deferred_sums(prog, sched, dataflow(prog, sched))) == 16
+    for backend in ("xla", "explicit"):
+        got = jax.tree.unflatten(
+            jax.tree.structure(want), planner.lower(prog, sched, mesh, backend)(*args)
+        )
+        assert_step_equal(got, want, param_atol=0.05 * LR)
 
 
 def _batch_norm_layers(ws, x):
