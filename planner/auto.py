@@ -65,6 +65,7 @@ def plan(
     donate_argnums: int | Sequence[int] = (),
     pipeline_axis: str | None = None,
     microbatches: int | Sequence[int] | None = None,
+    pipeline_repeats: int | Sequence[int] | None = None,
     check_memory: str = "auto",
     xla_only_splits: bool = True,
     **kwargs,
@@ -94,6 +95,10 @@ def plan(
     devices, the batch into ``microbatches`` (a count, counts to try, or by default P, 2P, 4P
     and 8P), the layers searched on the other axes; the plan is pipelined where that is
     predicted faster than the best plan without a pipeline (or where only it fits).
+    ``pipeline_repeats``: the rounds of a circular pipeline to try (a count or counts; by
+    default 1, 2 and 4 where the layers allow): each stage runs ``1 / R`` of its layers per tick
+    and every microbatch goes round the stages ``R`` times, the bubble ``R`` times smaller for
+    the stacked values put in circular order each step (:class:`planner.program.schedule.Stages`).
 
     ``check_memory``: ``"compiled"`` compiles the plan for ``mesh`` and, where its compiled
     memory is over the limit, searches again (:mod:`planner.confirm`); ``"predicted"`` trusts the
@@ -138,13 +143,13 @@ def plan(
             tried = searches.setdefault(name, [])
             fastest = next((r for b, r in tried if b == math.inf and isinstance(r, tuple)), None)
             return _remembered(tried, bound, lambda: _search(
-                p, sizes, calibration, given, pipeline_axis, microbatches, fastest,
-                xla_only_splits))  # fmt: skip
+                p, sizes, calibration, given, pipeline_axis, (microbatches, pipeline_repeats),
+                fastest, xla_only_splits))  # fmt: skip
 
         def free_for(name, p):
             return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
-                p, sizes, calibration, None, pipeline_axis, microbatches, None,
-                xla_only_splits))  # fmt: skip
+                p, sizes, calibration, None, pipeline_axis, (microbatches, pipeline_repeats),
+                None, xla_only_splits))  # fmt: skip
 
         try:
             if choices:
@@ -238,14 +243,18 @@ def _faster(a, b, tie: float = 1e-9) -> bool:
     return a.time_s < b.time_s
 
 
-def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microbatches,
+def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, pipelining,
             fastest=None, xla=True):  # fmt: skip
-    """The best schedule, with a pipeline over ``pipeline_axis`` where that is better;
-    ``fastest``: the search's result without a memory limit, where it was made already; ``xla``:
-    splits only XLA's partitioner runs are allowed (:func:`planner.solver.search`)."""
+    """The best schedule, with a pipeline over ``pipeline_axis`` where that is better
+    (``pipelining``: the microbatch and repeat counts to try); ``fastest``: the search's result
+    without a memory limit, where it was made already; ``xla``: splits only XLA's partitioner
+    runs are allowed (:func:`planner.solver.search`)."""
+    microbatches, repeats = pipelining
     if pipeline_axis is None:
         if microbatches is not None:
             raise ValueError("microbatches needs a pipeline_axis to pipeline over")
+        if repeats is not None:
+            raise ValueError("pipeline_repeats needs a pipeline_axis to pipeline over")
         return search_within(prog, sizes, calibration, memory_limit_bytes, fastest, xla)
 
     limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
@@ -254,7 +263,7 @@ def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, microba
         flat = search_within(prog, sizes, calibration, memory_limit_bytes, xla=xla)
     except MemoryLimitError as e:
         error = e
-    piped = search_staged(prog, sizes, calibration, limit, pipeline_axis, microbatches)
+    piped = search_staged(prog, sizes, calibration, limit, pipeline_axis, microbatches, repeats)
     if flat is None and piped is None:
         raise error
     if piped is None or (flat is not None and flat[1].time_s <= piped[1].time_s):

@@ -779,9 +779,16 @@ def pipeline_words(prog: Program, sched: Schedule) -> tuple[str, ...]:
         rows = microbatching(prog, r).batch // st.microbatches
         where = _where(prog.ops[r.body].source if r.body < r.stop else None)
         way = "backward" if r.eqn.params["reverse"] else "forward"
+        kind = "GPipe"
+        if st.repeats > 1:  # stage s runs chunks s, s + P, ...: stage 0's shown
+            c = per // st.repeats
+            runs = [f"{j * p * c}-{j * p * c + c - 1}" if c > 1 else f"{j * p * c}"
+                    for j in range(st.repeats)]  # fmt: skip
+            kind = (f"circular over {st.repeats} rounds (stage 0 runs layers "
+                    f"{', '.join(runs)}; each stage's put in that order every step),")  # fmt: skip
         lines.append(f"  Pipeline (scan at {where}, {way}): {stages}; {st.microbatches} "
-                     f"microbatches of {rows} rows, GPipe bubble "
-                     f"{100 * bubble(p, st.microbatches):.0f}%")  # fmt: skip
+                     f"microbatches of {rows} rows, {kind} bubble "
+                     f"{100 * bubble(p, st.microbatches, st.repeats):.0f}%")  # fmt: skip
     return tuple(lines)
 
 

@@ -45,7 +45,13 @@ import redist
 from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
 from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops, padding_mask_flops
 from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
-from planner.layout.staging import deferred_sums, pipeline_runs, region_of
+from planner.layout.staging import (
+    circular_passes,
+    circular_rounds,
+    deferred_sums,
+    pipeline_runs,
+    region_of,
+)
 from planner.program.halo import halo_bytes
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
@@ -472,7 +478,63 @@ def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[
                     for v in [st_.op.results[0].value]
                     if st_.op.primitive == "scan_carry")  # fmt: skip
         seconds = cal.collective_time("collective-permute", carry / k, p, cal.crosses(m, axes))
-        out.append((k + p - 1, seconds, carry / k))
+        out.append((st.repeats * k + p - 1, seconds, carry / k))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CircularOrder:
+    """What a circular pipeline (``repeats > 1``) adds: ``seconds`` and ``sent`` bytes of putting
+    its stacked inputs in circular order and its stacked outputs back (a ``ppermute`` of one
+    chunk per :func:`circular_rounds` round that moves one), and the bytes it holds: the stacked
+    inputs' circular copies and the first stage's carries waiting for their next round
+    (``held``, through the pipeline), the stacked outputs' circular copies (``leaving``, at its
+    end)."""
+
+    start: int
+    stop: int
+    seconds: float
+    sent: float
+    held: int
+    leaving: int
+
+
+def circular_orders(prog: Program, sched: Schedule, steps, cal: Calibration) -> list:
+    """A :class:`CircularOrder` per circular pipeline of ``sched`` (values passed on in circular
+    order, :func:`circular_passes`, are not reordered)."""
+    m = redist.MeshShape.of(sched.mesh)
+    passes = circular_passes(prog, sched, steps)
+    out = []
+    for st in sched.stages:
+        if st.repeats == 1:
+            continue
+        r = region_of(prog, st)
+        axes = stage_factors(st.axis, sched.mesh)
+        p = math.prod(sched.mesh[a] for a in axes)
+        rounds = circular_rounds(p, st.repeats)
+        moving = sum(any(s != d for s, d in pairs) for _, _, pairs in rounds)  # ppermutes
+        sends = max(sum(s == i != d for _, _, pairs in rounds for s, d in pairs)
+                    for i in range(p))  # fmt: skip  # chunks the busiest stage sends
+        nc = scan_split(r.eqn).consts
+        stacked_in = [_bytes(v.shape, st_.in_specs[0], sched.mesh, v.dtype)
+                      for st_ in steps[r.start : r.body] if st_.op.primitive == "scan_xs"
+                      for v in [st_.op.operands[0].value] if v.name not in passes]  # fmt: skip
+        stacked_out = [_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
+                       for st_ in steps[r.stop - len(r.outputs) : r.stop]
+                       if st_.op.primitive == "scan_ys"
+                       for v in [st_.op.results[0].value] if v.name not in passes]  # fmt: skip
+        carry = sum(_bytes(v.shape, st_.out_specs[0], sched.mesh, v.dtype)
+                    for st_ in steps[r.start + nc : r.body]
+                    for v in [st_.op.results[0].value]
+                    if st_.op.primitive == "scan_carry")  # fmt: skip
+        seconds = sent = 0.0
+        for size in (*stacked_in, *stacked_out):
+            one = size / st.repeats
+            seconds += moving * cal.collective_time("collective-permute", one, p,
+                                                    cal.crosses(m, axes))  # fmt: skip
+            sent += sends * one
+        out.append(CircularOrder(r.start, r.stop - 1, seconds, sent,
+                                 sum(stacked_in) + carry, sum(stacked_out)))  # fmt: skip
     return out
 
 
@@ -484,7 +546,9 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
     ``(P - 1) / (K + P - 1)`` of it), communication of whole values (a layer's weights gathered,
     its gradient's partial sums) once per tick, ``(K + P - 1) / P`` times the loop's, but a weight
     gradient's partial sums combined once after the ticks (:func:`deferred_sums`) ``1 / P`` times
-    the loop's; plus the stage :func:`hand_overs`."""
+    the loop's; plus the stage :func:`hand_overs` and a circular pipeline's reordering of its
+    stacked values (:func:`circular_orders`; its ``R K + P - 1`` ticks each run ``1 / R`` of a
+    stage's layers: :class:`planner.layout.staging.Runs`)."""
     if not sched.stages:
         return costs
     costs = list(costs)
@@ -506,6 +570,9 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
     for st, (ticks, seconds, sent) in zip(sched.stages, hand_overs(prog, sched, steps, cal)):
         costs.append(OpCost(f"pipeline hand-overs of {st.axis}", 0.0, ticks * seconds,
                             ticks * sent, 0))  # fmt: skip
+    for c in circular_orders(prog, sched, steps, cal):
+        costs.append(OpCost(f"circular order of the pipeline at op {c.start}", 0.0, c.seconds,
+                            c.sent, 0))  # fmt: skip
     return costs
 
 
@@ -552,6 +619,12 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     for begin, end, size in waiting:
         grow[begin] += size
         release[end] += size
+    circular = circular_orders(prog, sched, steps, cal)
+    for c in circular:
+        grow[c.start] += c.held
+        release[c.stop] += c.held
+        grow[c.stop] += c.leaving
+        release[c.stop] += c.leaving
     live = 0
     peak = base
     costs = []

@@ -49,6 +49,55 @@ def check_stages(prog: Program, sched: Schedule) -> None:
                 f"{st.axis!r}); use an axis whose size divides {length}"
             )
         microbatching(prog, r).check(st.microbatches)
+        check_repeats(length, stages, st.microbatches, st.repeats)
+
+
+def check_repeats(layers: int, stages: int, microbatches: int, repeats: int) -> None:
+    """Raise ``ValueError`` unless a circular pipeline of ``repeats`` rounds can run ``layers``
+    layers on ``stages`` stages: ``repeats`` a positive integer dividing ``layers / stages``
+    and, above 1, ``microbatches >= stages`` (a microbatch back at the first stage waits there
+    for its next round; with fewer microbatches it would arrive before the stage is free).
+
+    Example:
+        >>> check_repeats(8, 2, 4, 2)
+        >>> check_repeats(8, 4, 2, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: a circular pipeline (repeats=2) needs at least as many microbatches as stages (4); got microbatches=2
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    if (layers // stages) % repeats:
+        raise ValueError(
+            f"{layers // stages} layers per stage do not split into repeats={repeats} chunks; "
+            f"choose a divisor of {layers // stages}"
+        )
+    if repeats > 1 and microbatches < stages:
+        raise ValueError(
+            f"a circular pipeline (repeats={repeats}) needs at least as many microbatches as "
+            f"stages ({stages}); got microbatches={microbatches}"
+        )
+
+
+def circular_rounds(stages: int, repeats: int) -> tuple[tuple[int, int, tuple], ...]:
+    """How a stacked value split over ``stages`` stages by blocks of layers (stage ``s`` holding
+    chunks ``s R .. s R + R - 1`` of ``R P``) is put in circular order (stage ``d`` holding
+    chunks ``d, d + P, ..``, chunk ``j P + d`` in its slot ``j``): rounds ``(j, k, pairs)``, in
+    each of which every stage ``s`` of ``pairs`` ``(s, d)`` sends its chunk ``k`` to stage ``d``
+    as that stage's slot ``j``. Each round is one ``ppermute``; every chunk is in one round.
+
+    Example:
+        >>> circular_rounds(2, 2)   # chunks 0 1 | 2 3  ->  0 2 | 1 3
+        ((0, 0, ((0, 0),)), (0, 1, ((0, 1),)), (1, 0, ((1, 0),)), (1, 1, ((1, 1),)))
+    """
+    out = []
+    for j in range(repeats):
+        for k in range(repeats):
+            pairs = tuple((s, s * repeats - j * stages + k) for s in range(stages)
+                          if 0 <= s * repeats - j * stages + k < stages)  # fmt: skip
+            if pairs:
+                out.append((j, k, pairs))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +106,21 @@ class Runs:
     layers on ``K + P - 1`` ticks, one microbatch (``1 / K`` of the batch) each: ``(K + P - 1) /
     P`` times the op's trips over the whole loop (``op.trips``, ``L``), on values whose batch
     dimension is ``1 / K`` as large (others, such as a layer's weights or their gradient, are
-    whole every time)."""
+    whole every time). A circular pipeline of ``R`` repeats runs ``L / (R P)`` layers on each
+    of ``R K + P - 1`` ticks."""
 
     stages: int
     microbatches: int
+    repeats: int = 1
+
+    @property
+    def ticks(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def calls(self) -> float:
         """Runs per device relative to the unpipelined loop's trips."""
-        return (self.microbatches + self.stages - 1) / self.stages
+        return self.ticks / (self.stages * self.repeats)
 
     @property
     def share(self) -> float:
@@ -82,15 +137,15 @@ def pipeline_runs(prog: Program, sched: Schedule) -> tuple[dict[str, Runs], dict
     for st in sched.stages:
         r = region_of(prog, st)
         stages = math.prod(sched.mesh[a] for a in stage_factors(st.axis, sched.mesh))
-        runs = Runs(stages, st.microbatches)
+        runs = Runs(stages, st.microbatches, st.repeats)
         ops.update((o.name, runs) for o in prog.ops[r.body : r.stop])
         values.update(dict.fromkeys(microbatching(prog, r).dim, st.microbatches))
     return ops, values
 
 
-def pipelinable(prog: Program, stages: int, microbatches: int) -> list[Region]:
-    """The top-level scans (in no other region) whose layers split into ``stages`` and whose
-    bodies split into ``microbatches``."""
+def pipelinable(prog: Program, stages: int, microbatches: int, repeats: int = 1) -> list[Region]:
+    """The top-level scans (in no other region) whose layers split into ``stages`` (and
+    ``repeats`` rounds) and whose bodies split into ``microbatches``."""
     out = []
     for r in prog.regions:
         if r.kind != "scan" or r.eqn.params["length"] % stages:
@@ -100,19 +155,22 @@ def pipelinable(prog: Program, stages: int, microbatches: int) -> list[Region]:
         try:
             mb = microbatching(prog, r)
             mb.check(microbatches)
+            check_repeats(r.eqn.params["length"], stages, microbatches, repeats)
         except (NotPipelinable, ValueError):
             continue
         out.append(r)
     return out
 
 
-def staged(prog: Program, sched: Schedule, axis: str, microbatches: int) -> Schedule | None:
+def staged(prog: Program, sched: Schedule, axis: str, microbatches: int,
+           repeats: int = 1) -> Schedule | None:  # fmt: skip
     """``sched`` with every top-level scan it can pipeline run as a pipeline over ``axis`` (which
-    ``sched`` must leave unused) in ``microbatches``, and the stage axis on the layer loops of
-    the ops around them; ``None`` if no scan can be."""
+    ``sched`` must leave unused) in ``microbatches`` (circular, of ``repeats`` rounds, where
+    its layers allow: :func:`check_repeats`), and the stage axis on the layer loops of the ops
+    around them; ``None`` if no scan can be."""
     factors = stage_factors(axis, sched.mesh)
     stages = math.prod(sched.mesh[a] for a in factors)
-    regions = pipelinable(prog, stages, microbatches)
+    regions = pipelinable(prog, stages, microbatches, repeats)
     if not regions:
         return None
     inside = {k for r in regions for k in range(r.start, r.stop)}
@@ -153,7 +211,7 @@ def staged(prog: Program, sched: Schedule, axis: str, microbatches: int) -> Sche
                     if loops and loops[0] == loop and key not in seen:
                         seen.add(key)
                         layer_dims.append(key)
-    stages_ = tuple(Stages(r.start, axis, microbatches) for r in regions)
+    stages_ = tuple(Stages(r.start, axis, microbatches, repeats) for r in regions)
     return dataclasses.replace(sched, assign=assign, stages=stages_)
 
 
@@ -173,6 +231,54 @@ def microbatch_choices(stages: int, given=None) -> tuple[int, ...]:
     out = (given,) if isinstance(given, int) else tuple(given)
     if not out or any(not isinstance(k, int) or k < 1 for k in out):
         raise ValueError(f"microbatches must be positive integers, got {given!r}")
+    return out
+
+
+def circular_passes(prog: Program, sched: Schedule, steps) -> frozenset[str]:
+    """The stacked outputs of ``sched``'s circular pipelines that pass into circular pipelines
+    of the same stages and repeats in circular order, not put back in layer order in between:
+    values every reader of which is such a pipeline's stacked input (``scan_xs``) taking it as
+    it is (no move, the same layout) and that the program does not return (a forward scan's
+    residuals, read by its backward scan). ``steps``: the data flow's :class:`OpStep`\\ s.
+
+    Example:
+        >>> circular_passes(prog, sched, dataflow(prog, sched))  # doctest: +SKIP
+        frozenset({'scan_ys_37'})
+    """
+    circular = {}
+    for st in sched.stages:
+        if st.repeats > 1:
+            r = region_of(prog, st)
+            circular[r.start] = (r, stage_factors(st.axis, sched.mesh), st.repeats)
+    entries = {}  # entry op name -> its pipeline's (axes, repeats)
+    for r, axes, reps in circular.values():
+        entries.update((o.name, (axes, reps)) for o in prog.ops[r.start : r.body])
+    returned = {v.name for v in prog.outputs}
+    out = set()
+    for r, axes, reps in circular.values():
+        for k in range(r.stop - len(r.outputs), r.stop):
+            exit_op = prog.ops[k]
+            v = exit_op.results[0].value
+            readers = prog.uses.get(v.name, ())
+            if exit_op.primitive != "scan_ys" or v.name in returned or not readers:
+                continue
+            spec = steps[k].out_specs[0]
+            if all(o.primitive == "scan_xs" and entries.get(o.name) == (axes, reps)
+                   and not steps[prog.index[o.name]].moves
+                   and steps[prog.index[o.name]].in_specs[0] == spec
+                   for o, _ in readers):  # fmt: skip
+                out.add(v.name)
+    return frozenset(out)
+
+
+def repeat_choices(given=None) -> tuple[int, ...]:
+    """The circular pipeline repeat counts to try: ``given`` (an int or ints), else ``1, 2, 4``
+    (GPipe, and circular pipelines of 2 and 4 rounds where the layers allow them)."""
+    if given is None:
+        return (1, 2, 4)
+    out = (given,) if isinstance(given, int) else tuple(given)
+    if not out or any(not isinstance(r, int) or r < 1 for r in out):
+        raise ValueError(f"pipeline_repeats must be positive integers, got {given!r}")
     return out
 
 

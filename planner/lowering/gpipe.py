@@ -96,6 +96,61 @@ def merge_microbatches(buffer, dim: int):
     return buffer.reshape(*s[:dim], s[dim] * s[dim + 1] * s[dim + 2], *s[dim + 3 :])
 
 
+def get_microbatch(buffer, dim: int, m):
+    """Microbatch ``m`` of a :func:`microbatch_buffer` (the array :func:`take_microbatch` took)."""
+    y = lax.dynamic_index_in_dim(buffer, m, dim + 1, keepdims=False)
+    s = y.shape
+    return y.reshape(*s[:dim], s[dim] * s[dim + 1], *s[dim + 2 :])
+
+
+def to_circular(x, dim: int, stage, axes, rounds, repeats: int):
+    """This stage's tile ``x`` of a stacked value split by blocks of layers over mesh ``axes``
+    (its layer dimension ``dim``) in circular order: the chunks of layers the stage runs in a
+    circular pipeline of ``repeats`` rounds, one per round (``rounds``:
+    :func:`planner.layout.staging.circular_rounds`; ``stage``: this device's index along
+    ``axes``). One ``ppermute`` per round, each of one chunk.
+
+    Example:
+        >>> to_circular(x, 0, s, ("pipe",), circular_rounds(2, 2), 2)   # doctest: +SKIP
+    """
+    stages = max(d for _, _, pairs in rounds for _, d in pairs) + 1
+    chunks = _chunks(x, dim, repeats)
+    slots = []
+    for j in range(repeats):
+        got = None
+        for j_, k, pairs in rounds:
+            if j_ != j:
+                continue
+            moved = lax.ppermute(chunks[k], axes, list(pairs))
+            mine = (j * stages + stage) % repeats == k  # this stage's slot j is that chunk
+            got = moved if got is None else jnp.where(mine, moved, got)
+        slots.append(got)
+    return jnp.concatenate(slots, axis=dim)
+
+
+def from_circular(x, dim: int, stage, axes, rounds, repeats: int):
+    """The inverse of :func:`to_circular`: a stacked tile in circular order back in blocks of
+    layers (what leaves a circular pipeline)."""
+    stages = max(d for _, _, pairs in rounds for _, d in pairs) + 1
+    slots = _chunks(x, dim, repeats)
+    chunks = []
+    for k in range(repeats):
+        got = None
+        for j, k_, pairs in rounds:
+            if k_ != k:
+                continue
+            moved = lax.ppermute(slots[j], axes, [(d, s) for s, d in pairs])
+            mine = (stage * repeats + k) // stages == j  # this stage's chunk k was in slot j
+            got = moved if got is None else jnp.where(mine, moved, got)
+        chunks.append(got)
+    return jnp.concatenate(chunks, axis=dim)
+
+
+def _chunks(x, dim: int, repeats: int) -> list:
+    n = x.shape[dim] // repeats
+    return [lax.slice_in_dim(x, k * n, (k + 1) * n, axis=dim) for k in range(repeats)]
+
+
 def _check(layers: int, batch: int, stages: int, microbatches: int, axis: str) -> None:
     if layers % stages:
         raise ValueError(

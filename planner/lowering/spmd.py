@@ -41,13 +41,16 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 import redist
 from planner.layout.dataflow import OpStep, dataflow, input_spec, output_specs
 from planner.layout.explanation import COLLECTIVE, entries, events, explain_rows, render
-from planner.layout.staging import check_stages, deferred_sums
+from planner.layout.staging import check_stages, circular_passes, circular_rounds, deferred_sums
 from planner.lowering.gpipe import (
+    from_circular,
+    get_microbatch,
     merge_microbatches,
     microbatch_buffer,
     put_layer,
     put_microbatch,
     take_microbatch,
+    to_circular,
 )
 from planner.lowering.xla_moves import MoveChoice, choose
 from planner.program.halo import split
@@ -121,6 +124,7 @@ class Lowered:
         # stacked output -> (op, axes): partial sums a pipeline combines once, after its ticks
         self.later = deferred_sums(prog, sched, self.steps) if self.local or self.xla else {}
         self.deferred = frozenset(op for op, _ in self.later.values())
+        self.passes = circular_passes(prog, sched, self.steps)
         # under XLA: values inside a pipelined body that hold per-device partial sums on a
         # leading axis of their own, split over the axes they are partial over
         self.parts: dict[str, tuple[str, ...]] = {}
@@ -248,7 +252,13 @@ class Lowered:
         ``s`` of the stage axis runs layers ``[s L/P, (s+1) L/P)`` on microbatch ``t - s`` at tick
         ``t`` and hands its carry to stage ``s + 1`` (``s - 1`` for a reversed scan, such as the
         backward pass of a pipelined forward one) with ``ppermute``; stacked outputs are kept
-        per stage (split over the stage axis), weight gradients summed over microbatches."""
+        per stage (split over the stage axis), weight gradients summed over microbatches.
+
+        A circular pipeline (``repeats`` ``R > 1``) puts the stacked inputs in circular order
+        (:func:`to_circular`), runs ``R K + P - 1`` ticks, item ``i = t - s`` being microbatch
+        ``i mod K`` in round ``i // K`` on the stage's chunk of that round, hands the carry round
+        a ring (the first stage keeps what comes back for the next round) and puts the stacked
+        outputs back in layer order (:func:`from_circular`)."""
         st, p = self.stages[r.start], r.eqn.params
         split, length, reverse = scan_split(r.eqn), p["length"], p["reverse"]
         nc, nk = split.consts, split.carry
@@ -272,6 +282,13 @@ class Lowered:
         dims = [mb.dim.get(n) for n in entered]
         rows = [mb.per_row.get(n, 1) for n in entered]
         per = length // stages
+        reps = st.repeats
+        chunk, items = per // reps, reps * k_mb
+        rounds = circular_rounds(stages, reps)
+        passes = self.passes  # stacked values that stay in circular order between pipelines
+        ordered_in = [o.operands[0].value.name in passes for o in self.prog.ops[r.start : r.body]]
+        ordered_out = [e.results[0].value.name in passes
+                       for e in self.prog.ops[r.stop - n_ys : r.stop]]  # fmt: skip
 
         def stage_index():
             index = 0
@@ -284,8 +301,11 @@ class Lowered:
             holding this stage's layers."""
             pos = stages - 1 - s if reverse else s
             consts, carry0, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
+            if reps > 1:  # this stage's chunk of each round, in order
+                xs = [x if done else to_circular(x, 0, s, axes, rounds, reps)
+                      for x, done in zip(xs, ordered_in[nc + nk :])]  # fmt: skip
 
-            def layers(carry, consts_m, bufs, mc, valid, micro_of):
+            def layers(carry, consts_m, bufs, mc, valid, micro_of, first):
                 """The stage's layers on microbatch ``mc``: each layer's stacked inputs taken,
                 and its stacked outputs written into their slots of the pipeline's buffers, as
                 it runs (in place; stacking a tick's outputs first would hold them twice)."""
@@ -309,7 +329,7 @@ class Lowered:
 
                 self.micro, self.micro_axes = micro, axes
                 try:
-                    (final, bufs), _ = lax.scan(body, (carry, bufs), jnp.arange(per),
+                    (final, bufs), _ = lax.scan(body, (carry, bufs), first + jnp.arange(chunk),
                                                 reverse=reverse)  # fmt: skip
                     return final, bufs
                 finally:
@@ -323,26 +343,37 @@ class Lowered:
                 return mb.per_row.get(self.prog.ops[r.stop - n_ys + k].operands[0].value.name, 1)
 
             def tick(state, t):
-                handed, bufs, outs = state
-                m = t - pos
-                valid = (m >= 0) & (m < k_mb)
-                mc = jnp.clip(m, 0, k_mb - 1)
+                handed, looped, bufs, outs = state
+                i = t - pos  # the item in front of this stage: microbatch i % K, round i // K
+                valid = (i >= 0) & (i < items)
+                rnd, mc = jnp.clip(i, 0, items - 1) // k_mb, jnp.clip(i, 0, items - 1) % k_mb
 
                 def micro_of(x, d, n):
                     return x if d is None else take_microbatch(x, d, n, k_mb, mc)
 
                 fresh = [micro_of(x, 0, 1) for x in carry0]
+                if reps > 1:  # the first stage keeps what the last hands back for its next round
+                    back = t - stages  # the item the last stage finished at tick t - 1
+                    keep = (pos == 0) & (back >= 0) & (back < items - k_mb)
+                    looped = [put_microbatch(b, h, 0, jnp.maximum(back, 0) % k_mb, where=keep)
+                              for b, h in zip(looped, handed)]  # fmt: skip
+                    fresh = [jnp.where(rnd == 0, f, get_microbatch(b, 0, mc))
+                             for f, b in zip(fresh, looped)]  # fmt: skip
                 inp = [jnp.where(pos == 0, f, h) for f, h in zip(fresh, handed)]
                 consts_m = [micro_of(x, d, n) for x, d, n in zip(consts, dims[:nc], rows[:nc])]
-                final, bufs = layers(inp, consts_m, bufs, mc, valid, micro_of)
-                last = valid & (pos == stages - 1)
+                first = (reps - 1 - rnd if reverse else rnd) * chunk  # its chunk's local layers
+                final, bufs = layers(inp, consts_m, bufs, mc, valid, micro_of, first)
+                last = valid & (pos == stages - 1) & (rnd == reps - 1)
                 outs = [put_microbatch(o, f, 0, mc, where=last) for o, f in zip(outs, final)]
                 pairs = [(i + 1, i) if reverse else (i, i + 1) for i in range(stages - 1)]
+                if reps > 1:  # round the ring
+                    pairs.append((0, stages - 1) if reverse else (stages - 1, 0))
                 handed = [lax.ppermute(f, axes, pairs) for f in final]
-                return (handed, bufs, outs), None
+                return (handed, looped, bufs, outs), None
 
             handed0 = [jnp.zeros_like(take_microbatch(x, 0, 1, k_mb, 0)) for x in carry0]
             outs0 = [microbatch_buffer(x.shape, x.dtype, 0, 1, k_mb) for x in carry0]
+            looped0 = outs0 if reps > 1 else []
             bufs0 = []
             for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
                 v = e.results[0].value
@@ -355,8 +386,8 @@ class Lowered:
                                                  (parted[k],)))  # fmt: skip
                 else:
                     bufs0.append(jnp.zeros(local, v.dtype))
-            (_, bufs, outs), _ = lax.scan(
-                tick, (handed0, bufs0, outs0), jnp.arange(k_mb + stages - 1)
+            (_, _, bufs, outs), _ = lax.scan(
+                tick, (handed0, looped0, bufs0, outs0), jnp.arange(items + stages - 1)
             )
             carry_out = [lax.psum(merge_microbatches(o, 0), axes) for o in outs]
             ys_out = [merge_microbatches(b, exit_dim(k)) if mb.exits[k] == "batch" else b
@@ -366,6 +397,8 @@ class Lowered:
                     ys_out[k] = jnp.sum(ys_out[k], axis=0)
                 elif e.name in later:  # the same on this device's tiles
                     ys_out[k] = lax.psum(ys_out[k], later[e.name])
+                if reps > 1 and not ordered_out[k]:
+                    ys_out[k] = from_circular(ys_out[k], 0, s, axes, rounds, reps)
             return carry_out, ys_out
 
         values = [env[n] for n in entered]

@@ -38,14 +38,21 @@ class Stages:
     ``region``, its layers cut into stages over mesh axis ``axis`` (one stage per position along
     it), its batch into ``microbatches`` (see :mod:`planner.program.microbatch`).
 
+    With ``repeats`` ``R > 1`` the pipeline is circular (MaxText's ``num_pipeline_repeats``):
+    the layers are cut into ``R P`` chunks, chunk ``c`` run by stage ``c mod P``, so each
+    microbatch goes round the stages ``R`` times and the bubble shrinks ``R``-fold
+    (:func:`planner.cost.pipeline.bubble`); the stacked values enter in circular order and
+    leave in layer order again (:func:`planner.layout.staging.circular_rounds`).
+
     Example:
         >>> Stages(region=37, axis="pipe", microbatches=8)
-        Stages(region=37, axis='pipe', microbatches=8)
+        Stages(region=37, axis='pipe', microbatches=8, repeats=1)
     """
 
     region: int
     axis: str
     microbatches: int
+    repeats: int = 1
 
 
 def stage_factors(axis: str, sizes: dict[str, int]) -> tuple[str, ...]:
