@@ -439,20 +439,21 @@ def test_a_circular_pipeline_is_priced_by_its_ticks_reorders_and_copies():
     assert len(ends) < sum(o.primitive in ("scan_xs", "scan_ys") for o in prog.ops)
 
 
-def test_bad_circular_pipelines_are_refused_by_name():
-    args = _args(np.random.default_rng(4), layers=4)
+@pytest.mark.parametrize(
+    "layers, microbatches, repeats, words",
+    [(4, 2, 4, "2 layers per stage do not split into repeats=4"),
+     (4, 1, 2, "at least as many microbatches as stages"),
+     (4, 2, 0, "repeats must be a positive integer")],
+    ids=["layers", "microbatches", "zero"],
+)  # fmt: skip
+def test_bad_circular_pipelines_are_refused_by_name(layers, microbatches, repeats, words):
+    args = _args(np.random.default_rng(4), layers=layers)
     prog = planner.analyze(_step, *args)
     mesh, stage = _mesh("a4xpipe2")
-    fwd = _scans(prog)[0]
-    base = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
-    cases = [
-        (Stages(fwd.start, stage, 2, 4), "2 layers per stage do not split into repeats=4"),
-        (Stages(fwd.start, stage, 1, 2), "at least as many microbatches as stages"),
-        (Stages(fwd.start, stage, 2, 0), "repeats must be a positive integer"),
-    ]
-    for st, words in cases:
-        with pytest.raises(ValueError, match=words):
-            planner.lower(prog, dataclasses.replace(base, stages=(st,)), mesh, backend="xla")
+    st = Stages(_scans(prog)[0].start, stage, microbatches, repeats)
+    sched = dataclasses.replace(make_schedule(prog, {}, dict(mesh.shape)), stages=(st,))
+    with pytest.raises(ValueError, match=words):
+        planner.lower(prog, sched, mesh, backend="xla")
     with pytest.raises(ValueError, match="pipeline_repeats needs a pipeline_axis"):
         planner.plan(_step, *args, mesh=mesh, pipeline_repeats=2)
 

@@ -113,37 +113,38 @@ def to_circular(x, dim: int, stage, axes, rounds, repeats: int):
     Example:
         >>> to_circular(x, 0, s, ("pipe",), circular_rounds(2, 2), 2)   # doctest: +SKIP
     """
-    stages = max(d for _, _, pairs in rounds for _, d in pairs) + 1
-    chunks = _chunks(x, dim, repeats)
-    slots = []
-    for j in range(repeats):
-        got = None
-        for j_, k, pairs in rounds:
-            if j_ != j:
-                continue
-            moved = lax.ppermute(chunks[k], axes, list(pairs))
-            mine = (j * stages + stage) % repeats == k  # this stage's slot j is that chunk
-            got = moved if got is None else jnp.where(mine, moved, got)
-        slots.append(got)
-    return jnp.concatenate(slots, axis=dim)
+    return _reorder(x, dim, stage, axes, rounds, repeats, back=False)
 
 
 def from_circular(x, dim: int, stage, axes, rounds, repeats: int):
     """The inverse of :func:`to_circular`: a stacked tile in circular order back in blocks of
     layers (what leaves a circular pipeline)."""
+    return _reorder(x, dim, stage, axes, rounds, repeats, back=True)
+
+
+def _reorder(x, dim: int, stage, axes, rounds, repeats: int, back: bool):
+    """Round ``(j, k, pairs)`` moves block chunk ``k`` of stage ``s`` to circular slot ``j`` of
+    stage ``d`` for each ``(s, d)`` of ``pairs`` (``back``: the other way); each piece received
+    is selected where this stage's piece is the one that round carries."""
     stages = max(d for _, _, pairs in rounds for _, d in pairs) + 1
-    slots = _chunks(x, dim, repeats)
-    chunks = []
-    for k in range(repeats):
+    pieces = _chunks(x, dim, repeats)
+    out = []
+    for n in range(repeats):
         got = None
-        for j, k_, pairs in rounds:
-            if k_ != k:
+        for j, k, pairs in rounds:
+            sent, kept = (j, k) if back else (k, j)
+            if kept != n:
                 continue
-            moved = lax.ppermute(slots[j], axes, [(d, s) for s, d in pairs])
-            mine = (stage * repeats + k) // stages == j  # this stage's chunk k was in slot j
+            moved = lax.ppermute(pieces[sent], axes, [(d, s) if back else (s, d) for s, d in pairs])
+            # this stage's block chunk n was in slot j / its slot n is block chunk k
+            mine = (
+                (stage * repeats + n) // stages == j
+                if back
+                else (n * stages + stage) % repeats == k
+            )
             got = moved if got is None else jnp.where(mine, moved, got)
-        chunks.append(got)
-    return jnp.concatenate(chunks, axis=dim)
+        out.append(got)
+    return jnp.concatenate(out, axis=dim)
 
 
 def _chunks(x, dim: int, repeats: int) -> list:
