@@ -167,3 +167,52 @@ def test_scanned_layers_split_at_least_as_well_as_by_hand(mesh):
     got = jax.tree.unflatten(p.out_tree, list(p.lowered(params, x)))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def _embedding_step(table, w, tokens, y):
+    def loss(table, w):
+        return jax.numpy.mean((jnp_tanh(table[tokens] @ w) - y) ** 2)
+
+    value, (g_table, g_w) = jax.value_and_grad(loss, argnums=(0, 1))(table, w)
+    return table - 0.1 * g_table, w - 0.1 * g_w, value
+
+
+def test_refine_moves_an_embeddings_gradient_off_the_batch_split():
+    """Data parallel over 8 devices, the lookup and its gradient's scatter-add follow the batch
+    split, so the whole table's gradient is all-reduced; ``refine`` (the search's last pass over
+    the propagated ops) gives the scatter-add the fastest of its other layouts (each of its
+    loops over the same factors, or none), is predicted faster, leaves the ops the search chose
+    as they were, and the refined schedule runs exactly."""
+    import dataclasses
+
+    from planner.solver.schedule_search import _Evaluator, groups, refine
+    from planner.solver.strategies import data_parallel
+    from redist.calibration import Calibration
+    from redist.types import MeshShape
+
+    rng = np.random.default_rng(0)
+    f = np.float32
+    args = (rng.standard_normal((4096, 128)).astype(f), (rng.standard_normal((128, 128)) / 12).astype(f),
+            rng.integers(0, 4096, (16, 32)).astype(np.int32), rng.standard_normal((16, 32, 128)).astype(f))  # fmt: skip
+    prog = planner.analyze(_embedding_step, *args)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    sizes, cal = {"d": 8}, Calibration.named("tpu_v5p")
+    sched = make_schedule(prog, data_parallel(prog, ["d"]), sizes)
+    evaluate = _Evaluator(prog, sizes, cal, None, groups(prog))
+    before = evaluate.schedule(sched)
+    after = refine(before, evaluate, MeshShape.of(sizes))
+    scatter = next(o for o in prog.ops if o.primitive == "scatter-add")
+    factors = sum(sched.assign[scatter.name].values(), ())
+    assert factors and before[3].ops[prog.index[scatter.name]].comm_s > 0
+    options = [{}] + [{lp.name: factors} for lp in scatter.loops]
+    times = {str(o): evaluate.schedule(dataclasses.replace(sched, assign={**sched.assign,
+                                                                         scatter.name: o}))[0]
+             for o in options}  # fmt: skip
+    assert after[2].assign[scatter.name] != sched.assign[scatter.name]
+    assert after[0] <= min(times.values()) * (1 + 1e-9) and after[0] < before[0], times
+    dots = [o.name for o in prog.ops if o.dense]
+    assert all(after[2].assign.get(n) == sched.assign.get(n) for n in dots)
+    want = jax.jit(_embedding_step)(*args)
+    got = planner.lower(prog, after[2], mesh, backend="xla")(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -16,6 +16,9 @@ propagation. The objective is the simulator's predicted time (ties: peak memory)
   run greedily (at each step all
   combinations of the anchors' choices when at most ``step_limit``, else coordinate descent).
   The best full simulation wins.
+- Then the ops that follow by propagation and communicate most (an embedding's lookup and its
+  gradient's scatter-add, which follow the batch split of their neighbours) are refined one at
+  a time: each of their loops tried with the op's mesh factors (:func:`refine`).
 
 Example:
     >>> sched, pred = search(prog, mesh)          # doctest: +SKIP
@@ -26,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -38,7 +42,7 @@ from planner.layout.dataflow import input_spec
 from planner.layout.donation import keep_state_layouts
 from planner.program.ir import Program
 from planner.program.ops import Op, itemsize
-from planner.program.schedule import Schedule, make_schedule, splits
+from planner.program.schedule import Schedule, check_assignment, make_schedule, splits
 from planner.solver import strategies
 from planner.solver.chain import ChainDP, with_siblings
 from redist.calibration import Calibration
@@ -261,7 +265,8 @@ def search(
         if memory_limit_bytes is not None:  # the fastest few, whatever their memory, with ZeRO
             fastest = sorted((r for r in scores if r[3] is not None), key=lambda r: r[3].time_s)
             results += _zero(prog, shape, fastest[:8], evaluate)
-        return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
+        return _result(refine(min(results, key=lambda r: r[:2]), evaluate, shape),
+                       evaluate, memory_limit_bytes)  # fmt: skip
     per_axis = [tuple(shape.axis_factors(a)) for a in shape.axis_names]
     passes = [[tuple(names)], per_axis]
     if len(per_axis) < len(names) <= PER_FACTOR_MAX:  # some axis splits into several factors
@@ -275,7 +280,54 @@ def search(
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     if memory_limit_bytes is not None:
         results += _zero(prog, shape, results, evaluate)
-    return _result(min(results, key=lambda r: r[:2]), evaluate, memory_limit_bytes)
+    return _result(refine(min(results, key=lambda r: r[:2]), evaluate, shape), evaluate,
+                   memory_limit_bytes)  # fmt: skip
+
+
+REFINED_OPS = 4  # the propagated ops refine() tries, those communicating most
+
+
+def refine(score, evaluate: _Evaluator, shape: MeshShape, ops: int = REFINED_OPS):
+    """``score`` (the search's best: time, peak, schedule, prediction) improved op by op: of the
+    ops the search does not choose for (not in a dense group: they follow their neighbours by
+    propagation), the ``ops`` whose communication is predicted dearest each have their mesh
+    factors moved to each other loop they may split (or dropped), and the fastest whole
+    schedule that fits is kept. An embedding's lookup split over the batch like its neighbours
+    gathers the whole table (and its gradient all-reduces it); split over the embedding
+    dimension it moves only its output, as MaxText lays it out.
+
+    Example:
+        >>> refine(best, evaluate, MeshShape.of({"fsdp": 256}))  # doctest: +SKIP
+    """
+    time_s, _, sched, pred = score
+    if sched is None or math.isinf(time_s):
+        return score
+    grouped = {o.name for g in evaluate.groups for o in g}
+    by_op = {o.name: o for o in evaluate.prog.ops}
+    dear = sorted((c for c in pred.ops if c.comm_s > 0 and c.op in by_op and c.op not in grouped
+                   and by_op[c.op].how != "region"),
+                  key=lambda c: -c.comm_s)[:ops]  # fmt: skip
+    best = score
+    for cost in dear:
+        op = by_op[cost.op]
+        current = best[2].assign.get(op.name, {})
+        factors = tuple(a for axes in current.values() for a in axes)
+        if not factors:
+            continue
+        parts = math.prod(shape.factor_size[a] for a in factors)
+        options = [{}] + [{lp.name: factors} for lp in op.loops
+                          if {lp.name: factors} != current
+                          and splits(op, lp.name, parts, evaluate.xla)]  # fmt: skip
+        for loops in options:
+            try:
+                loops = check_assignment(shape, op, loops, evaluate.xla)
+            except ValueError:
+                continue
+            assign = {**best[2].assign, op.name: loops}
+            tried = evaluate.schedule(dataclasses.replace(best[2], assign=assign))
+            if tried[0] < best[0] * (1 - 1e-6):
+                best = tried
+    return best
 
 
 # One prime factor at a time (Tofu's recursion) finds splits by part of an axis, but costs a DP
