@@ -17,5 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategies = "recipe,recipe_planned,searched,searched_remat"
     # the policies searched_remat chooses among beside the recipe's own (MaxText's names)
     c.remat_candidates = "full,minimal,save_dot_except_mlpwi,save_dot_except_mlp,save_qkv_proj"
+    # also the searched plan at these depths (layers cut), predicted against compiled, e.g.
+    # "1,2,8,32" (depths.md); empty: none
+    c.depths = ""
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
     return c

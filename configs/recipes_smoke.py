@@ -8,4 +8,5 @@ def get_config():
     c.recipes = "tiny_v5p_8"
     c.strategies = "recipe,recipe_planned,searched_remat"  # searched_remat runs the searched path
     c.remat_candidates = "full"  # a choice of two: the recipe's policy and full remat
+    c.depths = "1"  # the depth sweep: the searched plan cut to one layer
     return c

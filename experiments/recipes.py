@@ -27,6 +27,10 @@ estimate (the compiler's kernel time of the step at 1 and 2 layers unrolled, ext
 recipe's depth, plus the HLO's collectives as often as they run, priced by the calibration, as
 :mod:`experiments.pod_plans` does), and the search seconds. Rows go to ``results.jsonl`` as they
 are measured (a rerun measures only the missing ones); ``report.md`` has the table.
+
+``config.depths`` (e.g. ``"1,2,8,32"``): also the searched plan of each recipe with its layers cut
+to each depth, predicted and compiled (``depths.jsonl``, ``depths.md``): where the memory model
+departs from the compiler, whether the gap grows with the layers or sits in the rest of the step.
 """
 
 from __future__ import annotations
@@ -336,6 +340,43 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     return rows
 
 
+def depth_rows(name: str, depths: list[int], done: set) -> list[dict]:
+    """The searched plan of recipe ``name`` (its own remat policy, the default memory limit,
+    trusting the model: no compile rounds) at each depth of ``depths`` not in ``done``: its
+    predicted peak and the compiler's."""
+    import planner
+    from planner.compiled import compile_and_report, input_structs
+
+    recipe = RECIPES[name]
+    mesh = planner.topology_mesh(recipe["topology"], topology_axes(recipe))
+    rows = []
+    for layers in depths:
+        if (name, layers) in done:
+            continue
+        step, args = recipe_step(recipe, None, layers=layers)
+        p = planner.plan(step, *args, mesh=mesh, donate_argnums=(0, 1), check_memory="predicted")
+        start = time.perf_counter()
+        _, report = compile_and_report(p.jit().lower(*input_structs(p)))
+        rows.append({"recipe": name, "layers": layers, "remat": recipe["remat"],
+                     "predicted_peak_bytes": p.prediction.peak_bytes,
+                     "compiled_bytes": report.total_bytes, "fits": report.fits,
+                     "search_s": p.search_s, "compile_s": time.perf_counter() - start})  # fmt: skip
+        logging.info("%s", json.dumps(rows[-1]))
+    return rows
+
+
+def depth_report(rows: list[dict]) -> str:
+    """The depth sweep's table: per recipe and depth, predicted and compiled GB per chip."""
+    lines = ["| recipe | layers | remat | predicted GB | compiled GB / chip | predicted / compiled |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["recipe"], r["layers"])):
+        pred, comp = r["predicted_peak_bytes"], r["compiled_bytes"]
+        ratio = f"{pred / comp:.2f}" if pred and comp else "n/a"
+        lines.append(f"| {r['recipe']} | {r['layers']} | {r['remat']} | {_gb(pred)} | "
+                     f"{_gb(comp)} | {ratio} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def _gb(x) -> str:
     return "n/a" if x is None else f"{x / 1e9:.3g}"
 
@@ -382,24 +423,44 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _read_rows(path: str) -> list[dict]:
+    """The rows of a ``.jsonl`` file (none if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _append_rows(path: str, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def run(config, workdir: str) -> list[dict]:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "results.jsonl")
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    rows = _read_rows(path)
     done = {(r["recipe"], r["strategy"]) for r in rows}
-    for name in [s for s in config.recipes.split(",") if s]:
+    names = [s for s in config.recipes.split(",") if s]
+    for name in names:
         if name not in RECIPES:
             raise ValueError(f"recipe {name!r} is unknown; known: {sorted(RECIPES)}")
         new = measure(name, [s for s in config.strategies.split(",") if s], done, config)
-        with open(path, "a") as f:
-            for row in new:
-                f.write(json.dumps(row) + "\n")
+        _append_rows(path, new)
         rows += new
     with open(os.path.join(workdir, "report.md"), "w") as f:
         f.write(report(rows))
+    depths = [int(d) for d in config.get("depths", "").split(",") if d]
+    if depths:
+        path = os.path.join(workdir, "depths.jsonl")
+        swept = _read_rows(path)
+        for name in names:
+            new = depth_rows(name, depths, {(r["recipe"], r["layers"]) for r in swept})
+            _append_rows(path, new)
+            swept += new
+        with open(os.path.join(workdir, "depths.md"), "w") as f:
+            f.write(depth_report(swept))
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json())
     print(f"recipes: {len(rows)} rows; see {workdir}/report.md")

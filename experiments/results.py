@@ -158,6 +158,10 @@ def tpu_sections(workdir: str) -> list[str]:
                   "activation constraints, GSPMD), the same layout planned, and the searched plan, "
                   "compiled by the TPU compiler (`python -m experiments.recipes`):", "",
                   open(path).read().rstrip()]  # fmt: skip
+    path = os.path.join(workdir, "recipes", "depths.md")
+    if os.path.exists(path):
+        lines += ["", "The searched plan with its layers cut (`--config.depths`): predicted and "
+                  "compiled peak per chip by depth:", "", open(path).read().rstrip()]  # fmt: skip
     return lines
 
 

@@ -357,8 +357,13 @@ def test_recipes_compiles_the_recipe_and_the_plans_on_its_topology(tmp_path):
     assert rows[0]["collectives"] > 0  # the recipe is sharded: FSDP gathers its weights
     table = (tmp_path / "report.md").read_text()
     assert "| tiny_v5p_8 | recipe | " in table and "1.00x" in table
+    (swept,) = [json.loads(line) for line in open(tmp_path / "depths.jsonl")]
+    assert swept["layers"] == 1 and swept["compiled_bytes"] > 0
+    assert swept["predicted_peak_bytes"] > 0
+    assert "| tiny_v5p_8 | 1 | " in (tmp_path / "depths.md").read_text()
     assert len(recipes.run(config, str(tmp_path))) == 3
     assert len(open(tmp_path / "results.jsonl").readlines()) == 3
+    assert len(open(tmp_path / "depths.jsonl").readlines()) == 1  # a rerun adds no depth
 
 
 def test_gpu_check_measures_here_and_compares_with_the_recorded_h100(tmp_path):
