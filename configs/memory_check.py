@@ -1,6 +1,7 @@
 """Memory check: predicted peak per device against the compiled total, on 8 CPU devices (the
 planner benchmark's workloads) and, with ``--config.tpu=True``, the flax LM compiled for TPU v5p
-pods by the TPU compiler on this host (minutes per case; 4,096 chips take the longest)."""
+pods by the TPU compiler on this host (minutes per case; 4,096 chips take the longest), and with
+``--config.gpu=True`` LM steps on 8 compile-only H100s compiled by XLA:GPU."""
 
 import ml_collections
 
@@ -25,5 +26,13 @@ def get_config() -> ml_collections.ConfigDict:
         f"{lm}@v5p:16x16x16=data:32,fsdp:16,tensor:8",
     ])  # fmt: skip
     c.tpu_calibration = "tpu_v5p"
+    # name=kind:sizes@gpu=axis:n,...  ';'-separated: the searched and expert plans on compile-only
+    # GPUs of one host (planner.gpu_mesh; gpu a calibration with a shipped description)
+    c.gpu = False
+    c.gpu_cases = ";".join([
+        "lm=lm_scan:16x512x512x8x4x8192@h100_sxm=data:2,fsdp:2,tensor:2",
+        "lm_big=lm_scan:32x1024x1024x16x8x32768@h100_sxm=data:2,fsdp:2,tensor:2",
+        "lm_loop=lm:16x512x512x8x4x8192@h100_sxm=data:2,fsdp:2,tensor:2",
+    ])  # fmt: skip
     c.tolerance = 0.25  # |predicted / compiled - 1| counted as within
     return c

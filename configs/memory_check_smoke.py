@@ -1,5 +1,5 @@
 """Two tiny workloads, two strategies, and a small scanned LM on TPU v5p:2x2x1 when the TPU
-compiler is installed: what the tests run."""
+compiler is installed, and on 8 compile-only H100s when XLA:GPU is: what the tests run."""
 
 import importlib.util
 
@@ -12,4 +12,6 @@ def get_config():
     c.strategies = "auto,auto_donated,data"
     c.tpu = importlib.util.find_spec("libtpu") is not None
     c.tpu_cases = "lm=lm_scan:16x128x128x4x2x512@v5p:2x2x1=data:2,tensor:2"
+    c.gpu = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+    c.gpu_cases = "lm=lm_scan:16x128x128x4x2x512@h100_sxm=data:2,fsdp:2,tensor:2"
     return c

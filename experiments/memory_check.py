@@ -12,7 +12,9 @@ its predicted peak per device (``planner.simulate``, the CPU calibration) and th
 of that schedule run as ``plan.jit`` runs it (arguments + outputs + temporaries - aliased, from
 ``compiled.memory_analysis()``; on TPU the compiler's own peak, ``CompiledReport.total_bytes``). With ``config.tpu``: for every TPU case (a workload, a TPU
 topology, mesh axes), the plan searched for those axes and priced for TPU v5p, compiled for the
-topology by the TPU compiler on this host (``planner.topology_mesh``). Writes ``config.json``,
+topology by the TPU compiler on this host (``planner.topology_mesh``). With ``config.gpu``: for
+every GPU case, the searched plan and the expert plans on compile-only GPUs of one host
+(``planner.gpu_mesh``, ``pip install "redist[gpu]"``), compiled by XLA:GPU. Writes ``config.json``,
 ``results.jsonl`` (one row per case, as soon as it is measured), ``summary.json`` (per backend:
 how many cases fall within ``config.tolerance`` of the compiled total, the worst ratios) and
 ``report.md``.
@@ -82,32 +84,31 @@ def cpu_case(name: str, kind: str, sizes: list[int], strategy: str, mesh, rng) -
     return row
 
 
-def tpu_case(spec: str, calibration: str) -> dict:
-    """``"name=kind:sizes@topology=axis:n,..."``: the plan for those axes, priced on
-    ``calibration``, compiled for the topology."""
+def _parse_case(spec: str):
+    """``"name=kind:sizes@target=axis:n,..."`` -> ``(name, kind, sizes, target, axes, axes
+    text, (fn, shapes))``: the workload built from shapes alone."""
     import jax
     import numpy as np
 
-    import planner
     from experiments.measure import parse_mesh
-    from redist.calibration import Calibration
 
-    work, _, target = spec.partition("@")
-    topology, _, axes_text = target.partition("=")
+    work, _, where = spec.partition("@")
+    target, _, axes_text = where.partition("=")
     name, kind, sizes = parse_workload(work)
-    axes = parse_mesh(axes_text)
     fn, args = workload(kind, sizes, np.random.default_rng(0))
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    del args  # planned and compiled from shapes alone
+    return name, kind, sizes, target, parse_mesh(axes_text), axes_text, (fn, shapes)
+
+
+def _compiled_row(backend: str, case: tuple, strategy: str, calibration: str, p, search_s: float,
+                  mesh) -> dict:  # fmt: skip
+    """The row of plan ``p`` of a parsed ``case``, compiled for ``mesh``."""
+    name, _, sizes, target, axes, axes_text, _ = case
     start = time.perf_counter()
-    p = planner.plan(fn, *shapes, mesh=axes, calibration=Calibration.named(calibration),
-                     memory_limit_bytes=None)  # fmt: skip
-    search_s = time.perf_counter() - start
-    start = time.perf_counter()
-    report = p.compiled_report(planner.topology_mesh(topology, axes))
-    row = {"backend": "tpu", "workload": name, "sizes": "x".join(map(str, sizes)),
-           "topology": topology, "mesh": axes_text, "devices": math.prod(axes.values()),
-           "strategy": "auto", "calibration": calibration,
+    report = p.compiled_report(mesh)
+    row = {"backend": backend, "workload": name, "sizes": "x".join(map(str, sizes)),
+           "topology": target, "mesh": axes_text, "devices": math.prod(axes.values()),
+           "strategy": strategy, "calibration": calibration,
            "predicted_bytes": p.prediction.peak_bytes, "plan_s": search_s,
            "compile_s": time.perf_counter() - start, "compiled_bytes": report.total_bytes,
            "argument_bytes": report.argument_bytes, "output_bytes": report.output_bytes,
@@ -115,6 +116,44 @@ def tpu_case(spec: str, calibration: str) -> dict:
            "fits": report.fits}  # fmt: skip
     row["ratio"] = row["predicted_bytes"] / row["compiled_bytes"]
     return row
+
+
+def tpu_case(spec: str, calibration: str) -> dict:
+    """``"name=kind:sizes@topology=axis:n,..."``: the plan for those axes, priced on
+    ``calibration``, compiled for the topology."""
+    import planner
+    from redist.calibration import Calibration
+
+    case = _parse_case(spec)
+    _, _, _, topology, axes, _, (fn, shapes) = case
+    start = time.perf_counter()
+    p = planner.plan(fn, *shapes, mesh=axes, calibration=Calibration.named(calibration),
+                     memory_limit_bytes=None)  # fmt: skip
+    search_s = time.perf_counter() - start
+    return _compiled_row("tpu", case, "auto", calibration, p, search_s,
+                         planner.topology_mesh(topology, axes))  # fmt: skip
+
+
+def gpu_cases(spec: str) -> list[dict]:
+    """``"name=kind:sizes@gpu=axis:n,..."`` (``gpu`` a calibration with a compile-only
+    description, e.g. ``h100_sxm``; one host): the searched plan, its state donated, and the
+    expert plans on a mesh of those axes over compile-only GPUs (:func:`planner.gpu_mesh`),
+    priced on that calibration, compiled by XLA:GPU."""
+    import planner
+
+    case = _parse_case(spec)
+    _, kind, _, gpu, axes, _, (fn, shapes) = case
+    mesh = planner.gpu_mesh(axes, gpu=gpu)
+    donated = STATE_ARGNUMS.get(kind, ())
+    start = time.perf_counter()
+    plans = {"auto": planner.plan(fn, *shapes, mesh=mesh, donate_argnums=donated,
+                                  memory_limit_bytes=None)}  # fmt: skip
+    search_s = time.perf_counter() - start
+    data = tuple(a for a in ("data", "fsdp") if a in axes)
+    plans.update(planner.expert_plans(fn, *shapes, mesh=mesh, data_axes=data or tuple(axes)[:1],
+                                      donate_argnums=donated))  # fmt: skip
+    return [_compiled_row("gpu", case, name, gpu, p, search_s if name == "auto" else 0.0, mesh)
+            for name, p in plans.items()]  # fmt: skip
 
 
 def run(config, workdir: str) -> dict:
@@ -151,6 +190,10 @@ def run(config, workdir: str) -> dict:
     if config.tpu:
         for spec in (s for s in config.tpu_cases.split(";") if s.strip()):
             keep(tpu_case(spec, config.tpu_calibration))
+    if config.get("gpu"):
+        for spec in (s for s in config.gpu_cases.split(";") if s.strip()):
+            for row in gpu_cases(spec):
+                keep(row)
     out.close()
     summary = summarize(rows, config.tolerance)
     with open(os.path.join(workdir, "summary.json"), "w") as f:

@@ -6,7 +6,7 @@ one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (cal
 ``python -m experiments.calibrate``). :func:`plan` / :func:`auto_shard` search a schedule
 (:func:`search`) and run it, within a memory limit (:mod:`planner.cost.memory`).
 :func:`topology_mesh` / :func:`compiled_report` compile a plan or any jitted program for a TPU
-topology on any host and read the compiler's verdict; ``plan.save(path)`` and :func:`load` keep a
+topology on any host and read the compiler's verdict (:func:`gpu_mesh`: for a multi-GPU host); ``plan.save(path)`` and :func:`load` keep a
 plan in a file and restore it without searching. :func:`remat_policy` is a ``jax.checkpoint``
 policy the planner chooses (what each layer saves for the backward pass). :func:`expert_plans` gives the hand strategies
 (data parallelism, FSDP, FSDP + tensor parallelism) as plans of the same kind, to compare with.
@@ -29,6 +29,7 @@ from planner.autoplan import AutoPlan
 from planner.baselines import expert_plans
 from planner.compiled import CompiledReport, compiled_report, topology_mesh
 from planner.cost import MEMORY_RESERVE, MemoryLimitError, Prediction, simulate
+from planner.gpus import gpu_mesh
 from planner.lowering import Lowered, lower
 from planner.program import Access, Loop, Op, Program, Schedule, Value, analyze, make_schedule
 from planner.program.remat import RematChoice, remat_policy
@@ -60,5 +61,6 @@ __all__ = [
     "MEMORY_RESERVE",
     "MemoryLimitError",
     "compiled_report",
+    "gpu_mesh",
     "topology_mesh",
 ]
