@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 
-from redist.calibration import Calibration
+from redist.calibration import Calibration, wire_bytes
 
 COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
 COST_MODELS = ("bytes", "bytes+copies", "calibrated")
@@ -140,3 +140,55 @@ def calibrated_floor_ns(nbytes: int, model: str = "calibrated") -> int:
         cal.bytes_per_s[k] for k in kinds
     )
     return max(0, int(seconds * 1e9) - 16)
+
+
+def step_costs(plan, cal: Calibration) -> list[tuple[str, float, float]]:
+    """``(kind, seconds, wire bytes per device)`` of each step of ``plan`` (a
+    :class:`redist.steps.Plan`) on calibration ``cal``; ``kind`` is the calibration's collective
+    kind, or ``"copy"`` for a local slice (no wire bytes).
+
+    Example:
+        >>> [k for k, _, _ in step_costs(plan((8, 8), P("a"), P(), {"a": 2}),
+        ...                              Calibration.named("tpu_v5p"))]      # doctest: +SKIP
+        ['all-gather']
+    """
+    out = []
+    n_dev = plan.mesh.num_devices
+    for s in plan.steps:
+        before = s.before.local_size * plan.itemsize
+        after = s.after.local_size * plan.itemsize
+        if s.kind == "dynslice":
+            out.append(("copy", after / cal.copy_bytes_per_s, 0.0))
+            continue
+        if s.kind == "reblock":  # rounds of collective-permutes of a few rows (redist.uneven)
+            rounds = s.collectives
+            seconds = rounds and rounds * cal.collective_time(
+                "collective-permute", s.cost_bytes / rounds, n_dev
+            )
+            out.append(("collective-permute", seconds, float(s.cost_bytes)))
+            continue
+        kind, nbytes = {
+            "allgather": ("all-gather", after),
+            "alltoall": ("all-to-all", before),
+            "allpermute": ("collective-permute", before * len(s.perm) / n_dev),
+            "reducescatter": ("reduce-scatter", before),
+            "allreduce": ("all-reduce", before),
+        }[s.kind]
+        n = s.group_size if s.kind != "allpermute" else n_dev
+        if s.kind == "allpermute":
+            d = cal.domain_devices or n_dev
+            crosses = any(a // d != b // d for a, b in s.perm)
+        else:
+            crosses = cal.crosses(plan.mesh, s.axes)
+        out.append(
+            (kind, cal.collective_time(kind, nbytes, n, crosses), wire_bytes(kind, nbytes, n))
+        )
+    return out
+
+
+def plan_cost(plan, cal: Calibration) -> tuple[float, float]:
+    """Predicted seconds and wire bytes per device of ``plan`` on calibration ``cal``."""
+    t = wire = 0.0
+    for _, seconds, sent in step_costs(plan, cal):
+        t, wire = t + seconds, wire + sent
+    return t, wire

@@ -117,6 +117,7 @@ class Plan:
     Attributes:
         cost_bytes: total bytes per device under the paper's cost model (Fig. 11).
         peak_bytes: largest local tile along the sequence, bytes per device.
+        held_bytes: the most one step holds at once (its input and output tiles).
         extent: the array's true shape where some layout is uneven (``src`` and ``dst`` are
             then typed at their padded sizes, :mod:`redist.uneven`); ``None`` otherwise.
     """
@@ -137,6 +138,14 @@ class Plan:
     def peak_bytes(self) -> int:
         sizes = [self.src.local_size] + [s.after.local_size for s in self.steps]
         return max(sizes) * self.itemsize
+
+    @property
+    def held_bytes(self) -> int:
+        """The most one step holds at once, bytes per device: its input and output tiles (a
+        collective writes its result beside its operand); 0 for a plan of no steps."""
+        return max((s.before.local_size + s.after.local_size for s in self.steps), default=0) * (
+            self.itemsize
+        )
 
     @property
     def bound_bytes(self) -> int:
