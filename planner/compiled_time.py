@@ -8,13 +8,22 @@ Where ``optimal_seconds`` is not positive (libtpu's v6e estimate reads negative,
 one layer of a 134 M-parameter LM on v6e:16x16), the kernels are priced by the calibration's
 roofline of the compiler's own ``flops`` and ``bytes accessed`` instead (:func:`kernel_seconds`).
 
+On GPUs, and wherever the compiler gives no cost analysis (XLA:GPU's is None for compile-only
+devices, :func:`planner.gpu_mesh`; on a real GPU it leaves out cuBLAS's matmuls and its
+``optimal_seconds`` reads negative), the kernels are priced from the optimized HLO itself
+(:func:`hlo_kernel_seconds`, ``kernel_source="roofline(hlo)"``): each kernel
+(:func:`redist.hlo.hlo_kernels`) at the calibration's roofline of its matmuls' flops, at the rate
+of their dtype and size (:meth:`~redist.calibration.Calibration.dense_rate`, as the simulator
+prices them), and the bytes it reads and writes, plus its launch (``kernel_s``), as often as it
+runs. Other flops (elementwise, reductions) are left out: memory traffic bounds those kernels.
+
 The compiler's ``optimal_seconds`` (and its ``flops`` and ``bytes accessed``) count a loop's body
 once whatever its trip count: compile a scanned program with the scan unrolled (``unroll=True``)
-to have every layer counted.
+to have every layer counted. The HLO's counts run a loop's body its trip count times.
 
 Example:
     >>> compiled = jax.jit(f).lower(*structs).compile()                    # doctest: +SKIP
-    >>> compiled_seconds(compiled, Calibration.named("tpu_v5p"))
+    >>> compiled_time(compiled, Calibration.named("tpu_v5p")).seconds    # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -24,7 +33,16 @@ import json
 
 from planner.compiled import _devices_of
 from redist.calibration import Calibration
-from redist.hlo import KINDS, CountedCollective, counted_collectives
+from redist.hlo import (
+    KINDS,
+    CountedCollective,
+    Kernel,
+    counted_collectives,
+    hlo_kernels,
+    kernel_counts,
+)
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def collective_seconds(
@@ -45,17 +63,47 @@ def collective_seconds(
     return total
 
 
-def kernel_seconds(cost: dict, calibration: Calibration) -> tuple[float, str]:
+def hlo_kernel_seconds(kernels: tuple[Kernel, ...], calibration: Calibration) -> float:
+    """Seconds of ``kernels`` (:func:`redist.hlo.hlo_kernels`), each as often as it runs, at the
+    calibration's roofline: the slower of its matmuls (each at
+    :meth:`~redist.calibration.Calibration.dense_rate` of its dtype, precision and flops) and its
+    bytes read and written, plus ``kernel_s`` for its launch.
+
+    Example:
+        >>> k = Kernel("gemm", "fusion", runs=4, read_bytes=2**25, written_bytes=2**24,
+        ...            dots=(("bfloat16", 2 * 4096.0**3),))
+        >>> round(hlo_kernel_seconds((k,), Calibration.named("h100_sxm")) * 1e3, 3)  # 4 x 0.196 ms
+        0.786
+    """
+    total = 0.0
+    for k in kernels:
+        flops = dense_s = 0.0
+        for key, f in k.dots:
+            dtype, _, precision = key.partition(":")
+            flops += f
+            dense_s += f / calibration.dense_rate(dtype, precision or "default", f)
+        rate = flops / dense_s if dense_s else None
+        seconds = calibration.compute_time(flops, k.read_bytes, k.written_bytes, rate)
+        total += k.runs * (seconds + calibration.kernel_s)
+    return total
+
+
+def kernel_seconds(
+    cost: dict, calibration: Calibration, hlo_text: str | None = None, gpu: bool = False
+) -> tuple[float, str]:
     """The kernels' seconds of a compiled program from its ``cost_analysis()``, and where they come
     from: ``"compiler"`` (its ``optimal_seconds``), or ``"roofline"`` where that is not positive
     (the calibration's :meth:`~redist.calibration.Calibration.compute_time` of its ``flops`` and
-    ``bytes accessed``).
+    ``bytes accessed``); given the optimized HLO (``hlo_text``), ``"roofline(hlo)"``
+    (:func:`hlo_kernel_seconds`) on a ``gpu`` or where ``cost`` is empty.
 
     Example:
         >>> kernel_seconds({"optimal_seconds": -20.0, "flops": 4.6e14, "bytes accessed": 0.0},
         ...                Calibration.named("tpu_v5p"))[1]
         'roofline'
     """
+    if hlo_text is not None and (gpu or not cost):
+        return hlo_kernel_seconds(hlo_kernels(hlo_text), calibration), "roofline(hlo)"
     optimal = float(cost.get("optimal_seconds", 0.0))
     if optimal > 0:
         return optimal, "compiler"
@@ -73,7 +121,9 @@ def _cost(compiled) -> dict:
 @dataclasses.dataclass(frozen=True)
 class CompiledTime:
     """The compiler's per-device counts of one compiled program and the step time they price to:
-    ``seconds = optimal_seconds + collective_s``."""
+    ``seconds = optimal_seconds + collective_s``. Where the kernels are priced from the HLO
+    (``kernel_source="roofline(hlo)"``), ``flops`` are its matmuls' and ``bytes_accessed`` its
+    kernels' reads and writes, loops counted by their trips (:func:`redist.hlo.hlo_kernels`)."""
 
     flops: float
     bytes_accessed: float
@@ -81,7 +131,7 @@ class CompiledTime:
     optimal_seconds: float  # the kernels' seconds (see kernel_source)
     collective_s: float
     collectives: int  # collective instructions run per call
-    kernel_source: str = "compiler"  # or "roofline": see kernel_seconds
+    kernel_source: str = "compiler"  # or "roofline", "roofline(hlo)": see kernel_seconds
 
     @property
     def seconds(self) -> float:
@@ -96,13 +146,21 @@ def compiled_time(
 ) -> CompiledTime:
     """:class:`CompiledTime` of a ``jax`` ``Compiled`` (``jit(f).lower(...).compile()``)."""
     cost = _cost(compiled)
+    devices = _devices_of(compiled, ())
     if num_devices is None:
-        num_devices = len(_devices_of(compiled, ())) or 1
-    counted = counted_collectives(compiled.as_text())
-    kernels, source = kernel_seconds(cost, calibration)
+        num_devices = len(devices) or 1
+    text = compiled.as_text()
+    counted = counted_collectives(text)
+    gpu = bool(devices) and devices[0].platform in GPU_PLATFORMS
+    kernels, source = kernel_seconds(cost, calibration, text, gpu)
+    flops = float(cost.get("flops", 0.0))
+    traffic = float(cost.get("bytes accessed", 0.0))
+    if source == "roofline(hlo)":
+        counts = kernel_counts(text)
+        flops, traffic = counts.flops, counts.bytes_accessed
     return CompiledTime(
-        flops=float(cost.get("flops", 0.0)),
-        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        flops=flops,
+        bytes_accessed=traffic,
         transcendentals=float(cost.get("transcendentals", 0.0)),
         optimal_seconds=kernels,
         collective_s=collective_seconds(counted, calibration, num_devices),
