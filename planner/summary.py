@@ -39,7 +39,7 @@ import jax
 import redist
 from planner.confirm import describe_checks
 from planner.cost.pipeline import bubble
-from planner.cost.simulator import Prediction, hand_overs, simulate, step_costs
+from planner.cost.simulator import Prediction, hand_overs, simulate
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.staging import pipeline_runs, region_of
 from planner.program.halo import halo_bytes, split
@@ -56,6 +56,7 @@ from planner.program.schedule import (
 )
 from planner.solver import strategies
 from redist.calibration import Calibration, wire_bytes
+from redist.cost import step_costs
 from redist.types import MeshShape
 
 MAX_LINES = 40

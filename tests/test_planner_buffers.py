@@ -314,3 +314,133 @@ def test_a_plan_that_offloads_computes_what_the_step_computes(mesh):
         p = plans[name]
         assert p.in_specs[1] != P(), name  # the batch is split
         np.testing.assert_allclose(np.asarray(p(ws, x)), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("math", ["exp", "div", "sqrt", "rsqrt", "logistic"])
+def test_on_gpu_float_exp_division_roots_and_logistic_are_recomputed_by_each_reader(math):
+    """XLA:GPU fuses these into each of their readers as cheap ops (float32, and bfloat16 that it
+    computes in float32); the TPU compiler and XLA:CPU store them when several ops read them, and
+    XLA:GPU a tanh."""
+    fns = {"exp": jnp.exp, "div": lambda v: 1.0 / v, "sqrt": jnp.sqrt, "rsqrt": jax.lax.rsqrt,
+           "logistic": jax.nn.sigmoid}  # fmt: skip
+
+    def f(x, w, g=fns[math]):
+        e = g(x)
+        return (e * 2.0) @ w, (e * 3.0) @ w
+
+    assert kinds(f, (64, 32), (32, 16), backend="gpu")[1][math] == FUSED
+    assert kinds(f, (64, 32), (32, 16), backend="tpu")[1][math] == BUFFER
+    assert kinds(f, (64, 32), (32, 16), backend="cpu")[1][math] == BUFFER
+    prog = planner.analyze(
+        f, *[jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((64, 32), (32, 16))]
+    )
+    op = next(o for o in prog.ops if o.primitive == math)
+    assert lifetimes(prog, "gpu").kind[op.results[0].value.name] == FUSED
+    tanh = lambda x, w: f(x, w, jnp.tanh)  # noqa: E731
+    assert kinds(tanh, (64, 32), (32, 16), backend="gpu")[1]["tanh"] == BUFFER
+
+
+def test_on_gpu_a_row_normalization_is_not_written_into_the_values_it_normalizes():
+    """A softmax over the rows of a product (one H100's compiler: the inputs, the scores and the
+    probabilities, 4 buffers of the scores' size; the probabilities are made in one kernel with
+    the rows' max and sum, so not in place) and a centering of its rows (4); a centering of its
+    columns is in place (3), as on TPU."""
+    from redist.calibration import Calibration
+
+    n = 256
+    args = [jax.ShapeDtypeStruct((n, n), F32)] * 2
+
+    def buffers(fn, cal):
+        prog = planner.analyze(fn, *args)
+        sched = prog.schedule({}, {"a": 1}, default="replicate")
+        return planner.simulate(prog, sched, Calibration.named(cal)).peak_bytes // (n * n * 4)
+
+    softmax = lambda x, w: jax.nn.softmax(x @ w, axis=-1)  # noqa: E731
+    rows = lambda x, w: (lambda s: s - jnp.mean(s, 1, keepdims=True))(x @ w)  # noqa: E731
+    cols = lambda x, w: (lambda s: s - jnp.mean(s, 0, keepdims=True))(x @ w)  # noqa: E731
+    assert buffers(softmax, "h100_sxm") == 4 and buffers(softmax, "tpu_v5p") == 3
+    assert buffers(rows, "h100_sxm") == 4 and buffers(cols, "h100_sxm") == 3
+
+
+def _attention_like_layers(unroll, layers=4, n=128):
+    """The gradient of ``layers`` layers ``tanh(softmax(h @ w) @ w.T)``: scanned with ``unroll``,
+    or written out (``"python"``)."""
+
+    def layer(h, w):
+        a = jnp.exp(h @ w)
+        return jnp.tanh((a / jnp.sum(a, -1, keepdims=True)) @ w.T), None
+
+    def loss(ws, x):
+        if unroll == "python":
+            h = x
+            for i in range(layers):
+                h, _ = layer(h, ws[i])
+        else:
+            h, _ = jax.lax.scan(layer, x, ws, unroll=unroll)
+        return jnp.sum(h**2)
+
+    return jax.grad(loss), [jax.ShapeDtypeStruct((layers, n, n), F32),
+                            jax.ShapeDtypeStruct((n, n), F32)]  # fmt: skip
+
+
+def test_an_unrolled_scan_keeps_each_layers_residuals_and_no_stack_on_gpu_and_tpu():
+    """``unroll=True``: XLA:GPU and the TPU compiler compile the layers as if written out (one
+    H100's compiler, 4 layers of 1024 wide: 21 buffers of a product's size unrolled, 41 scanned;
+    the TPU compiler at 512: 19 and 29.5): no residual stack; each layer's residuals are its own
+    buffers, and the exponentiated scores, fused across the stack, are recomputed by the backward
+    pass on GPU. XLA:CPU is left as it was."""
+    from redist.calibration import Calibration
+
+    peaks, progs = {}, {}
+    for name, unroll in (("scanned", 1), ("unrolled", True), ("written out", "python")):
+        step, args = _attention_like_layers(unroll)
+        progs[name] = prog = planner.analyze(step, *args)
+        sched = prog.schedule({}, {"a": 1}, default="replicate")
+        for cal in ("h100_sxm", "tpu_v5p", "cpu"):
+            peaks[name, cal] = planner.simulate(prog, sched, Calibration.named(cal)).peak_bytes
+    prog = progs["unrolled"]
+    forward = prog.regions[0]
+    stacks = [o.results[0].value.name for o in prog.ops[forward.body : forward.stop]
+              if o.primitive == "scan_ys"]  # fmt: skip
+    for backend in ("gpu", "tpu"):
+        lt = lifetimes(prog, backend)
+        assert all(lt.kind[v] == FUSED for v in stacks)
+        assert lt.repeated and all(n == 3 for spans in lt.repeated.values() for *_, n in spans)
+        assert all(lifetimes(progs["scanned"], backend).kind[v] == BUFFER for v in stacks)
+    assert all(lifetimes(prog, "cpu").kind[v] == BUFFER for v in stacks)
+    assert not lifetimes(prog, "cpu").repeated and not lifetimes(progs["scanned"], "gpu").repeated
+    unit = 128 * 128 * 4
+    for cal in ("h100_sxm", "tpu_v5p"):
+        assert peaks["unrolled", cal] <= 0.85 * peaks["scanned", cal], peaks
+        assert abs(peaks["unrolled", cal] - peaks["written out", cal]) <= 2 * unit, peaks
+    assert peaks["unrolled", "cpu"] == peaks["scanned", "cpu"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+                    reason='XLA:GPU (JAX\'s CUDA plugin) is not installed: pip install "redist[gpu]"')  # fmt: skip
+def test_the_gpu_rules_against_xla_gpu_compiling_for_one_h100():
+    """XLA:GPU compiling for one compile-only H100 (planner.gpu_mesh): the row normalizations
+    beside the product, the column one in place, and the layers scanned and unrolled (1024 wide:
+    smaller products are split along their sum into larger temporaries)."""
+    from jax.sharding import NamedSharding
+
+    from redist.calibration import Calibration
+
+    mesh = planner.gpu_mesh({"d": 1})
+    n = 1024
+
+    def check(fn, args, low, high):
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+                   for a in args]  # fmt: skip
+        compiled = planner.compiled_report(jax.jit(fn), *structs).total_bytes
+        prog = planner.analyze(fn, *args)
+        sched = prog.schedule({}, {"d": 1}, default="replicate")
+        pred = planner.simulate(prog, sched, Calibration.named("h100_sxm")).peak_bytes
+        assert low <= pred / compiled <= high, (pred / (n * n * 4), compiled / (n * n * 4))
+
+    args = [jax.ShapeDtypeStruct((n, n), F32)] * 2
+    check(lambda x, w: jax.nn.softmax(x @ w, axis=-1), args, 0.99, 1.01)  # 4 products' sizes
+    check(lambda x, w: (lambda s: s - jnp.mean(s, 1, keepdims=True))(x @ w), args, 0.99, 1.01)
+    check(lambda x, w: (lambda s: s - jnp.mean(s, 0, keepdims=True))(x @ w), args, 0.99, 1.01)
+    check(*_attention_like_layers(1, n=n), 0.8, 1.0)  # 36 against 41
+    check(*_attention_like_layers(True, n=n), 1.0, 1.2)  # 24 against 21 (36 without the rule)

@@ -48,11 +48,29 @@ that other ops also read, nor a broadcast that several ops read (:data:`UNSHARED
 XLA:CPU and XLA:GPU copy a batched product's operands whose batch dimensions are not leading
 (:func:`kernel_copies`); XLA:CPU makes a reduce-scatter as an all-reduce and a slice
 (:data:`ALL_REDUCE_THEN_SLICE`); XLA:GPU never writes an elementwise result that a reduction
-also reads into its operand's buffer (:data:`REDUCED_NOT_IN_PLACE`). The TPU compiler does none
-of these, but keeps a float32
-stacked output that only default-precision products read in bfloat16
+also reads, nor one made with a reduction over the rows of its operand (a softmax), into that
+operand's buffer (:data:`REDUCED_NOT_IN_PLACE`). The TPU compiler does none of these, but keeps
+a float32 stacked output that only default-precision products read in bfloat16
 (:data:`NARROW_DOT_OPERANDS`: measured on a 6.6 B-parameter language model on 256 v5p chips, the
 prediction went from 102 GB to 84.8 GB per device against 85.1 GB compiled).
+
+Cheap float math (XLA:GPU, :data:`CHEAP_FLOAT_MATH`): a float exp, division, square root,
+reciprocal square root or logistic is cheap, recomputed in each reader like an add, so what the
+backward pass reads of a softmax or a SiLU is the scores or the gate, not their exponentials.
+A 4-layer Llama (2048 wide, 16 heads, 8 x 2048 tokens, bfloat16 parameters) on one H100: the
+scanned step predicted 28470 MiB (was 29470) against 33183 compiled; with 8 x 512 tokens and 512
+wide, 870 (was 934) against 941.
+
+Unrolled scans (XLA:GPU and the TPU compiler, :data:`INLINED_SCANS`): a scan whose ``unroll`` is
+``True`` or at least its length is compiled as its layers written out: its stacked outputs are
+not materialized but each layer's values are buffers of their own (:attr:`Lifetimes.repeated`),
+and the stacked inputs of another unrolled scan that are such a stack are that layer's values,
+so values fuse across it as within a layer. The Llama above unrolled: 19801 MiB compiled on one
+H100, predicted 19509 (was 29470, as scanned); 1024 wide with 8 x 1024 tokens on a v5p chip,
+3744 MiB compiled (5429 scanned), predicted 4029 (was 5127). XLA:CPU keeps them stacked: applied
+there, that Llama unrolled predicted 0.59x of the compiled 7862 MiB (was 0.68x), an unrolled
+LM 0.75x of 5631 (was 0.98x); it is left out. Only the memory changes: the program keeps its
+scan.
 
 Host memory: on backends whose host memory is not the device's (:data:`HOST_MEMORY`), a value
 ``device_put`` into a host memory space (a remat policy that offloads,
@@ -127,14 +145,36 @@ the weights' gradients."""
 
 REDUCED_NOT_IN_PLACE = frozenset({"gpu"})
 """Backends that compute an elementwise result which a reduction also reads in one kernel with
-the reduction (XLA:GPU's multi-output fusions), whose output is never its operand's buffer: an
-attention's exponentiated scores are a second buffer beside the scores (8 x 2048 x 16 heads,
-float32 on one H100: 4240 MiB compiled, two 2 GiB buffers; the TPU compiler writes them in
-place, 2224 MiB). XLA:CPU (JAX 0.10) fuses that attention, both products and the softmax, into
-one YNNPACK kernel whose intermediates ``memory_analysis()`` does not see (196 MiB of
+the reduction (XLA:GPU's multi-output fusions), and one that reads a reduction over the rows
+(the last dimension) of an operand it reads too in one kernel with that reduction (XLA:GPU's
+softmax fusions), whose output is never that operand's buffer: an attention's probabilities
+are a second buffer beside the scores (8 x 2048 x 16 heads, float32 on one H100: 4240 MiB
+compiled, two 2 GiB buffers; the TPU compiler writes them in place, 2224 MiB). XLA:GPU writes
+a centering of the columns in place, not one of the rows (its compiler for H100, JAX 0.10).
+XLA:CPU (JAX 0.10) fuses that attention, both products and the softmax, into one YNNPACK kernel whose intermediates ``memory_analysis()`` does not see (196 MiB of
 temporaries), yet running it raised the process's peak memory by 4338 MiB: two score buffers
 too. CPU is left out because the compiled figure the CPU checks compare with does not count
 them."""
+
+CHEAP_FLOAT_MATH = frozenset({"gpu"})
+"""Backends that recompute a float exp, division, square root, reciprocal square root or
+logistic (:data:`RECOMPUTED_MATH`) in each of its readers, as a cheap op, rather than store it
+when several ops read it (XLA:GPU's fusion counts float32 and float16 exp, divide, sqrt and
+rsqrt as cheap, computes bfloat16 ones in float32 and expands logistic into exp and divide;
+it stores a bfloat16 tanh or sin that a reduction and another op read). See the module
+docstring for the figures."""
+
+RECOMPUTED_MATH = frozenset("exp div sqrt rsqrt logistic".split())
+FLOATS = frozenset("float32 float16 bfloat16".split())
+
+INLINED_SCANS = frozenset({"gpu", "tpu"})
+"""Backends that compile a scan whose ``unroll`` is ``True`` or at least its length as its
+layers written out one after another (:func:`inlined_scans`): a stacked output is each layer's
+value, a buffer of its own kept while something reads that layer (or fused into its readers),
+and a stacked input of another unrolled scan that is such a stack is a view of the layer's
+value (:func:`_inline`). A stack another op needs whole (a rolled loop's stacked input, a
+product's operand, a program output) is made where the loop ends, its layers held till then.
+See the module docstring for the figures; XLA:CPU is left out."""
 
 HOST_MEMORY = frozenset({"tpu", "gpu"})
 """Backends whose devices have memory of their own beside the host's: values offloaded to the
@@ -219,6 +259,10 @@ class Lifetimes:
             elementwise fusion's output, a scatter or dynamic_update_slice into its operand; a
             bitcast that is returned, into its operand), as XLA's buffer assignment shares them
             when the layouts agree too.
+        repeated: buffers of an unrolled scan's layer that outlive it, every layer's kept
+            (:data:`INLINED_SCANS`): ``(op index, result index)`` -> the spans ``(first op,
+            last op, copies)`` of the other layers' copies, besides the one of ``alloc`` and
+            ``free`` (see :func:`_other_layers`).
     """
 
     kind: dict[str, str]
@@ -231,6 +275,9 @@ class Lifetimes:
     first: dict[str, int]
     narrowed: frozenset[tuple[int, int]] = frozenset()
     host: frozenset[str] = frozenset()
+    repeated: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
@@ -239,7 +286,13 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
     program and backend."""
     cache = prog.__dict__.setdefault("_lifetimes", {})
     if backend not in cache:
-        lt = _lifetimes(prog, backend in UNSHARED_REDUCTIONS, backend in REDUCED_NOT_IN_PLACE)
+        lt = _lifetimes(
+            prog,
+            backend in UNSHARED_REDUCTIONS,
+            backend in REDUCED_NOT_IN_PLACE,
+            backend in CHEAP_FLOAT_MATH,
+            backend in INLINED_SCANS,
+        )
         if backend in NARROW_DOT_OPERANDS:
             lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(prog))
         if backend in HOST_MEMORY:
@@ -337,7 +390,40 @@ def _constant_like(prog: Program, cats: list[str]) -> set[str]:
     return out
 
 
-def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[str, str]:
+def inlined_scans(prog: Program) -> list:
+    """The scan regions of ``prog`` whose ``unroll`` is ``True`` or at least their length."""
+    out = []
+    for r in prog.regions:
+        if r.kind != "scan" or r.eqn is None:
+            continue
+        unroll, length = r.eqn.params.get("unroll", 1), r.eqn.params.get("length", 1)
+        if unroll is True or (not isinstance(unroll, bool) and unroll >= length):
+            out.append(r)
+    return out
+
+
+def _inline(prog: Program, cats: list[str], regions: list) -> None:
+    """:data:`INLINED_SCANS`: in ``cats``, an unrolled scan's stacked outputs become fusible (a
+    concatenation of its layers' values) and its stacked inputs that are such a stack (through
+    views) views of the layer's value."""
+    ops = prog.ops
+    stacked = set()  # values that are an unrolled scan's stacked output, or views of one
+    for r in regions:
+        for k in range(r.body, r.stop):
+            if ops[k].primitive == "scan_ys":
+                cats[k] = "fusible"
+                stacked.update(x.value.name for x in ops[k].results)
+    for k, op in enumerate(ops):
+        if cats[k] == "view" and op.operands and op.operands[0].value.name in stacked:
+            stacked.update(x.value.name for x in op.results)
+    for r in regions:
+        for k in range(r.start, r.body):
+            if ops[k].primitive == "scan_xs" and ops[k].operands[0].value.name in stacked:
+                cats[k] = "view"
+
+
+def _kinds(prog: Program, cats: list[str], unshared_reductions: bool,
+           cheap_math: bool = False) -> dict[str, str]:  # fmt: skip
     """The fusion rule (module docstring): each op result's kind, deciding from the last op back
     (a value's readers are decided before it)."""
     ops, index, uses = prog.ops, prog.index, prog.uses
@@ -347,10 +433,18 @@ def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[st
     def passes(c: int, operand: str) -> bool:
         """Whether reader ``c`` computes ``operand`` where it is read, or hands it on: fusible
         ops and views do; a loop's entry or scan_xs only a constant, which sinks into the
-        loop."""
-        if cats[c] in ("entry", "exit") or ops[c].primitive == "scan_xs":
+        loop (an unrolled scan's slice of an unrolled stack is a view: :func:`_inline`)."""
+        if cats[c] in ("entry", "exit") or (ops[c].primitive == "scan_xs" and cats[c] != "view"):
             return ops[c].primitive in SINKABLE | {"scan_xs"} and operand in constant
         return cats[c] in ("fusible", "view")
+
+    def cheap(op: Op) -> bool:
+        """Whether ``op`` is duplicated into each of its readers (:data:`CHEAP`; an unrolled
+        stack; :data:`CHEAP_FLOAT_MATH`)."""
+        if op.primitive in CHEAP or op.primitive == "scan_ys":  # (a fusible scan_ys: unrolled)
+            return True
+        return (cheap_math and op.primitive in RECOMPUTED_MATH
+                and all(r.value.dtype in FLOATS for r in op.results))  # fmt: skip
 
     kind: dict[str, str] = {}
     ends: dict[str, frozenset[int]] = {}  # value -> the ops that run its readers
@@ -360,7 +454,7 @@ def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[st
         for r in op.results:
             name = r.value.name
             readers: set[int] = set()
-            needed = False
+            needed = layers = False  # layers: a slice of an unrolled stack needs it in memory
             for c_op, _ in uses.get(name, ()):
                 c = index[c_op.name]
                 if not passes(c, name):
@@ -370,16 +464,22 @@ def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[st
                 for x in c_op.results:
                     if kind[x.value.name] == BUFFER:
                         readers.add(c)
+                    elif c_op.primitive == "scan_xs":  # a view of the layer's value
+                        readers |= ends[x.value.name]
+                        layers |= needy[x.value.name]
                     else:
                         readers |= ends[x.value.name]
                         needed |= needy[x.value.name]
-            ends[name], needy[name] = frozenset(readers), needed
+            unstacked = op.primitive == "scan_ys" and cat == "fusible"  # (:func:`_inline`)
+            ends[name], needy[name] = frozenset(readers), needed or layers
             shared = len(readers) > 1
-            if name in outputs or cat in ("materialize", "fusing", "stack"):
+            if unstacked and name not in outputs and not needed:
+                kind[name] = FUSED  # each layer's value, in memory where a slice needs it
+            elif name in outputs or cat in ("materialize", "fusing", "stack"):
                 kind[name] = BUFFER
             elif cat in ("view", "entry", "exit"):
                 kind[name] = VIEW
-            elif needed or (shared and op.primitive not in CHEAP):
+            elif needed or layers or (shared and not cheap(op)):
                 kind[name] = BUFFER
             elif (
                 shared
@@ -392,11 +492,113 @@ def _kinds(prog: Program, cats: list[str], unshared_reductions: bool) -> dict[st
     return kind
 
 
-def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = False) -> Lifetimes:
+def _repeated(prog: Program, kind: dict[str, str], regions: list) -> dict[tuple[int, int], tuple]:
+    """The buffers of an unrolled scan's body (and copies of its layer's slices) that its
+    stacked outputs read, directly or through values fused or viewed there, every layer's kept:
+    ``(op index, result index) -> (copies, the innermost such scan)``."""
+    ops, index, producer = prog.ops, prog.index, prog.producer
+    out: dict[tuple[int, int], tuple] = {}
+    for r in sorted(regions, key=lambda r: r.start - r.stop):  # outermost first
+        length = r.eqn.params.get("length", 1)
+        seen: set[str] = set()
+        todo = [a.value.name for k in range(r.body, r.stop) if ops[k].primitive == "scan_ys"
+                for a in ops[k].operands]  # fmt: skip
+        while todo:
+            name = todo.pop()
+            op = producer.get(name)
+            if name in seen or op is None or not r.start <= index[op.name] < r.stop:
+                continue
+            seen.add(name)
+            k = index[op.name]
+            if k < r.body and op.primitive != "scan_xs":
+                continue  # a loop-invariant or carried value: one
+            if kind[name] == BUFFER:
+                i = next(i for i, x in enumerate(op.results) if x.value.name == name)
+                out[(k, i)] = (out.get((k, i), (1, r))[0] * length, r)
+            else:
+                todo.extend(a.value.name for a in op.operands)
+    return out
+
+
+def _other_layers(prog: Program, cats: list[str], regions: list, repeated: dict,
+                  spans: dict) -> tuple[dict, list]:  # fmt: skip
+    """:attr:`Lifetimes.repeated` from :func:`_repeated`, and the unrolled scans that read
+    layers of such buffers (the span of each is the layer read first: to its last reader).
+
+    An unrolled scan's body stands for its layers at the iteration where it holds the most:
+    its last, where the layers it makes are all made; its first where it reads layers of
+    another's (a backward pass reading the forward's residuals, each released by its layer),
+    where the others are still held and what it makes has one layer made (the others are, by
+    where it hands its results out, and the residuals released)."""
+    ops = prog.ops
+    reading = [r for r in regions
+               if any(ops[k].primitive == "scan_xs" and cats[k] == "view"
+                      for k in range(r.start, r.body))]  # fmt: skip
+    out = {}
+    for key, (copies, made_in) in repeated.items():
+        begin, end = spans[key]
+        if any(made_in is r for r in reading):  # at its first layer: one made
+            begin = max(begin, made_in.stop - len(made_in.outputs))
+        for r in reading:  # its layers read in r: held by r's later layers, not to r's end
+            if spans[key][0] < r.body <= spans[key][1] < r.stop:
+                end = max(end, r.stop - len(r.outputs) - 1)
+        out[key] = ((begin, max(begin, end), copies - 1),) if copies > 1 else ()
+    return out, reading
+
+
+def _row_reduction(op: Op) -> bool:
+    """Whether ``op`` is a reduction over its operand's last dimension that keeps another."""
+    axes = (getattr(op.eqn, "params", None) or {}).get("axes")
+    ndim = len(op.operands[0].value.shape) if op.operands else 0
+    return axes is not None and ndim - 1 in axes and len(axes) < ndim
+
+
+def _fused_reads(prog: Program, cats: list[str], kind: dict[str, str], k: int) -> list:
+    """The buffers ``(op index, result index)`` that op ``k`` reads, directly or through values
+    fused or viewed into it."""
+    ops, index, producer = prog.ops, prog.index, prog.producer
+    out, seen = [], set()
+    todo = [a.value.name for a in ops[k].operands]
+    while todo:
+        name = todo.pop()
+        p = producer.get(name)
+        if name in seen or p is None:
+            continue
+        seen.add(name)
+        j = index[p.name]
+        if kind.get(name) == BUFFER:
+            out.append((j, next(i for i, x in enumerate(p.results) if x.value.name == name)))
+        elif cats[j] in ("fusible", "view"):
+            todo.extend(a.value.name for a in p.operands)
+    return out
+
+
+def _rows_apart(prog: Program, cats: list[str], kind: dict[str, str]) -> dict[int, set]:
+    """Per elementwise op, the buffers it may not be written into (:data:`REDUCED_NOT_IN_PLACE`):
+    those that a reduction over rows it reads (through fused values) also reads, as one kernel
+    computes both (a softmax's normalization, a row's centering)."""
+    reads: dict[int, list] = {}
+    out: dict[int, set] = {}
+    for k, cat in enumerate(cats):
+        if cat != "fusible":
+            continue
+        for j, _ in _fused_reads(prog, cats, kind, k):
+            if cats[j] == "fusing" and _row_reduction(prog.ops[j]):
+                if j not in reads:
+                    reads[j] = _fused_reads(prog, cats, kind, j)
+                out.setdefault(k, set()).update(reads[j])
+    return out
+
+
+def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = False,
+               cheap_math: bool = False, inline: bool = False) -> Lifetimes:  # fmt: skip
     ops, index, uses = prog.ops, prog.index, prog.uses
     n = len(ops)
     cats = [category(op) for op in ops]
-    kind = _kinds(prog, cats, unshared_reductions)
+    regions = inlined_scans(prog) if inline else []
+    _inline(prog, cats, regions)
+    kind = _kinds(prog, cats, unshared_reductions, cheap_math)
+    repeated = _repeated(prog, kind, regions)
     # Where each op runs: itself if it makes a buffer, else where its readers run.
     when = list(range(n))
     soonest = list(range(n))  # where an op runs first (a fused op: where its first reader does)
@@ -427,15 +629,18 @@ def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = F
                 begin = stack_start.get(k, k)
                 spans[(k, i)] = [begin, max(last[r.value.name], begin)]
     hold = [[k, when[k]] for k in range(n)]
+    extra, reading = _other_layers(prog, cats, regions, repeated, spans)
     for region in loops:  # read inside a loop, made before its body: held to the loop's end
-        for span in [*spans.values(), *hold]:
-            if span[0] < region.body <= span[1] < region.stop:
+        layers = any(region is r for r in reading)  # (a layer's slice: to its last reader)
+        for key, span in [*spans.items(), *enumerate(hold)]:
+            if span[0] < region.body <= span[1] < region.stop and not (layers and key in extra):
                 span[1] = region.stop - 1
     alloc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     free: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     for key, (begin, end) in spans.items():
         alloc[begin].append(key)
         free[end].append(key)
+    apart = _rows_apart(prog, cats, kind) if reduced_apart else {}
     reuse = []
     for k, op in enumerate(ops):
         reduced = (
@@ -451,12 +656,14 @@ def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = F
             reuse.append(())
             continue
         reuse.append(tuple(
-            (i, tuple(key for key in free[k] if key[0] != k
+            (i, tuple(key for key in free[k] if key[0] != k and key not in repeated
+                      and key not in apart.get(k, ())
                       and _same_size(ops[key[0]].results[key[1]].value, r.value)))
             for i, r in enumerate(op.results) if kind[r.value.name] == BUFFER
         ))  # fmt: skip
     return Lifetimes(kind, tuple(map(tuple, alloc)), tuple(map(tuple, free)),
-                     tuple(end for _, end in hold), held, tuple(reuse), made, first)  # fmt: skip
+                     tuple(end for _, end in hold), held, tuple(reuse), made, first,
+                     repeated=extra)  # fmt: skip
 
 
 def _same_size(a, b) -> bool:

@@ -42,7 +42,7 @@ import dataclasses
 import math
 
 import redist
-from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, kernel_copies, lifetimes
+from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, inlined_scans, kernel_copies, lifetimes
 from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops, padding_mask_flops
 from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
 from planner.layout.staging import (
@@ -58,6 +58,7 @@ from planner.program.jaxpr_params import scan_split
 from planner.program.ops import itemsize
 from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, tile
 from redist.calibration import Calibration, wire_bytes
+from redist.cost import plan_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,49 +93,6 @@ def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
     return math.prod(local_shape(shape, spec, sizes)) * itemsize(dtype)
 
 
-def step_costs(plan: redist.Plan, cal: Calibration) -> list[tuple[str, float, float]]:
-    """``(kind, seconds, wire bytes per device)`` of each step of a redist plan; ``kind`` is the
-    calibration's collective kind, or ``"copy"`` for a local slice (no wire bytes)."""
-    out = []
-    n_dev = plan.mesh.num_devices
-    for s in plan.steps:
-        before = s.before.local_size * plan.itemsize
-        after = s.after.local_size * plan.itemsize
-        if s.kind == "dynslice":
-            out.append(("copy", after / cal.copy_bytes_per_s, 0.0))
-            continue
-        if s.kind == "reblock":  # rounds of collective-permutes of a few rows (redist.uneven)
-            rounds = s.collectives
-            seconds = rounds and rounds * cal.collective_time(
-                "collective-permute", s.cost_bytes / rounds, n_dev
-            )
-            out.append(("collective-permute", seconds, float(s.cost_bytes)))
-            continue
-        kind, nbytes = {
-            "allgather": ("all-gather", after),
-            "alltoall": ("all-to-all", before),
-            "allpermute": ("collective-permute", before * len(s.perm) / n_dev),
-        }[s.kind]
-        n = s.group_size if s.kind != "allpermute" else n_dev
-        if s.kind == "allpermute":
-            d = cal.domain_devices or n_dev
-            crosses = any(a // d != b // d for a, b in s.perm)
-        else:
-            crosses = cal.crosses(plan.mesh, s.axes)
-        out.append(
-            (kind, cal.collective_time(kind, nbytes, n, crosses), wire_bytes(kind, nbytes, n))
-        )
-    return out
-
-
-def plan_cost(plan: redist.Plan, cal: Calibration) -> tuple[float, float]:
-    """Predicted seconds and wire bytes per device of a redist plan."""
-    t = wire = 0.0
-    for _, seconds, sent in step_costs(plan, cal):
-        t, wire = t + seconds, wire + sent
-    return t, wire
-
-
 def rolled_ops(prog: Program) -> frozenset[str]:
     """The ops of loop bodies the compiler keeps as loops: a ``while``'s, and a scan's whose
     ``unroll`` is below its length (cached on the program). Their kernels are priced at the
@@ -147,13 +105,10 @@ def rolled_ops(prog: Program) -> frozenset[str]:
     cached = prog.__dict__.get("_rolled")
     if cached is not None:
         return cached
+    unrolled = {r.start for r in inlined_scans(prog)}
     names = set()
     for r in prog.regions:
-        if r.kind == "scan":
-            unroll, length = r.eqn.params.get("unroll", 1), r.eqn.params.get("length", 1)
-            if unroll is True or (not isinstance(unroll, bool) and unroll >= length):
-                continue
-        elif r.kind != "while":
+        if r.kind not in ("scan", "while") or r.start in unrolled:
             continue
         names.update(o.name for o in prog.ops[r.body : r.stop] if o.how != "region")
     prog.__dict__["_rolled"] = out = frozenset(names)
@@ -391,7 +346,8 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
     """The temporaries and outputs as ``(first op, last op, bytes, name of the first value)``: a
     result written in place into a buffer of its size that dies where it is made continues that
     buffer's allocation; an output's lasts to the end (one written into a donated input adds
-    nothing: the input holds it)."""
+    nothing: the input holds it). A buffer that every layer of an unrolled scan keeps adds the
+    other layers' copies (:attr:`planner.cost.buffers.Lifetimes.repeated`)."""
 
     def name(key: tuple[int, int]) -> str:
         return prog.ops[key[0]].results[key[1]].value.name
@@ -420,14 +376,16 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
     for key, (begin, end) in spans.items():
         if key in continuing:
             continue  # written into the buffer of an earlier value
-        last = key
+        last, layers = key, list(lt.repeated.get(key, ()))
         while last in after:
             last = after[last]
+            layers += lt.repeated.get(last, ())
         if last in spans:
             end = spans[last][1]
         else:  # an output: to the end, unless a donated input holds it
             end = last_op if outputs.get(name(last)) else last[0]
         out.append((begin, end, size_of(key), name(key)))
+        out += [(b, e, size_of(key) * n, name(key)) for b, e, n in layers]
     ended = {name(key) for key in continuing if key not in spans}
     out += [
         (lt.made[n], last_op, size, n) for n, size in outputs.items() if size and n not in ended
@@ -642,7 +600,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
             other = (f"partial sums for the collective at {steps[end].op.name}", (), "uint8",
                      "scratch")  # fmt: skip
             starts.setdefault(begin, []).append((other, size, end))
-        names: dict = {}  # the live buffers (value names, or others), with bytes and last op
+        names: dict = {}  # (live buffer (value name, or other), last op) -> bytes
     rolled = rolled_ops(prog)
     for k, st in enumerate(steps):
         compute, comm_t, wire, transient, moved, outs, kernel, counts = priced[k]
@@ -654,13 +612,15 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         now = base + live + scratch
         if on_peak is not None:
             for key, size, end in starts.get(k, ()):
-                b, e = names.get(key, (0, end))
-                names[key] = (b + size, max(e, end))
+                names[key, end] = names.get((key, end), 0) + size
             if now > peak:
-                values = {key: b for key, (b, _) in names.items() if isinstance(key, str)}
-                others = [(*key, b) for key, (b, _) in names.items() if not isinstance(key, str)]
+                held: dict = {}
+                for (key, _), b in names.items():
+                    held[key] = held.get(key, 0) + b
+                values = {key: b for key, b in held.items() if isinstance(key, str)}
+                others = [(*key, b) for key, b in held.items() if not isinstance(key, str)]
                 on_peak(st.op.name, fixed, values, others, scratch)
-            names = {key: (b, end) for key, (b, end) in names.items() if end > k}
+            names = {(key, end): b for (key, end), b in names.items() if end > k}
         peak = max(peak, now)
         if st.op.name in rolled:  # a kernel of a loop the compiler keeps rolled
             compute *= cal.loop_body_factor

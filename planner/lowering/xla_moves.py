@@ -25,12 +25,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
-from planner.cost.simulator import plan_cost
 from planner.layout.dataflow import Move
 from planner.layout.explanation import entries
 from planner.program.ops import itemsize
 from planner.program.schedule import is_even, local_shape
 from redist.calibration import Calibration
+from redist.cost import plan_cost
 from redist.hlo import Collective, captured_stderr, hlo_collectives
 
 
