@@ -163,6 +163,7 @@ def run(config, workdir: str) -> dict:
     force_host_devices(8)
     import numpy as np
 
+    import planner  # noqa: F401  before JAX starts its backends, for the GPU cases (planner.gpus)
     from experiments.measure import auto_mesh
 
     os.makedirs(workdir, exist_ok=True)
