@@ -66,6 +66,7 @@ def run(config, workdir: str) -> dict:
                          f"{cal.backend} device, set recorded=False to measure")  # fmt: skip
     os.makedirs(workdir, exist_ok=True)
     rng = np.random.default_rng(config.seed)
+    here = compile_only_device(config) if config.recorded else None
     rows = []
     for entry in config.workloads.split(";"):
         name, _, spec = entry.strip().partition("=")
@@ -81,6 +82,9 @@ def run(config, workdir: str) -> dict:
             row.update(
                 measured_ms=ms, compiled_mib=mib, source="recorded on an H100 80GB HBM3, JAX 0.11.2"
             )
+            if here is not None:
+                row["compiled_here_mib"] = compiled_here_mib(fn, args, here)
+                row["memory_ratio_here"] = row["predicted_mib"] / row["compiled_here_mib"]
         else:
             jitted = jax.jit(fn)
             compiled = jitted.lower(*args).compile()
@@ -107,6 +111,32 @@ def run(config, workdir: str) -> dict:
     return summary
 
 
+def compile_only_device(config):
+    """A compile-only GPU of the calibration's chip (:func:`planner.gpu_mesh`), where XLA:GPU is
+    installed and ships a description of it; else None."""
+    import planner
+    from planner.gpus import _plugin_missing
+
+    if _plugin_missing():
+        return None
+    try:
+        return planner.gpu_mesh({"gpu": 1}, gpu=config.calibration).devices.flat[0]
+    except ValueError:  # no description of the chip shipped
+        return None
+
+
+def compiled_here_mib(fn, args, device) -> float:
+    """MiB the program needs compiled by XLA:GPU for ``device`` (arguments + outputs +
+    temporaries - aliased), nothing run."""
+    import jax
+
+    import planner
+
+    placed = jax.sharding.SingleDeviceSharding(device)
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), args)
+    return planner.compiled_report(jax.jit(fn), *structs).total_bytes / 2**20
+
+
 def geomean(xs) -> float:
     xs = [x for x in xs if x]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
@@ -129,20 +159,37 @@ def summarize(rows: list[dict], against: str) -> dict:
         "memory_ratio_geomean": geomean(r["memory_ratio"] for r in mem),
         "memory_within_25pct": sum(0.75 <= r["memory_ratio"] <= 1.25 for r in mem),
         "memory_workloads": len(mem),
+        **_here(rows),
     }
+
+
+def _here(rows: list[dict]) -> dict:
+    """The memory figures against XLA:GPU compiling here for a compile-only GPU, if it did."""
+    here = [r["memory_ratio_here"] for r in rows if r.get("memory_ratio_here")]
+    if not here:
+        return {}
+    return {"memory_ratio_geomean_compiled_here": geomean(here),
+            "memory_within_25pct_compiled_here": sum(0.75 <= x <= 1.25 for x in here),
+            "memory_workloads_compiled_here": len(here)}  # fmt: skip
 
 
 def report(rows: list[dict], summary: dict, calibration: str) -> str:
     lines = [f"# `{calibration}` against {summary['against']}", "", "```",
              json.dumps(summary, indent=2), "```", "",
-             "| workload | predicted ms | measured ms | ratio | predicted MiB | compiled MiB | ratio |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| workload | predicted ms | measured ms | ratio | predicted MiB | compiled MiB | ratio "
+             "| compiled here MiB | ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         mem = "-" if r["memory_ratio"] is None else f"{r['memory_ratio']:.2f}"
         compiled = "-" if r["compiled_mib"] is None else f"{r['compiled_mib']:.0f}"
+        here = r.get("compiled_here_mib")
+        here = "- | -" if here is None else f"{here:.0f} | {r['memory_ratio_here']:.2f}"
         lines.append(f"| {r['workload']} | {r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | "
-                     f"{r['time_ratio']:.2f} | {r['predicted_mib']:.0f} | {compiled} | {mem} |")  # fmt: skip
-    lines += ["", f"Measurements: {rows[0]['source'] if rows else '-'}."]
+                     f"{r['time_ratio']:.2f} | {r['predicted_mib']:.0f} | {compiled} | {mem} | "
+                     f"{here} |")  # fmt: skip
+    lines += ["", f"Measurements: {rows[0]['source'] if rows else '-'}. Compiled here: by "
+              "XLA:GPU on this host for a compile-only GPU of the calibration's chip "
+              "(`planner.gpu_mesh`), nothing run."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

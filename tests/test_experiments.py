@@ -390,3 +390,6 @@ def test_gpu_check_measures_here_and_compares_with_the_recorded_h100(tmp_path):
     assert all(0.75 <= r["memory_ratio"] <= 1.25 for r in rows if r["compiled_mib"]), rows
     assert all(0.6 <= r["time_ratio"] <= 1.6 for r in rows), rows
     assert "recorded on an H100" in (tmp_path / "recorded" / "report.md").read_text()
+    if check.compile_only_device(gpu_check.get_config()) is not None:  # XLA:GPU installed
+        assert summary["memory_within_25pct_compiled_here"] == 10, summary  # every workload
+        assert all(0.75 <= r["memory_ratio_here"] <= 1.25 for r in rows), rows
