@@ -27,5 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.figures = True  # PNG figures (needs matplotlib: pip install -e ".[figures]")
     c.report_rows = 10
     c.uneven = False  # cut every extent by 1-7 elements: layouts whose splits do not divide
-    c.topology = ""  # a TPU topology ("v5p:2x2x2"): compile both sides for it, time nothing
+    # a TPU topology ("v5p:2x2x2") or "gpu:h100_sxm" (8 GPUs of one host, XLA:GPU installed):
+    # compile both sides for it, time nothing
+    c.topology = ""
     return c

@@ -189,18 +189,29 @@ def _programs(plan, mesh, src, dst, model):
     return wrapped(ours_move), wrapped(xla_move), padded
 
 
+def topology_mesh(topology: str, axes: dict[str, int]):
+    """A compile-only mesh of ``axes``: over the TPU ``topology`` (``"v5p:2x2x2"``), or over the
+    GPUs of one host for ``"gpu:<calibration>"`` (``"gpu:h100_sxm"``, :func:`planner.gpu_mesh`)."""
+    import planner
+
+    kind, _, gpu = topology.partition(":")
+    if kind == "gpu":
+        return planner.gpu_mesh(axes, gpu=gpu or "h100_sxm")
+    return planner.topology_mesh(topology, axes)
+
+
 def compile_problem(p, config) -> dict:
-    """Compile ours and XLA's program for the TPU topology ``config.topology`` (the TPU compiler
-    runs on any host; nothing runs): compiled temporary memory and collectives of both."""
+    """Compile ours and XLA's program for ``config.topology`` (:func:`topology_mesh`: the TPU
+    and GPU compilers run on any host; nothing runs): compiled temporary memory and collectives
+    of both."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    import planner
     import redist
     from experiments.measure import compile_stats
     from redist.api import resolved_cost_model
 
-    mesh = planner.topology_mesh(config.topology, p.mesh)
+    mesh = topology_mesh(config.topology, p.mesh)
     src, dst = PartitionSpec(*p.src), PartitionSpec(*p.dst)
     model = resolved_cost_model(config.cost_model, mesh)
     plan = redist.plan(p.shape, src, dst, mesh, dtype=config.dtype, cost_model=model)
@@ -242,7 +253,8 @@ def _topology_markdown(results: list[dict], summary: dict) -> str:
     mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     seq = lambda cs: " ".join(f"{k}({mb(b)})" for k, b in cs) or "-"  # noqa: E731
     lines = [
-        f"# Compiled for {summary['topology']} by the TPU compiler (nothing runs)",
+        f"# Compiled for {summary['topology']} by the "
+        f"{'GPU' if summary['topology'].startswith('gpu') else 'TPU'} compiler (nothing runs)",
         "",
         f"{summary['problems']} problems. Temporary memory over max(src tile, dst tile): median "
         f"{summary['ours_temp_over_bound_median']:.2f} (max {summary['ours_temp_over_bound_max']:.2f})"

@@ -82,6 +82,14 @@ class Calibration:
     # round: folded, Fig. 13's P1 (10 MB chunks) needs 115 MB of temporaries, unfolded 59
     # (XLA's program 58); below 2 MB chunks folding needs less or within 4 %.
     fold_max_bytes: int | None = None
+    # A calibrated plan gives way to the paper's bytes-optimal one where that holds less at once
+    # (``Plan.held_bytes``, a step's input and output tiles) and is predicted at most this much
+    # slower; 0: never. TPU: 0.1, where the compiler's temporaries follow the tiles held (Fig.
+    # 13's P4 on v5p:2x2x2: 256 MiB for the all-to-all and one all-gather, 384 for the
+    # permutation and two all-gathers predicted 5 % faster; XLA 320). Not on GPUs: XLA:GPU runs
+    # an all-to-all as rounds of collective-permutes, and there P4's all-to-all needs 32 MiB, the
+    # permutation and two all-gathers 16.
+    memory_tie: float = 0.0
     # Matmul and convolution rates by operand dtype, and ``"<dtype>:<precision>"`` where a
     # precision (``high``, ``highest``) runs slower than the default; others: flops_per_s.
     dense_flops_per_s: dict[str, float] | None = None

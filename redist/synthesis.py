@@ -17,12 +17,6 @@ from redist.uneven import parts, reblocks, with_sizes, working_extent
 # below 256 KiB chunks and on par or faster from 384-512 KiB, for groups of 2, 4 and 8.
 FOLD_MIN_BYTES = 512 << 10
 
-MEMORY_TIE = 0.10
-"""Under a calibrated cost model, the paper's bytes-optimal plan is taken instead where it is
-predicted at most this much slower and holds less at once (:attr:`Plan.held_bytes`): within the
-calibrations' error, the smaller footprint wins. Compiled for TPU v5p:2x2x2, the paper's P4 so
-needs 256 MiB of temporaries instead of 384 (XLA 320), predicted 0.360 against 0.341 ms."""
-
 
 @functools.lru_cache(maxsize=4096)
 def synthesize(
@@ -63,17 +57,19 @@ def synthesize(
         return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, model, most)
 
     plan = planned(cost_model)
-    if not is_calibrated(cost_model):
+    if not is_calibrated(cost_model) or not model_calibration(cost_model).memory_tie:
         return plan
-    return _leaner(plan, planned("bytes"), model_calibration(cost_model))
+    return leaner(plan, planned("bytes"), model_calibration(cost_model))
 
 
-def _leaner(fast: Plan, lean: Plan, cal) -> Plan:
-    """``lean`` where it holds less at once than ``fast`` and is predicted within
-    :data:`MEMORY_TIE` of its time on ``cal``, else ``fast``."""
+def leaner(fast: Plan, lean: Plan, cal) -> Plan:
+    """``lean`` where it holds less at once than ``fast`` (:attr:`Plan.held_bytes`) and is
+    predicted within the calibration's ``memory_tie`` of its time on ``cal``, else ``fast``: on
+    TPU calibrations the compiler's temporaries follow the tiles a plan holds at once."""
     if lean.held_bytes >= fast.held_bytes:
         return fast
-    return lean if plan_cost(lean, cal)[0] <= (1 + MEMORY_TIE) * plan_cost(fast, cal)[0] else fast
+    slower = plan_cost(lean, cal)[0] / plan_cost(fast, cal)[0]
+    return lean if slower <= 1 + cal.memory_tie else fast
 
 
 def _reduce_then_move(mesh, src, dst, dtype, itemsize, cost_model, fold_min_bytes,

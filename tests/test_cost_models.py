@@ -1,6 +1,7 @@
 """redistribute's default cost model: the calibrated model of the devices the move runs on, so that
 a user who passes nothing gets the faster of two programs that move about the same bytes."""
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -87,30 +88,25 @@ def test_tpu_calibrations_do_not_fold_a_permutation_of_large_chunks_into_an_all_
 P4 = (16,) * 6, P("c", None, None, "a", None, "b"), P(None, None, None, None, None, "a")
 
 
-def test_a_calibrated_plan_gives_way_to_a_leaner_one_within_the_memory_tie(monkeypatch):
+def test_a_tpu_calibrated_plan_gives_way_to_a_leaner_one_within_the_memory_tie():
     """P4 on the TPU calibration: permute + two all-gathers is predicted 5 % faster than the
-    bytes model's all-to-all + one all-gather, which holds 40 MiB at once against 48: within
-    MEMORY_TIE the leaner plan is the one returned."""
-    from redist import synthesis
+    bytes model's all-to-all + one all-gather, which holds 40 MiB at once against 48: within the
+    TPU's memory_tie the leaner plan is the one returned. The H100's has no tie (XLA:GPU stages
+    an all-to-all as rounds of permutes): its fastest plan stays."""
     from redist.calibration import Calibration
     from redist.cost import plan_cost
+    from redist.synthesis import leaner
 
-    mesh, cal = {"a": 2, "b": 2, "c": 2}, Calibration.named("tpu_v5p")
-
-    def planned(tie: float):
-        monkeypatch.setattr(synthesis, "MEMORY_TIE", tie)
-        synthesis.synthesize.cache_clear()
-        synthesis.synthesize_uneven.cache_clear()
-        return redist.plan(*P4, mesh, cost_model="calibrated:tpu_v5p")
-
-    tie = synthesis.MEMORY_TIE
-    fast, lean = planned(0.0), planned(tie)
-    synthesis.synthesize.cache_clear()
-    synthesis.synthesize_uneven.cache_clear()
-    assert fast.kinds == ("allpermute", "allgather", "allgather")
-    assert lean.kinds == ("alltoall", "allgather") and lean.held_bytes < fast.held_bytes
-    assert plan_cost(fast, cal)[0] < plan_cost(lean, cal)[0] <= (1 + tie) * plan_cost(fast, cal)[0]
-    assert lean.peak_bytes <= lean.bound_bytes
+    mesh, tpu = {"a": 2, "b": 2, "c": 2}, Calibration.named("tpu_v5p")
+    lean = redist.plan(*P4, mesh, cost_model="calibrated:tpu_v5p")
+    gpu = redist.plan(*P4, mesh, cost_model="calibrated:h100_sxm")
+    assert lean.kinds == ("alltoall", "allgather") and lean.peak_bytes <= lean.bound_bytes
+    assert gpu.kinds == ("allpermute", "allgather", "allgather")
+    fast = gpu  # the TPU's fastest plan too: its tie alone makes the difference
+    assert lean.held_bytes < fast.held_bytes
+    assert plan_cost(fast, tpu)[0] < plan_cost(lean, tpu)[0] <= 1.1 * plan_cost(fast, tpu)[0]
+    assert leaner(fast, lean, tpu) is lean
+    assert leaner(fast, lean, dataclasses.replace(tpu, memory_tie=0.04)) is fast  # 5 % slower
 
 
 @pytest.mark.skipif(
