@@ -26,6 +26,7 @@ import json
 import math
 import os
 import time
+from typing import NamedTuple
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -84,9 +85,20 @@ def cpu_case(name: str, kind: str, sizes: list[int], strategy: str, mesh, rng) -
     return row
 
 
-def _parse_case(spec: str):
-    """``"name=kind:sizes@target=axis:n,..."`` -> ``(name, kind, sizes, target, axes, axes
-    text, (fn, shapes))``: the workload built from shapes alone."""
+class Case(NamedTuple):
+    """A compiled case, ``"name=kind:sizes@target=axis:n,..."``, its workload built from shapes."""
+
+    name: str
+    kind: str
+    sizes: list[int]
+    target: str  # a TPU topology, or a GPU calibration
+    axes: dict[str, int]
+    axes_text: str
+    fn: object
+    shapes: tuple
+
+
+def _parse_case(spec: str) -> Case:
     import jax
     import numpy as np
 
@@ -97,17 +109,17 @@ def _parse_case(spec: str):
     name, kind, sizes = parse_workload(work)
     fn, args = workload(kind, sizes, np.random.default_rng(0))
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-    return name, kind, sizes, target, parse_mesh(axes_text), axes_text, (fn, shapes)
+    return Case(name, kind, sizes, target, parse_mesh(axes_text), axes_text, fn, shapes)
 
 
-def _compiled_row(backend: str, case: tuple, strategy: str, calibration: str, p, search_s: float,
+def _compiled_row(backend: str, case: Case, strategy: str, calibration: str, p, search_s: float,
                   mesh) -> dict:  # fmt: skip
     """The row of plan ``p`` of a parsed ``case``, compiled for ``mesh``."""
-    name, _, sizes, target, axes, axes_text, _ = case
     start = time.perf_counter()
     report = p.compiled_report(mesh)
-    row = {"backend": backend, "workload": name, "sizes": "x".join(map(str, sizes)),
-           "topology": target, "mesh": axes_text, "devices": math.prod(axes.values()),
+    row = {"backend": backend, "workload": case.name, "sizes": "x".join(map(str, case.sizes)),
+           "topology": case.target, "mesh": case.axes_text,
+           "devices": math.prod(case.axes.values()),
            "strategy": strategy, "calibration": calibration,
            "predicted_bytes": p.prediction.peak_bytes, "plan_s": search_s,
            "compile_s": time.perf_counter() - start, "compiled_bytes": report.total_bytes,
@@ -125,13 +137,12 @@ def tpu_case(spec: str, calibration: str) -> dict:
     from redist.calibration import Calibration
 
     case = _parse_case(spec)
-    _, _, _, topology, axes, _, (fn, shapes) = case
     start = time.perf_counter()
-    p = planner.plan(fn, *shapes, mesh=axes, calibration=Calibration.named(calibration),
+    p = planner.plan(case.fn, *case.shapes, mesh=case.axes, calibration=Calibration.named(calibration),
                      memory_limit_bytes=None)  # fmt: skip
     search_s = time.perf_counter() - start
     return _compiled_row("tpu", case, "auto", calibration, p, search_s,
-                         planner.topology_mesh(topology, axes))  # fmt: skip
+                         planner.topology_mesh(case.target, case.axes))  # fmt: skip
 
 
 def gpu_cases(spec: str) -> list[dict]:
@@ -142,9 +153,9 @@ def gpu_cases(spec: str) -> list[dict]:
     import planner
 
     case = _parse_case(spec)
-    _, kind, _, gpu, axes, _, (fn, shapes) = case
-    mesh = planner.gpu_mesh(axes, gpu=gpu)
-    donated = STATE_ARGNUMS.get(kind, ())
+    fn, shapes, axes = case.fn, case.shapes, case.axes
+    mesh = planner.gpu_mesh(axes, gpu=case.target)
+    donated = STATE_ARGNUMS.get(case.kind, ())
     start = time.perf_counter()
     plans = {"auto": planner.plan(fn, *shapes, mesh=mesh, donate_argnums=donated,
                                   memory_limit_bytes=None)}  # fmt: skip
@@ -152,7 +163,7 @@ def gpu_cases(spec: str) -> list[dict]:
     data = tuple(a for a in ("data", "fsdp") if a in axes)
     plans.update(planner.expert_plans(fn, *shapes, mesh=mesh, data_axes=data or tuple(axes)[:1],
                                       donate_argnums=donated))  # fmt: skip
-    return [_compiled_row("gpu", case, name, gpu, p, search_s if name == "auto" else 0.0, mesh)
+    return [_compiled_row("gpu", case, name, case.target, p, search_s if name == "auto" else 0.0, mesh)
             for name, p in plans.items()]  # fmt: skip
 
 

@@ -69,7 +69,13 @@ def gpu_target_config(gpu: str) -> str:
     return path.read_text()
 
 
-def _plugin_missing() -> bool:
+def xla_gpu_missing() -> bool:
+    """Whether JAX's CUDA plugin (XLA:GPU, ``redist[gpu]``) is not installed.
+
+    Example:
+        >>> xla_gpu_missing()  # with the test extra on x86-64 Linux   # doctest: +SKIP
+        False
+    """
     return importlib.util.find_spec("jax_plugins.xla_cuda13") is None
 
 
@@ -108,7 +114,7 @@ def gpu_mesh(
             load it, ``gpu`` has no shipped description, or the axis sizes do not split evenly
             over ``hosts``.
     """
-    if _plugin_missing():
+    if xla_gpu_missing():
         raise ValueError(f"JAX's CUDA plugin (XLA:GPU) is not installed: {GPU_EXTRA}")
     axes = dict(axes)
     n = math.prod(axes.values())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from markers import needs_xla_gpu
 
 import planner
 from planner.cost.buffers import BUFFER, FUSED, VIEW, kernel_copies, lifetimes
@@ -417,8 +418,7 @@ def test_an_unrolled_scan_keeps_each_layers_residuals_and_no_stack_on_gpu_and_tp
     assert peaks["unrolled", "cpu"] == peaks["scanned", "cpu"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
-                    reason='XLA:GPU (JAX\'s CUDA plugin) is not installed: pip install "redist[gpu]"')  # fmt: skip
+@needs_xla_gpu
 def test_the_gpu_rules_against_xla_gpu_compiling_for_one_h100():
     """XLA:GPU compiling for one compile-only H100 (planner.gpu_mesh): the row normalizations
     beside the product, the column one in place, and the layers scanned and unrolled (1024 wide:

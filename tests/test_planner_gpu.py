@@ -1,23 +1,17 @@
 """Plans for a multi-GPU host compiled by XLA:GPU on a machine without a GPU (planner.gpu_mesh:
 compile-only H100s from JAX's CUDA plugin, which the test extra installs on x86-64 Linux)."""
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from markers import needs_xla_gpu
 
 import planner
 from planner import gpus
 from redist.calibration import Calibration
-
-needs_xla_gpu = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
-    reason=f"XLA:GPU (JAX's CUDA plugin) is not installed: {gpus.GPU_EXTRA}",
-)
 
 
 @needs_xla_gpu
@@ -61,7 +55,7 @@ def test_gpu_mesh_refuses_what_it_cannot_build():
 
 
 def test_gpu_mesh_without_the_plugin_names_the_extra(monkeypatch):
-    monkeypatch.setattr(gpus, "_plugin_missing", lambda: True)
+    monkeypatch.setattr(gpus, "xla_gpu_missing", lambda: True)
     with pytest.raises(ValueError, match=r'pip install "redist\[gpu\]"'):
         planner.gpu_mesh({"data": 8})
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from markers import needs_xla_gpu
 from planner_programs import random_schedule
 
 import planner
@@ -125,10 +126,6 @@ def test_kernels_priced_by_the_roofline_where_the_compilers_estimate_is_not_posi
     assert kernel_seconds({}, CAL) == (0.0, "roofline")
 
 
-needs_xla_gpu = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
-    reason='XLA:GPU (JAX\'s CUDA plugin) is not installed: pip install "redist[gpu]"',
-)
 H100 = Calibration.named("h100_sxm")
 M, K, N = 1024, 512, 2048  # x: (M, K), w1: (K, N), w2: (N, K)
 
