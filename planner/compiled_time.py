@@ -88,22 +88,18 @@ def hlo_kernel_seconds(kernels: tuple[Kernel, ...], calibration: Calibration) ->
     return total
 
 
-def kernel_seconds(
-    cost: dict, calibration: Calibration, hlo_text: str | None = None, gpu: bool = False
-) -> tuple[float, str]:
+def kernel_seconds(cost: dict, calibration: Calibration) -> tuple[float, str]:
     """The kernels' seconds of a compiled program from its ``cost_analysis()``, and where they come
     from: ``"compiler"`` (its ``optimal_seconds``), or ``"roofline"`` where that is not positive
     (the calibration's :meth:`~redist.calibration.Calibration.compute_time` of its ``flops`` and
-    ``bytes accessed``); given the optimized HLO (``hlo_text``), ``"roofline(hlo)"``
-    (:func:`hlo_kernel_seconds`) on a ``gpu`` or where ``cost`` is empty.
+    ``bytes accessed``). On GPUs and without a cost analysis :func:`compiled_time` prices the
+    HLO's kernels instead (:func:`hlo_kernel_seconds`).
 
     Example:
         >>> kernel_seconds({"optimal_seconds": -20.0, "flops": 4.6e14, "bytes accessed": 0.0},
         ...                Calibration.named("tpu_v5p"))[1]
         'roofline'
     """
-    if hlo_text is not None and (gpu or not cost):
-        return hlo_kernel_seconds(hlo_kernels(hlo_text), calibration), "roofline(hlo)"
     optimal = float(cost.get("optimal_seconds", 0.0))
     if optimal > 0:
         return optimal, "compiler"
@@ -152,12 +148,15 @@ def compiled_time(
     text = compiled.as_text()
     counted = counted_collectives(text)
     gpu = bool(devices) and devices[0].platform in GPU_PLATFORMS
-    kernels, source = kernel_seconds(cost, calibration, text, gpu)
-    flops = float(cost.get("flops", 0.0))
-    traffic = float(cost.get("bytes accessed", 0.0))
-    if source == "roofline(hlo)":
-        counts = kernel_counts(text)
+    if gpu or not cost:  # XLA:GPU's cost analysis is missing or leaves out cuBLAS
+        found = hlo_kernels(text)
+        kernels, source = hlo_kernel_seconds(found, calibration), "roofline(hlo)"
+        counts = kernel_counts(found)
         flops, traffic = counts.flops, counts.bytes_accessed
+    else:
+        kernels, source = kernel_seconds(cost, calibration)
+        flops = float(cost.get("flops", 0.0))
+        traffic = float(cost.get("bytes accessed", 0.0))
     return CompiledTime(
         flops=flops,
         bytes_accessed=traffic,

@@ -453,10 +453,10 @@ class KernelCounts:
         return self.read_bytes + self.written_bytes
 
 
-def kernel_counts(hlo_text: str) -> KernelCounts:
+def kernel_counts(hlo: str | tuple[Kernel, ...]) -> KernelCounts:
     """The matmul flops (by operand dtype), bytes read and written, and kernel launches of an
-    optimized HLO module per call, loops counted by their trip counts (:func:`hlo_kernels`
-    summed).
+    optimized HLO module per call, loops counted by their trip counts: its :func:`hlo_kernels`
+    (or those given) summed.
 
     Example:
         >>> kernel_counts('''ENTRY %main (a: bf16[8,4], b: bf16[4,2]) -> bf16[8,2] {
@@ -468,7 +468,7 @@ def kernel_counts(hlo_text: str) -> KernelCounts:
     """
     flops: dict[str, float] = {}
     read = written = launches = 0
-    for k in hlo_kernels(hlo_text):
+    for k in hlo_kernels(hlo) if isinstance(hlo, str) else hlo:
         for key, f in k.dots:
             flops[key] = flops.get(key, 0.0) + k.runs * f
         read += k.runs * k.read_bytes
