@@ -71,6 +71,27 @@ def _device_index(mesh_axes: Sequence[tuple[str, int]]):
     return idx
 
 
+def per_device(table, idx) -> list:
+    """Row ``idx`` of ``table`` (one row per device, one column per value), the device's own
+    values: a column every device shares is a Python int, the varying ones are read from one
+    flat constant with one slice. Compilers store a small table padded to their tile (the TPU:
+    a 2-D ``s32[8, 5]`` takes 4 KiB, a 1-D ``s32[40]`` 512 B), so one flat table per lookup.
+
+    Example:
+        >>> per_device(np.array([[0, 4], [0, 8]]), lax.axis_index("a"))   # doctest: +SKIP
+        [0, Array(4 or 8)]
+    """
+    t = np.asarray(table, dtype=np.int64).reshape(len(table), -1)
+    varying = [c for c in range(t.shape[1]) if (t[:, c] != t[0, c]).any()]
+    out: list = [int(v) for v in t[0]]
+    if varying:
+        flat = jnp.asarray(t[:, varying].reshape(-1), dtype=jnp.int32)
+        row = lax.dynamic_slice(flat, [idx * len(varying)], [len(varying)])
+        for k, c in enumerate(varying):
+            out[c] = row[k]
+    return out
+
+
 def _collective_args(mesh_axes, step: Step):
     named = _named_axes(mesh_axes, step.groups)
     if named is not None:
@@ -167,24 +188,28 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     piece_shape = list(out_shape)
     for i, _, _ in moves:
         piece_shape[i] = x.shape[i]
-    out = jnp.zeros(out_shape, x.dtype)
+    # every round's offsets, the pieces taken then placed, read with one lookup
+    tables = np.zeros((num_devices, n, 2, x.ndim), np.int64)
+    rounds = []
     for k in range(n):
-        take = np.zeros((num_devices, x.ndim), np.int32)
-        put = np.zeros((num_devices, x.ndim), np.int32)
         pairs = []
         for group in step.groups:
             for r, d in enumerate(group):
                 t = (r + k) % n
                 e = int(dest[group[t]])
-                take[d] = starts(t, 1, out_shape)
-                put[e] = starts(r, 0, x.shape)
+                tables[d, k, 0] = starts(t, 1, out_shape)
+                tables[e, k, 1] = starts(r, 0, x.shape)
                 pairs.append((d, e))
-        row = jnp.asarray(take)[idx]
-        piece = lax.dynamic_slice(x, [row[a] for a in range(x.ndim)], piece_shape)
+        rounds.append(pairs)
+    offsets = per_device(tables.reshape(num_devices, -1), idx)
+    out = jnp.zeros(out_shape, x.dtype)
+    for k, pairs in enumerate(rounds):
+        take = offsets[(2 * k) * x.ndim:(2 * k + 1) * x.ndim]
+        put = offsets[(2 * k + 1) * x.ndim:(2 * k + 2) * x.ndim]
+        piece = lax.dynamic_slice(x, take, piece_shape)
         if any(a != b for a, b in pairs):
             piece = lax.ppermute(piece, all_names, perm=pairs)
-        row = jnp.asarray(put)[idx]
-        out = lax.dynamic_update_slice(out, piece, [row[a] for a in range(x.ndim)])
+        out = lax.dynamic_update_slice(out, piece, put)
     return out
 
 
@@ -262,8 +287,7 @@ def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
         for kind, arg in ops:
             if kind == "dynslice":
                 offsets, shape = arg
-                row = jnp.asarray(offsets, dtype=jnp.int32)[idx]
-                x = lax.dynamic_slice(x, [row[k] for k in range(x.ndim)], shape)
+                x = lax.dynamic_slice(x, per_device(offsets, idx), shape)
             elif kind == "allgather":
                 x = lax.all_gather(x, axis=arg.dim, tiled=True, **_collective_args(mesh_axes, arg))
             elif kind == "reducescatter":
