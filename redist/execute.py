@@ -204,8 +204,8 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     offsets = per_device(tables.reshape(num_devices, -1), idx)
     out = jnp.zeros(out_shape, x.dtype)
     for k, pairs in enumerate(rounds):
-        take = offsets[(2 * k) * x.ndim:(2 * k + 1) * x.ndim]
-        put = offsets[(2 * k + 1) * x.ndim:(2 * k + 2) * x.ndim]
+        take = offsets[(2 * k) * x.ndim : (2 * k + 1) * x.ndim]
+        put = offsets[(2 * k + 1) * x.ndim : (2 * k + 2) * x.ndim]
         piece = lax.dynamic_slice(x, take, piece_shape)
         if any(a != b for a, b in pairs):
             piece = lax.ppermute(piece, all_names, perm=pairs)
