@@ -90,6 +90,12 @@ class Calibration:
     # an all-to-all as rounds of collective-permutes, and there P4's all-to-all needs 32 MiB, the
     # permutation and two all-gathers 16.
     memory_tie: float = 0.0
+    # Run a folded all-to-all's rounds of collective-permutes one after another (a round slices
+    # its pieces once the round before has landed). XLA:GPU otherwise starts every round at
+    # once, each with its own send and receive buffers: on 8 H100s (compiled) the paper's
+    # r0014 needs 1.25x the bound of temporaries, in series 0.5 (XLA 1.0); P1 0.375 -> 0.25.
+    # Not on TPU, whose compiler already stages rounds and keeps more alive in series.
+    serial_rounds: bool = False
     # Matmul and convolution rates by operand dtype, and ``"<dtype>:<precision>"`` where a
     # precision (``high``, ``highest``) runs slower than the default; others: flops_per_s.
     dense_flops_per_s: dict[str, float] | None = None

@@ -168,6 +168,8 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     In round ``k`` the member of rank ``r`` sends its chunk for rank ``t = (r + k) % n`` to the
     device that finally holds rank ``t``'s result; receivers place it by the sender's rank. Bytes
     moved are those of the all-to-all alone, and no staging copy of the whole tile is needed.
+    With ``step.serial`` a round slices its pieces only once the round before has landed (an
+    ``optimization_barrier`` on its offsets and the result), so one round's buffers are live.
     """
     moves = _moves(step)
     n = step.group_size
@@ -206,6 +208,9 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
     for k, pairs in enumerate(rounds):
         take = offsets[(2 * k) * x.ndim : (2 * k + 1) * x.ndim]
         put = offsets[(2 * k + 1) * x.ndim : (2 * k + 2) * x.ndim]
+        if step.serial and k:  # round k slices once round k - 1 has landed
+            take = [jnp.asarray(t, jnp.int32) for t in take]
+            take, out = lax.optimization_barrier((take, out))
         piece = lax.dynamic_slice(x, take, piece_shape)
         if any(a != b for a, b in pairs):
             piece = lax.ppermute(piece, all_names, perm=pairs)

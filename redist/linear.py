@@ -337,6 +337,19 @@ def _resized(v, shape: tuple[int, ...], where: NamedSharding):
     return _place(v, where)
 
 
+def _tile_permutation(plan: Plan) -> bool:
+    """Whether ``plan`` is an uneven move of whole padded tiles between devices, which XLA's
+    partitioner makes itself: one collective-permute of the padded layout as it lies. A
+    ``shard_map`` must first pad the array, a masked pass over the tile (measured on 8 CPU
+    devices: 0.36-0.58x XLA's time on such moves, and a tile of temporaries XLA does without).
+
+    Example:
+        >>> _tile_permutation(plan((1479, 124), P("a", "b"), P("b", "a"), mesh))   # doctest: +SKIP
+        True
+    """
+    return plan.uneven and [s.kind for s in plan.steps] == ["allpermute"]
+
+
 def _factor_pspec(t) -> PartitionSpec:
     """``t`` as a ``PartitionSpec`` over the factored mesh (pending factors unreduced)."""
     return PartitionSpec(*factor_spec(t), unreduced=frozenset(t.pending))
@@ -361,7 +374,9 @@ def _across(plan: Plan, run_mesh, dst: NamedSharding, explicit: bool, hand_over:
     def run(v):
         with jax.sharding.use_abstract_mesh(abstract):
             v = _place(v, NamedSharding(factored, s_spec))
-            if plan.steps:
+            if plan.steps and not explicit and _tile_permutation(plan):
+                v = _place(v, NamedSharding(factored, d_spec))  # XLA's collective-permute
+            elif plan.steps:
                 # uneven layouts: padding the last tiles, and dropping it, moves nothing
                 v = _resized(v, plan.src.global_shape, NamedSharding(factored, s_spec))
                 v = shard_mapped(plan, factored, s_spec, d_spec)(v)

@@ -49,6 +49,8 @@ class Step:
             per round ``(pairs, table)``, ``pairs`` the ``(sender, receiver)`` devices (a device
             pairs with itself for rows it keeps) and ``table[d] = (send start, send length,
             receive start, receive length)`` within device ``d``'s tiles along ``dim``.
+        serial: for an alltoall that permutes its results (rounds of ``ppermute``), run the
+            rounds one after another rather than at once (:attr:`Calibration.serial_rounds`).
     """
 
     kind: str
@@ -65,6 +67,7 @@ class Step:
     moves: tuple[tuple[int, int, int], ...] = ()
     move_axes: tuple[tuple[str, ...], ...] = ()
     rounds: tuple[Round, ...] = ()
+    serial: bool = False
 
     @property
     def collectives(self) -> int:
@@ -104,6 +107,8 @@ class Step:
             head = f"alltoall({self.dim}->{self.to_dim}, {axes})"
             if self.perm:
                 head += f" permuting {len(self.perm)} results"
+        if self.serial:
+            head += " in series"
         else:
             head = f"allpermute({len(self.perm)} tiles move)"
         detail = f"  {self.group_size} devices/group" if len(self.groups) else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -57,9 +58,27 @@ def synthesize(
         return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, model, most)
 
     plan = planned(cost_model)
-    if not is_calibrated(cost_model) or not model_calibration(cost_model).memory_tie:
+    if not is_calibrated(cost_model):
         return plan
-    return leaner(plan, planned("bytes"), model_calibration(cost_model))
+    cal = model_calibration(cost_model)
+    if cal.memory_tie:
+        plan = leaner(plan, planned("bytes"), cal)
+    return in_series(plan) if cal.serial_rounds else plan
+
+
+def in_series(plan: Plan) -> Plan:
+    """``plan`` with the rounds of each alltoall that permutes its results run one after
+    another (:attr:`Calibration.serial_rounds`).
+
+    Example:
+        >>> [s.serial for s in in_series(plan).steps]   # r0014 on 8 GPUs  # doctest: +SKIP
+        [True]
+    """
+    steps = tuple(
+        dataclasses.replace(s, serial=True) if s.kind == "alltoall" and s.perm else s
+        for s in plan.steps
+    )
+    return dataclasses.replace(plan, steps=steps)
 
 
 def leaner(fast: Plan, lean: Plan, cal) -> Plan:

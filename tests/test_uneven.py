@@ -139,6 +139,28 @@ def test_uneven_moves_inside_jit_are_exact_and_use_the_plans_collectives(mesh, s
     # ... every collective is the plan's: padding the last tiles and dropping it moved nothing
 
 
+def test_an_uneven_tile_permutation_is_xlas_collective_permute():
+    """Whole padded tiles changing devices: XLA's own collective-permute of the padded layout,
+    with no masked pass over the tile to pad it for a ``shard_map``."""
+    m = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+    shape, src, dst = (13, 7), P("a", "b"), P("b", "a")
+    assert redist.plan(shape, src, dst, m).kinds == ("allpermute",)
+    x = _elements(shape).astype(np.float32)
+    out, hlo = _moved_in_jit(m, shape, src, dst, x)
+    np.testing.assert_array_equal(out, x)
+    collectives = [line for line in hlo.splitlines() if "collective-permute(" in line]
+    assert len(collectives) == 1 and "shard_map/" not in collectives[0], collectives
+    assert not [line for line in hlo.splitlines() if "all-gather(" in line or "all-to-all(" in line]
+    # not a permutation of tiles (the padded extents change): the plan runs in a shard_map
+    assert redist.plan((13, 7), P("a", "b"), P("b", "a"), mesh_of(4, 2)).kinds != ("allpermute",)
+
+
+def mesh_of(*sizes):
+    return jax.make_mesh(
+        sizes, ("a", "b", "c")[: len(sizes)], axis_types=(AxisType.Auto,) * len(sizes)
+    )
+
+
 @pytest.mark.parametrize("sizes", [(4, 2), (2, 2, 2)], ids=str)
 def test_random_uneven_moves_inside_one_jit_are_exact(sizes):
     """Sixteen random uneven moves compiled as one program (one compile), each checked."""
