@@ -91,10 +91,12 @@ class Calibration:
     # permutation and two all-gathers 16.
     memory_tie: float = 0.0
     # Run a folded all-to-all's rounds of collective-permutes one after another (a round slices
-    # its pieces once the round before has landed). XLA:GPU otherwise starts every round at
-    # once, each with its own send and receive buffers: on 8 H100s (compiled) the paper's
-    # r0014 needs 1.25x the bound of temporaries, in series 0.5 (XLA 1.0); P1 0.375 -> 0.25.
-    # Not on TPU, whose compiler already stages rounds and keeps more alive in series.
+    # its pieces once the round before has landed), and a plan's last all-gather into a
+    # dimension after a split one as such rounds too (``redist.synthesis.in_series``). XLA:GPU
+    # otherwise starts every round at once, each with its own buffers, and stages such an
+    # all-gather's whole result to transpose it into place. 8 compiled H100s, temporaries over
+    # the bound: r0014 1.25 -> 0.5 (XLA 1.0), P1 0.375 -> 0.25, r0016 1.5 -> 1.0 (XLA 1.0),
+    # P2 0.75 -> 0.5. Not on TPU, whose compiler keeps more alive when the rounds are in series.
     serial_rounds: bool = False
     # Matmul and convolution rates by operand dtype, and ``"<dtype>:<precision>"`` where a
     # precision (``high``, ``highest``) runs slower than the default; others: flops_per_s.

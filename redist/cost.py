@@ -167,6 +167,13 @@ def step_costs(plan, cal: Calibration) -> list[tuple[str, float, float]]:
             )
             out.append(("collective-permute", seconds, float(s.cost_bytes)))
             continue
+        if s.kind == "allgather" and s.serial:  # rounds of collective-permutes of the tile
+            rounds = s.group_size - 1
+            seconds = rounds * cal.collective_time(
+                "collective-permute", before, n_dev, cal.crosses(plan.mesh, s.axes)
+            )
+            out.append(("collective-permute", seconds, float(rounds * before)))
+            continue
         kind, nbytes = {
             "allgather": ("all-gather", after),
             "alltoall": ("all-to-all", before),

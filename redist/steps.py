@@ -49,8 +49,9 @@ class Step:
             per round ``(pairs, table)``, ``pairs`` the ``(sender, receiver)`` devices (a device
             pairs with itself for rows it keeps) and ``table[d] = (send start, send length,
             receive start, receive length)`` within device ``d``'s tiles along ``dim``.
-        serial: for an alltoall that permutes its results (rounds of ``ppermute``), run the
-            rounds one after another rather than at once (:attr:`Calibration.serial_rounds`).
+        serial: run as rounds of ``ppermute`` one after another (:attr:`Calibration.
+            serial_rounds`): an alltoall that permutes its results (rounds already) without
+            starting them all at once; an allgather by rounds rather than one all-gather.
     """
 
     kind: str
@@ -107,10 +108,10 @@ class Step:
             head = f"alltoall({self.dim}->{self.to_dim}, {axes})"
             if self.perm:
                 head += f" permuting {len(self.perm)} results"
-        if self.serial:
-            head += " in series"
         else:
             head = f"allpermute({len(self.perm)} tiles move)"
+        if self.serial:
+            head += " in series"
         detail = f"  {self.group_size} devices/group" if len(self.groups) else ""
         return f"{head}{detail}  {self.cost_bytes} B"
 

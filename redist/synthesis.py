@@ -67,18 +67,28 @@ def synthesize(
 
 
 def in_series(plan: Plan) -> Plan:
-    """``plan`` with the rounds of each alltoall that permutes its results run one after
-    another (:attr:`Calibration.serial_rounds`).
+    """``plan`` run in rounds of ``ppermute`` one after another where XLA:GPU would otherwise
+    hold more (:attr:`Calibration.serial_rounds`): every alltoall that permutes its results,
+    and a last allgather into a dimension after one the tile splits (whose result layout is
+    fixed, so XLA:GPU stages the whole result to transpose it into place).
 
     Example:
         >>> [s.serial for s in in_series(plan).steps]   # r0014 on 8 GPUs  # doctest: +SKIP
         [True]
     """
-    steps = tuple(
-        dataclasses.replace(s, serial=True) if s.kind == "alltoall" and s.perm else s
-        for s in plan.steps
-    )
-    return dataclasses.replace(plan, steps=steps)
+    steps = list(plan.steps)
+    for k, s in enumerate(steps):
+        if s.kind == "alltoall" and s.perm:
+            steps[k] = dataclasses.replace(s, serial=True)
+    last = steps[-1] if steps else None
+    if last is not None and last.kind == "allgather" and _after_a_split(last):
+        steps[-1] = dataclasses.replace(last, serial=True)
+    return dataclasses.replace(plan, steps=tuple(steps))
+
+
+def _after_a_split(step) -> bool:
+    """Whether ``step``'s dimension comes after one its result's tile holds more than once."""
+    return any(n != 1 for n in step.after.local_shape[: step.dim])
 
 
 def leaner(fast: Plan, lean: Plan, cal) -> Plan:
