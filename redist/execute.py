@@ -209,13 +209,18 @@ def _all_to_all_permuted(x, step: Step, all_names, idx, num_devices: int):
         take = offsets[(2 * k) * x.ndim : (2 * k + 1) * x.ndim]
         put = offsets[(2 * k + 1) * x.ndim : (2 * k + 2) * x.ndim]
         if step.serial and k:  # round k slices once round k - 1 has landed
-            take = [jnp.asarray(t, jnp.int32) for t in take]
-            take, out = lax.optimization_barrier((take, out))
+            take, out = _in_turn(take, out)
         piece = lax.dynamic_slice(x, take, piece_shape)
         if any(a != b for a, b in pairs):
             piece = lax.ppermute(piece, all_names, perm=pairs)
         out = lax.dynamic_update_slice(out, piece, put)
     return out
+
+
+def _in_turn(offsets: list, out):
+    """``offsets`` and ``out`` through an ``optimization_barrier``: what a round reads them for
+    waits until the round before has written ``out``, so rounds run one after another."""
+    return lax.optimization_barrier(([jnp.asarray(v, jnp.int32) for v in offsets], out))
 
 
 def _all_gather_in_rounds(x, step: Step, all_names, idx, num_devices: int):
@@ -241,12 +246,11 @@ def _all_gather_in_rounds(x, step: Step, all_names, idx, num_devices: int):
     shape[d] *= n
     out = jnp.zeros(shape, x.dtype)
     for k, pairs in enumerate(rounds):
-        at = offsets[k]
+        at = offsets[k : k + 1]
         if k:  # round k sends once round k - 1 has landed
-            at = jnp.asarray(at, jnp.int32)
-            (at, out) = lax.optimization_barrier((at, out))
+            at, out = _in_turn(at, out)
         piece = lax.ppermute(x, all_names, perm=pairs) if k else x
-        out = lax.dynamic_update_slice_in_dim(out, piece, at, axis=d)
+        out = lax.dynamic_update_slice_in_dim(out, piece, at[0], axis=d)
     return out
 
 
@@ -320,11 +324,10 @@ def tile_kernel(plan: Plan, mesh_axes: tuple[tuple[str, int], ...]):
     def kernel(x):
         # the device's index, for steps whose tables are looked up per device
         indexed = any(
-            k in ("dynslice", "reblock")
-            or (k in ("alltoall", "allgather") and a.serial)
-            or (k == "alltoall" and a.perm)
+            k in ("dynslice", "reblock") or (k == "alltoall" and a.perm)
+            or (k == "allgather" and a.serial)
             for k, a in ops
-        )
+        )  # fmt: skip
         idx = _device_index(mesh_axes) if indexed else None
         for kind, arg in ops:
             if kind == "dynslice":
