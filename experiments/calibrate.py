@@ -8,13 +8,13 @@ file's ``dense_flops_per_s``, and ``dense_half_flops``, the size at which a matm
 it, from two sizes), local copy bandwidth (read + write a fresh buffer)
 and streaming read bandwidth (a column sum of a resident buffer) with all devices working at
 once (simulated CPU devices share the host's cores), and for every collective kind over all
-devices the time at a small and a large size, fitting latency + bytes / bandwidth (wire bytes as in
-``redist.calibration``). Collectives need two devices or more: on one, compute and memory rates
+devices and over groups of half of them the time at three sizes, fitting latency + bytes / bandwidth
+(wire bytes as in ``redist.calibration``). Collectives need two devices or more: on one, compute and memory rates
 are measured and the collectives' figures are those of the shipped calibration for the device
 (or the backend's default), as the log says. Fixed costs (a kernel's, a program call's, a rolled
 loop's slowdown: :func:`fixed_costs`) are measured on the first device;
-``--update=kernel_s,step_s,loop_body_factor`` (or ``dense_flops_per_s,dense_half_flops``)
-measures only those into the existing file.
+``--update=kernel_s,step_s,loop_body_factor`` (or ``dense_flops_per_s,dense_half_flops``, or
+``collectives``: every kind's latency and bandwidth) measures only those into the existing file.
 """
 
 from __future__ import annotations
@@ -174,39 +174,53 @@ def _shipped_collectives() -> tuple[dict, dict]:
     return dict(shipped.latency_s), dict(shipped.bytes_per_s)
 
 
+COLLECTIVE_SIZES = (2**12, 2**18, 2**20)  # float32 elements per device tile
+"""Tile sizes each collective is timed at (16 KiB to 4 MiB), over groups of every size
+:func:`_collectives` tries: a least-squares fit of latency + wire bytes / bandwidth over all, of
+relative errors (the largest gathers, whose results leave the caches, would rule otherwise)."""
+
+
 def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
-    """Latency and bandwidth per collective kind over the ``n`` devices of ``mesh``, fitted to
-    a small and a large size."""
+    """Latency and bandwidth per collective kind, fitted (least squares) to its times at
+    :data:`COLLECTIVE_SIZES` over all ``n`` devices and over groups of half of them (two
+    groups at once: the planner's collectives mostly run over one axis of a mesh). On a host
+    whose simulated devices share its cores and memory, what costs is the traffic of all
+    groups at once; the bandwidth is each device's share of it."""
     import jax
     import numpy as np
     from jax import lax
-    from jax.sharding import NamedSharding
+    from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from redist.calibration import KINDS, wire_bytes
 
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    bodies = {
-        "all-gather": (lambda t: lax.all_gather(t, "d", tiled=True), lambda b: b * n),
-        "all-to-all": (lambda t: lax.all_to_all(t, "d", 0, 0, tiled=True), lambda b: b),
-        "collective-permute": (lambda t: lax.ppermute(t, "d", perm), lambda b: b),
-        "all-reduce": (lambda t: lax.psum(t, "d"), lambda b: b),
-        "reduce-scatter": (lambda t: lax.psum_scatter(t, "d", tiled=True), lambda b: b),
-    }
+    meshes = [(mesh, ("d",), n)]
+    if n % 2 == 0 and n > 2:
+        half = jax.make_mesh((n // 2, 2), ("g", "r"), axis_types=(AxisType.Auto,) * 2)
+        meshes.append((half, ("g",), n // 2))
     latency, bandwidth = {}, {}
     for kind in KINDS:
-        body, named = bodies[kind]
         points = []
-        for elems in (1024, 2**20):
-            x = jax.device_put(np.ones((n * elems,), np.float32), NamedSharding(mesh, P("d")))
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
-                                      check_vma=False))  # fmt: skip
-            nbytes = named(elems * 4)
-            points.append((wire_bytes(kind, nbytes, n), seconds(f, x)))
-        (b0, t0), (b1, t1) = points
-        bw = (b1 - b0) / max(t1 - t0, 1e-9)
-        latency[kind] = max(t0 - b0 / bw, 1e-7)
-        bandwidth[kind] = bw
+        for m, axes, size in meshes:
+            perm = [(i, (i + 1) % size) for i in range(size)]
+            body = {
+                "all-gather": lambda t, a=axes: lax.all_gather(t, a, tiled=True),
+                "all-to-all": lambda t, a=axes: lax.all_to_all(t, a, 0, 0, tiled=True),
+                "collective-permute": lambda t, a=axes, p=perm: lax.ppermute(t, a, p),
+                "all-reduce": lambda t, a=axes: lax.psum(t, a),
+                "reduce-scatter": lambda t, a=axes: lax.psum_scatter(t, a, tiled=True),
+            }[kind]
+            spec = P(tuple(m.axis_names))
+            for elems in COLLECTIVE_SIZES:
+                x = jax.device_put(np.ones((n * elems,), np.float32), NamedSharding(m, spec))
+                f = jax.jit(jax.shard_map(body, mesh=m, in_specs=spec, out_specs=spec,
+                                          check_vma=False))  # fmt: skip
+                nbytes = elems * 4 * (size if kind == "all-gather" else 1)
+                points.append((wire_bytes(kind, nbytes, size), seconds(f, x)))
+        wire, t = np.array(points).T
+        slope, intercept = np.polyfit(wire, t, 1, w=1 / t)  # relative errors: every size counts
+        bandwidth[kind] = float(1 / max(slope, 1e-15))
+        latency[kind] = float(max(intercept, 1e-7))
     return latency, bandwidth
 
 
@@ -232,9 +246,11 @@ def main(argv):
 
     force_host_devices(_DEVICES.value)
     if _UPDATE.value:
-        unknown = sorted(set(_UPDATE.value) - set(FIXED) - set(DENSE))
+        unknown = sorted(set(_UPDATE.value) - set(FIXED) - set(DENSE) - {"collectives"})
         if unknown:
-            raise ValueError(f"--update takes fields of {FIXED + DENSE}, got {unknown}")
+            raise ValueError(
+                f"--update takes fields of {FIXED + DENSE + ('collectives',)}, got {unknown}"
+            )
         import jax
         from jax.sharding import AxisType
 
@@ -245,12 +261,17 @@ def main(argv):
             return interleaved_times([lambda: f(*args)], _REPEATS.value, 2)[0]["median"]
 
         measured = fixed_costs(seconds)
+        mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Auto,))
         if set(DENSE) & set(_UPDATE.value):
-            mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Auto,))
             rates, halves = dense_rates(mesh, seconds)
             measured.update(dense_flops_per_s=rates, dense_half_flops=halves)
+        fields = [k for k in _UPDATE.value if k != "collectives"]
+        if "collectives" in _UPDATE.value:
+            latency, bandwidth = _collectives(mesh, jax.device_count(), seconds)
+            measured.update(latency_s=latency, bytes_per_s=bandwidth)
+            fields += ["latency_s", "bytes_per_s"]
         cal = dataclasses.replace(Calibration.load(_OUT.value),
-                                  **{k: measured[k] for k in _UPDATE.value})  # fmt: skip
+                                  **{k: measured[k] for k in fields})  # fmt: skip
         cal.save(_OUT.value)
         print(json.dumps(measured, indent=2))
         return

@@ -9,7 +9,9 @@ one SPMD program; :func:`simulate` predicts its time, bytes and peak memory (cal
 topology on any host and read the compiler's verdict (:func:`gpu_mesh`: for a multi-GPU host); ``plan.save(path)`` and :func:`load` keep a
 plan in a file and restore it without searching. :func:`remat_policy` is a ``jax.checkpoint``
 policy the planner chooses (what each layer saves for the backward pass). :func:`expert_plans` gives the hand strategies
-(data parallelism, FSDP, FSDP + tensor parallelism) as plans of the same kind, to compare with.
+(data parallelism, FSDP, FSDP + tensor parallelism) as plans of the same kind, to compare with;
+:func:`price` the layout the program already asks for (its sharding constraints and its inputs'
+shardings) as a plan, predicted on the same model.
 
 The stages, each a package importing only those before it:
 
@@ -24,7 +26,7 @@ The stages, each a package importing only those before it:
 """
 
 from planner import baselines
-from planner.auto import auto_shard, load, plan
+from planner.auto import auto_shard, load, plan, price
 from planner.autoplan import AutoPlan
 from planner.baselines import expert_plans
 from planner.compiled import CompiledReport, compiled_report, topology_mesh
@@ -56,6 +58,7 @@ __all__ = [
     "expert_plans",
     "load",
     "plan",
+    "price",
     "search",
     "CompiledReport",
     "MEMORY_RESERVE",

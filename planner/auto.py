@@ -35,6 +35,7 @@ from planner.cost.memory import (
     resolve_memory_limit,
 )
 from planner.cost.simulator import simulate
+from planner.given_layouts import given_specs
 from planner.persistence import (
     FORMAT,
     VERSION,
@@ -46,10 +47,12 @@ from planner.persistence import (
     saved_schedule,
 )
 from planner.program.analysis import analyze
+from planner.program.constraints import requested_assignment
 from planner.program.ir import Program
 from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
 from planner.program.schedule import make_schedule
-from planner.solver.schedule_search import search_within
+from planner.solver.requested import Requested
+from planner.solver.schedule_search import TIME_TIE, search_within
 from planner.solver.staged import search_staged
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
@@ -68,6 +71,8 @@ def plan(
     pipeline_repeats: int | Sequence[int] | None = None,
     check_memory: str = "auto",
     xla_only_splits: bool = True,
+    constraints: str = "hint",
+    compare="auto",
     **kwargs,
 ) -> AutoPlan:
     """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
@@ -114,12 +119,25 @@ def plan(
     of 50,257 over 8 devices, as padded tiles) and the dimension a gather or scatter looks up (an
     embedding's vocabulary: each device its own rows, the rest masked). ``False``: every split
     also runs under ``plan.lowered``, the explicit lowering.
+
+    ``constraints``: what to do with the program's sharding constraints
+    (``with_sharding_constraint``, ``reshard``, flax's and Keras's logical constraints):
+    ``"hint"`` (the default) prices the layout they and ``compare`` ask for as a whole-program
+    strategy beside the experts' and starts the search from it, which departs from it where it
+    predicts better; ``"keep"``: every constraint holds in the plan; ``"drop"``: they are
+    ignored. ``compare``: the inputs' layouts to price that strategy with: ``in_shardings`` (a
+    pytree of ``NamedSharding`` / ``PartitionSpec`` / ``None`` over the arguments, or a prefix
+    of it), ``"auto"`` (the default: each ``jax.Array`` argument's own ``NamedSharding``) or
+    ``None``. ``plan.explain()`` has its row ("your layout") and says which constraints the plan
+    departs from; :func:`price` prices it alone (:mod:`planner.solver.requested`).
     """
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
     positional = [() if a.static else x for a, x in zip(sig.args, args)]  # static: no inputs
     prog = donating(analyze(traced, *values), positional, donate_argnums)
-    sizes = mesh_shape(mesh).sizes
+    shape = mesh_shape(mesh)
+    sizes = shape.sizes
+    requested = _requested(prog, values, positional, compare, constraints, shape, xla_only_splits)
     calibration = calibration or default_calibration(mesh)
     limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
     choices, searching = choices_in(prog.jaxpr), [0.0]
@@ -144,12 +162,12 @@ def plan(
             fastest = next((r for b, r in tried if b == math.inf and isinstance(r, tuple)), None)
             return _remembered(tried, bound, lambda: _search(
                 p, sizes, calibration, given, pipeline_axis, (microbatches, pipeline_repeats),
-                fastest, xla_only_splits))  # fmt: skip
+                fastest, xla_only_splits, requested))  # fmt: skip
 
         def free_for(name, p):
             return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
                 p, sizes, calibration, None, pipeline_axis, (microbatches, pipeline_repeats),
-                None, xla_only_splits))  # fmt: skip
+                None, xla_only_splits, requested))  # fmt: skip
 
         try:
             if choices:
@@ -167,7 +185,8 @@ def plan(
             prog, make_schedule(prog, {}, sizes, default="replicate"), calibration
         )
         return AutoPlan(prog, sched, pred, mesh, searching[0], sig.in_tree, out_tree, replicated,
-                        calibration, sig, _argnums(donate_argnums, len(args)), remat)  # fmt: skip
+                        calibration, sig, _argnums(donate_argnums, len(args)), remat,
+                        asked=_asked(prog, requested, shape, xla_only_splits))  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None
@@ -236,31 +255,34 @@ def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable,
     return prog, sched, pred, RematDecision(name, costs)
 
 
-def _faster(a, b, tie: float = 1e-9) -> bool:
-    """``a`` predicted faster than ``b``; as fast (within ``tie``, relative): with a lower peak."""
+def _faster(a, b, tie: float = TIME_TIE) -> bool:
+    """``a`` predicted faster than ``b``; as fast (within ``tie``, relative, as the search weighs
+    them: :data:`planner.solver.schedule_search.TIME_TIE`): with a lower peak."""
     if abs(a.time_s - b.time_s) <= tie * max(a.time_s, b.time_s):
         return a.peak_bytes < b.peak_bytes
     return a.time_s < b.time_s
 
 
 def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, pipelining,
-            fastest=None, xla=True):  # fmt: skip
+            fastest=None, xla=True, requested=None):  # fmt: skip
     """The best schedule, with a pipeline over ``pipeline_axis`` where that is better
     (``pipelining``: the microbatch and repeat counts to try); ``fastest``: the search's result
     without a memory limit, where it was made already; ``xla``: splits only XLA's partitioner
-    runs are allowed (:func:`planner.solver.search`)."""
+    runs are allowed (:func:`planner.solver.search`); ``requested``: the layout the program asks
+    for (:mod:`planner.solver.requested`)."""
     microbatches, repeats = pipelining
     if pipeline_axis is None:
         if microbatches is not None:
             raise ValueError("microbatches needs a pipeline_axis to pipeline over")
         if repeats is not None:
             raise ValueError("pipeline_repeats needs a pipeline_axis to pipeline over")
-        return search_within(prog, sizes, calibration, memory_limit_bytes, fastest, xla)
+        return search_within(prog, sizes, calibration, memory_limit_bytes, fastest, xla, requested)
 
     limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
     flat, error = None, None
     try:
-        flat = search_within(prog, sizes, calibration, memory_limit_bytes, xla=xla)
+        flat = search_within(prog, sizes, calibration, memory_limit_bytes, xla=xla,
+                             requested=requested)  # fmt: skip
     except MemoryLimitError as e:
         error = e
     piped = search_staged(prog, sizes, calibration, limit, pipeline_axis, microbatches, repeats)
@@ -269,6 +291,36 @@ def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, pipelin
     if piped is None or (flat is not None and flat[1].time_s <= piped[1].time_s):
         return flat
     return piped
+
+
+def _requested(prog: Program, values, positional, compare, constraints: str, shape: MeshShape,
+               xla: bool) -> Requested:  # fmt: skip
+    """What the program asks for (:class:`planner.solver.requested.Requested`); warns naming the
+    constraints that cannot hold on ``shape`` (they are then ignored)."""
+    requested = Requested(constraints)  # checks the mode first
+    if compare is None:
+        stored = ()
+    elif isinstance(compare, str):  # "auto": the arrays' own, of every non-static argument
+        stored = given_specs(tuple(values), compare, shape)
+    else:  # in_shardings, over the positional arguments
+        stored = given_specs(tuple(positional), compare, shape)
+    if constraints != "drop":
+        problems = requested_assignment(prog, shape, xla)[1]
+        if problems:
+            warnings.warn("planner: these sharding constraints cannot hold on the mesh "
+                          f"{dict(shape.sizes)} and are ignored: " + "; ".join(problems),
+                          stacklevel=3)  # fmt: skip
+    return dataclasses.replace(requested, stored=stored)
+
+
+def _asked(prog: Program, requested: Requested, shape: MeshShape, xla: bool):
+    """The user's own layout as a schedule, where the program asks for one (else ``None``)."""
+    if not requested.asks(prog, shape, xla):
+        return None
+    try:
+        return requested.schedule(prog, shape.sizes, xla)
+    except ValueError:
+        return None
 
 
 def _argnums(donate_argnums, n: int) -> tuple[int, ...]:
@@ -294,6 +346,49 @@ def donating(prog: Program, args: tuple, donate_argnums) -> Program:
             names += [v.name for v in prog.inputs[k : k + n]]
         k += n
     return dataclasses.replace(prog, donated=frozenset(names))
+
+
+def price(
+    fn: Callable,
+    *args,
+    mesh,
+    in_shardings="auto",
+    constraints: str = "keep",
+    calibration: Calibration | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    xla_only_splits: bool = True,
+    **kwargs,
+) -> AutoPlan:
+    """The layout the program already asks for, as a plan (nothing searched), predicted on the
+    same model as :func:`plan`'s plans and the experts': its inputs laid out as
+    ``in_shardings`` (as :func:`plan`'s ``compare``: a pytree of ``NamedSharding`` /
+    ``PartitionSpec`` / ``None`` over the positional arguments, or ``"auto"``, each array's own
+    sharding), its sharding constraints kept (``constraints="keep"``, or ``"drop"``), every other
+    op laid out by propagation from them, as XLA's partitioner does. The result runs
+    (``p.jit()``), explains itself and compiles like any plan: the user's own layout, priced.
+
+    Example:
+        >>> mine = planner.price(step, state, batch, mesh=mesh,
+        ...                      in_shardings=(state_shardings, batch_shardings))  # doctest: +SKIP
+        >>> mine.prediction.time_s, planner.plan(step, state, batch, mesh=mesh).prediction.time_s
+    """
+    if constraints not in ("keep", "drop"):
+        raise ValueError(f"price: constraints must be 'keep' or 'drop', got {constraints!r}")
+    sig = Signature.of(args, kwargs)
+    traced, values = sig.traced(fn, args, kwargs)
+    positional = [() if a.static else x for a, x in zip(sig.args, args)]
+    prog = donating(analyze(traced, *values), positional, donate_argnums)
+    shape = mesh_shape(mesh)
+    calibration = calibration or default_calibration(mesh)
+    requested = _requested(prog, values, positional, in_shardings, constraints, shape,
+                           xla_only_splits)  # fmt: skip
+    sched = requested.schedule(prog, shape.sizes, xla_only_splits)
+    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
+    replicated = simulate(prog, make_schedule(prog, {}, shape.sizes, default="replicate"),
+                          calibration)  # fmt: skip
+    return AutoPlan(prog, sched, simulate(prog, sched, calibration), mesh, 0.0, sig.in_tree,
+                    out_tree, replicated, calibration, sig,
+                    _argnums(donate_argnums, len(args)), asked=sched)  # fmt: skip
 
 
 def auto_shard(

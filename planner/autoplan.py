@@ -21,7 +21,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.calls import ArgumentMismatch, Signature
-from planner.compiled import plan_compiled_report
+from planner.compiled import plan_compiled_report, program_structs
 from planner.confirm import MemoryCheck, describe_checks
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.explanation import explain_rows, render
@@ -93,12 +93,13 @@ class AutoPlan:
     donate_argnums: tuple[int, ...] = ()  # what jit() donates unless told otherwise
     remat: RematDecision | None = None  # what checkpointed layers save, where the planner chose
     memory_checks: tuple[MemoryCheck, ...] = ()  # the compiles that confirmed its memory
+    asked: Schedule | None = None  # the layout the program asks for (planner.solver.requested)
 
     @functools.cached_property
     def _signature(self) -> Signature:
         if self.signature is not None:
             return self.signature
-        specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in self.program.inputs]
+        specs = program_structs(self.program)
         return Signature.of(jax.tree.unflatten(self.in_tree, specs), {})
 
     @functools.cached_property
@@ -184,8 +185,9 @@ class AutoPlan:
         ``"redist"``: ``redist``. ``jit_kwargs`` go to ``jax.jit`` (``donate_argnums``,
         ``donate_argnames``). It takes the arguments the plan was made for: static ones (those
         without arrays) are ``static_argnums``, and each new structure, shape, dtype or static
-        value is refused when traced (:class:`planner.calls.ArgumentMismatch`); with keyword
-        arguments it is a :class:`planner.calls.KeywordJit`.
+        value is refused when traced (:class:`planner.calls.ArgumentMismatch`); it is a
+        :class:`planner.calls.PlannedJit`: keyword arguments are passed on, and arrays placed in
+        another layout are moved to the plan's first.
 
         Example:
             >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP

@@ -234,7 +234,7 @@ class Signature:
         jitted = jax.jit(run, in_shardings=shardings, out_shardings=out_shardings,
                          static_argnums=tuple(k for k, a in enumerate(self.every) if a.static),
                          donate_argnums=tuple(sorted(donate)), **jit_kwargs)  # fmt: skip
-        return KeywordJit(jitted, self) if names else jitted
+        return PlannedJit(jitted, self, shardings, frozenset(donate))
 
 
 def _parameter_names(fn: Callable, n: int) -> list[str]:
@@ -249,13 +249,21 @@ def _parameter_names(fn: Callable, n: int) -> list[str]:
     return [name if name.isidentifier() else f"args_{k}" for k, name in enumerate(out)]
 
 
-class KeywordJit:
-    """A ``jax.jit`` whose keyword arguments are passed positionally, after the others
-    (``jax.jit`` refuses keyword arguments with ``in_shardings``): call it, ``lower`` it or
-    ``trace`` it as the user's function; ``jitted`` is the ``jax.jit`` itself."""
+class PlannedJit:
+    """The ``jax.jit`` of a plan, called as the user's function: keyword arguments are passed
+    positionally, after the others (``jax.jit`` refuses keyword arguments with ``in_shardings``),
+    and arrays already placed in another layout (MaxText's state, committed to its own
+    shardings) are moved to the plan's first (``jax.device_put``, donating the old buffers of
+    donated arguments), where ``jax.jit`` would refuse them. Call it, ``lower`` it or ``trace``
+    it; ``jitted`` is the ``jax.jit`` itself (its other attributes are the ``jax.jit``'s)."""
 
-    def __init__(self, jitted, signature: Signature):
+    def __init__(self, jitted, signature: Signature, shardings: tuple = (),
+                 donated: frozenset = frozenset()):  # fmt: skip
         self.jitted, self.signature = jitted, signature
+        self.shardings, self.donated = shardings, donated
+
+    def __getattr__(self, name):
+        return getattr(self.jitted, name)
 
     def _values(self, args, kwargs) -> tuple:
         n, names = len(self.signature.args), self.signature.names
@@ -263,14 +271,34 @@ class KeywordJit:
             self.signature.check(args, kwargs)
         return (*args, *(kwargs[name] for name in names))
 
+    def _placed(self, values: tuple) -> tuple:
+        """``values`` with each committed array in another layout moved to the plan's."""
+        dynamic = [k for k, a in enumerate(self.signature.every) if not a.static]
+        if len(dynamic) != len(self.shardings):
+            return values
+        out = list(values)
+        for k, shardings in zip(dynamic, self.shardings):
+            out[k] = jax.tree.map(functools.partial(_placed, donate=k in self.donated), values[k],
+                                  shardings)  # fmt: skip
+        return tuple(out)
+
     def __call__(self, *args, **kwargs):
-        return self.jitted(*self._values(args, kwargs))
+        return self.jitted(*self._placed(self._values(args, kwargs)))
 
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*self._values(args, kwargs))
 
     def trace(self, *args, **kwargs):
         return self.jitted.trace(*self._values(args, kwargs))
+
+
+def _placed(x, sharding, donate: bool = False):
+    """``x`` on ``sharding`` where it is a committed array laid out otherwise; else ``x``."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
+        return x  # a tracer (the plan called under grad or vmap) is placed by the jit itself
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return jax.device_put(x, sharding, donate=donate)
 
 
 def differences(planned: list[dict], given: list[dict]) -> list[str]:

@@ -356,16 +356,28 @@ def keyword_structs(plan) -> dict:
     return _structs(plan)[1]
 
 
-def _structs(plan) -> tuple[tuple, dict]:
+def program_structs(prog) -> list:
+    """``prog``'s inputs as ``jax.ShapeDtypeStruct``s of their traced types: typed PRNG keys keep
+    their implementation (``key<fry>``, MaxText's ``key<urbg>``), which a dtype's name does not
+    give back."""
+    invars = getattr(getattr(prog.jaxpr, "jaxpr", None), "invars", None)
+    if invars is not None and len(invars) == len(prog.inputs):
+        return [jax.ShapeDtypeStruct(var.aval.shape, var.aval.dtype) for var in invars]
 
     def struct(v):
         if is_key(v.dtype):
-            impl = {"fry": "threefry2x32"}.get(v.dtype[4:-1], v.dtype[4:-1])
+            impl = {"fry": "threefry2x32", "rbg": "rbg", "urbg": "unsafe_rbg"}.get(
+                v.dtype[4:-1], v.dtype[4:-1]
+            )
             dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
             return jax.ShapeDtypeStruct(v.shape, dtype)
         return jax.ShapeDtypeStruct(v.shape, np.dtype(v.dtype))
 
-    leaves = iter(map(struct, plan.program.inputs))
+    return [struct(v) for v in prog.inputs]
+
+
+def _structs(plan) -> tuple[tuple, dict]:
+    leaves = iter(program_structs(plan.program))
     sig = plan._signature
     values = [a.value if a.static else jax.tree.unflatten(a.tree, [next(leaves) for _ in a.leaves])
               for a in sig.every]  # fmt: skip

@@ -42,6 +42,7 @@ from planner.cost.pipeline import bubble
 from planner.cost.simulator import Prediction, hand_overs, simulate
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.staging import pipeline_runs, region_of
+from planner.program.constraints import requests
 from planner.program.halo import halo_bytes, split
 from planner.program.ir import Program
 from planner.program.microbatch import microbatching
@@ -238,6 +239,32 @@ def state_pairs(prog: Program, in_tree, out_tree) -> list[tuple[int, int]]:
     return sorted(pairs)
 
 
+def _repeating_parameters(args, prog: Program, state: set[int]) -> set[int]:
+    """Where no optax type or key names the optimizer state (a Keras optimizer's variables, a
+    list beside the weights): the state leaves of an argument's part (an argument, or an element
+    of one) whose arrays repeat the shapes of an earlier part's, scalars aside (Adam's moments of
+    the parameters, besides its step count)."""
+    parts = []
+    for arg in args if isinstance(args, (tuple, list)) else (args,):
+        children = list(arg.values()) if isinstance(arg, dict) else arg
+        parts += list(children) if isinstance(children, (tuple, list)) else [arg]
+    groups = [jax.tree_util.tree_leaves(p) for p in parts]
+    groups = [g for g in groups if g and set(g) <= state]
+
+    def shapes(g):
+        return collections.Counter(prog.inputs[k].shape for k in g if prog.inputs[k].shape)
+
+    out: set[int] = set()
+    for i, g in enumerate(groups):
+        mine = shapes(g)
+        for earlier in groups[:i]:
+            theirs = shapes(earlier)
+            if mine and set(mine) <= set(theirs) and mine.total() >= theirs.total():
+                out.update(g)
+                break
+    return out
+
+
 def classify(prog: Program, in_tree, out_tree) -> list[Leaf]:
     """Every input with its path and kind (see the module docstring for the heuristic)."""
     args = jax.tree_util.tree_unflatten(in_tree, list(range(len(prog.inputs))))
@@ -249,6 +276,8 @@ def classify(prog: Program, in_tree, out_tree) -> list[Leaf]:
         keys = jax.tree_util.keystr(tuple(path)).lower()
         if _is_optax(sub) or any(k in keys for k in OPTIMIZER_KEYS):
             optimizer.update(jax.tree_util.tree_leaves(sub))
+    if not optimizer:
+        optimizer = _repeating_parameters(args, prog, state)
     leaves = []
     for k, (path, name) in enumerate(zip(paths, names)):
         parts = (name, *(jax.tree_util.keystr((key,)) for key in path[1:]))
@@ -649,6 +678,11 @@ def summarize(plan) -> Summary:
             rows.append({"name": label, "time_s": result.time_s, "peak_bytes": result.peak_bytes})
         else:
             rows.append({"name": label, "reason": result})
+    asked = None
+    if plan.asked is not None:
+        asked = simulate(prog, plan.asked, cal)
+        rows.append({"name": "your layout (constraints, inputs)", "time_s": asked.time_s,
+                     "peak_bytes": asked.peak_bytes})  # fmt: skip
     func = getattr(getattr(prog.jaxpr, "jaxpr", None), "debug_info", None)
     func = getattr(func, "func_src_info", None) or "the function"
     if not any(sched.assign.values()):
@@ -734,10 +768,53 @@ def summarize(plan) -> Summary:
         header, rows, layouts, _group_layouts(leaves, shapes, spec_texts), outputs, parts_note,
         [{k: v for k, v in g.items()} for g in heavy], coll, mem,
         sorted(whole.values(), key=lambda w: -w["time_s"]), n_whole, t_whole / total, total_ops,
-        pred.time_s, pipeline_words(prog, sched) + xla_only_words(sched),
+        pred.time_s,
+        constraint_words(prog, sched, plan.asked, mesh, pred, asked)
+        + pipeline_words(prog, sched) + xla_only_words(sched),
     )  # fmt: skip
     plan.__dict__["_summary"] = summary
     return summary
+
+
+DEPARTURES_SHOWN = 3
+
+
+def constraint_words(prog: Program, sched: Schedule, asked: Schedule | None, mesh: MeshShape,
+                     pred: Prediction, asked_pred: Prediction) -> tuple[str, ...]:  # fmt: skip
+    """Lines on the program's sharding constraints: how many the plan keeps, the ones it departs
+    from (the layout asked and the one planned) and what departing buys against the layout the
+    program asks for (``asked``, :mod:`planner.solver.requested`)."""
+    reqs = requests(prog)
+    if not reqs:
+        return ()
+    if asked is None:
+        return (f"Sharding constraints: {len(reqs)} in the program, ignored (constraints='drop', "
+                "or none holds on this mesh)",)  # fmt: skip
+    by_name = {o.name: o for o in prog.ops}
+    departed = []
+    for req in reqs:
+        op = by_name[req.op]
+        planned = sched.spec(op, op.results[0])
+        wanted = asked.spec(op, op.results[0])
+        if planned != wanted:
+            departed.append((op, wanted, planned))
+    line = (
+        f"Sharding constraints: {len(reqs)} in the program; the plan keeps "
+        f"{len(reqs) - len(departed)}"
+    )
+    if departed:
+        line += (
+            f", departs from {len(departed)}: {_times(asked_pred.time_s, pred.time_s)} as "
+            f"fast as your layout, {_times(pred.peak_bytes, asked_pred.peak_bytes)} its "
+            "memory (plan(..., constraints='keep') keeps them)"
+        )
+    out = [line]
+    for op, wanted, planned in departed[:DEPARTURES_SHOWN]:
+        out.append(f"  {_where(op.source)} {op.name}: asked {spec_text(wanted, mesh)}, planned "
+                   f"{spec_text(planned, mesh)}")  # fmt: skip
+    if len(departed) > DEPARTURES_SHOWN:
+        out.append(f"  and {len(departed) - DEPARTURES_SHOWN} more")
+    return tuple(out)
 
 
 def xla_only_words(sched: Schedule) -> tuple[str, ...]:

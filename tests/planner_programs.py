@@ -93,6 +93,28 @@ def _doubled(x):
 _doubled.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
 
 
+def _constrained(x, w):
+    """What MaxText, flax and Keras put in their models: layouts asked for with
+    ``with_sharding_constraint`` (on a mesh of its own: the plan's layouts replace it), names for
+    remat policies, an optimization barrier, and the gradient of a ``stack`` (``unstack``)."""
+    from jax.ad_checkpoint import checkpoint_name
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("a",))
+    policy = jax.checkpoint_policies.save_only_these_names("hidden")
+
+    def layer(x):
+        h = lax.with_sharding_constraint(x @ w, NamedSharding(mesh, PartitionSpec("a", None)))
+        return jnp.tanh(checkpoint_name(h, "hidden"))
+
+    def loss(x):
+        y, z = lax.optimization_barrier((jax.checkpoint(layer, policy=policy)(x), x))
+        a, b = jnp.split(y, 2, axis=1)
+        return jnp.sum(jnp.stack([a, b]) ** 2) + jnp.sum(z)
+
+    return jax.value_and_grad(loss)(x)
+
+
 def _convpool(k, dw, x):
     """A convolution, a depthwise one, a 3x3 max pool and a 2x2 average pool, squared."""
     dn = ("NHWC", "HWIO", "NHWC")
@@ -160,6 +182,7 @@ PROGRAMS: dict[str, tuple[Callable, Make]] = {
     "mlp_training_step": (_mlp_step, lambda r: ([_f(r, 24, 12), _f(r, 12, 24)], _f(r, 12, 24),
                                                 _f(r, 12, 24))),
     "causal_attention": (_attention, lambda r: (_f(r, 2, 12, 24), _f(r, 24, 24), _f(r, 24, 24))),
+    "constrained_grad": (_constrained, lambda r: (_f(r, 12, 24), _f(r, 24, 24) / 4)),
     "convpool_grad": (jax.value_and_grad(_convpool, argnums=(0, 1, 2)),
                       lambda r: (_f(r, 3, 3, 4, 6) / 3, _f(r, 3, 3, 1, 6) / 3, _f(r, 2, 12, 12, 4))),
 }  # fmt: skip

@@ -183,6 +183,18 @@ def test_generic_discovery_of_unknown_primitives(fn, shapes, expect, monkeypatch
     assert {lp.name: lp.partitionable for lp in op.loops} == expect
 
 
+def test_discovery_of_an_op_with_several_results(monkeypatch):
+    """An unstack (the gradient of keras-hub's rotary ``stack``) without its rule: each result
+    is a row of the operand, its other dimensions split as the operand's."""
+    monkeypatch.setattr(planner.program.rules, "rule_for", lambda primitive: None)
+    prog = planner.analyze(lambda x: jnp.unstack(x * 2.0, axis=0), jnp.ones((2, 4, 6)))
+    op = op_of(prog, "unstack")
+    assert op.how == "discovered" and len(op.results) == 2
+    assert {lp.name: lp.partitionable for lp in op.loops} == {"i0": True, "i1": True}
+    assert all(r.dims == (("i0",), ("i1",)) for r in op.results)
+    assert op.operands[0].dims[1:] == (("i0",), ("i1",))
+
+
 def test_discovery_finds_a_sum_reduction():
     # A combiner JAX does not recognize as add, so the generic reduce primitive remains.
     fn = lambda x: lax.reduce(x, np.float32(0), lambda a, b: a + 2.0 * b - b, (1,))  # noqa: E731

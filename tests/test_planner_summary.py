@@ -157,3 +157,21 @@ def test_a_batch_of_a_parameters_shape_is_not_state():
     text = p.explain()
     assert "of the 3 state arrays" not in text
     assert "the state it returns keeps these layouts" in text or "of the 2 state arrays" in text
+
+
+def test_a_keras_style_optimizer_state_is_named_by_its_shapes():
+    """Keras keeps the optimizer's variables in a list beside the weights (no optax type, no
+    key to read): the part of the state that repeats the weights' shapes is optimizer state."""
+
+    def step(state, x):
+        (w1, w2), (count, m1, m2, v1, v2) = state
+        g1 = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) @ w2))(w1)
+        m1 = 0.9 * m1 + g1
+        v1 = 0.9 * v1 + g1 * g1
+        return ((w1 - m1 / (jnp.sqrt(v1) + 1.0), w2), (count + 1, m1, m2, v1, v2)), g1.sum()
+
+    w1, w2, x = jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((32, 8))
+    state = ((w1, w2), (jnp.zeros((), jnp.int32), w1, w2, w1, w2))
+    p = planner.plan(step, state, x, mesh={"a": 2})
+    kinds = [leaf.kind for leaf in classify(p.program, p.in_tree, p.out_tree)]
+    assert kinds == ["parameters"] * 2 + ["optimizer state"] * 5 + ["batch"]

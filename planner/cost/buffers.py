@@ -93,11 +93,12 @@ import math
 
 from planner.program.ir import Program
 from planner.program.ops import Op
+from planner.program.rules import IDENTITIES
 
 BUFFER, FUSED, VIEW = "buffer", "fused", "view"
 
 VIEWS = frozenset("reshape squeeze expand_dims transpose copy copy_p optimization_barrier "
-                  "sharding_constraint pvary random_wrap random_unwrap".split())  # fmt: skip
+                  "sharding_constraint pvary random_wrap random_unwrap".split()) | IDENTITIES  # fmt: skip
 ENTRIES = frozenset("scan_const scan_carry while_const while_carry cond_operand".split())
 SINKABLE = frozenset("scan_const while_const cond_operand".split())  # constant operands sink
 EXITS = frozenset("scan_carry_out while_carry_out".split())

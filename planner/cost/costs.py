@@ -44,14 +44,17 @@ from collections.abc import Collection, Mapping, Sequence
 
 from planner.program.ir import Program
 from planner.program.ops import Access, Op, itemsize
-from planner.program.rules import CUMULATIVE, ELEMENTWISE, REDUCTIONS, SCATTERS
+from planner.program.rules import CUMULATIVE, ELEMENTWISE, IDENTITIES, REDUCTIONS, SCATTERS
 
 # No arithmetic: data movement, index computations the compiler folds, and region boundaries.
-MOVEMENT = frozenset(
-    """broadcast_in_dim reshape squeeze expand_dims transpose iota stop_gradient copy copy_p
+MOVEMENT = (
+    frozenset(
+        """broadcast_in_dim reshape squeeze expand_dims transpose iota stop_gradient copy copy_p
     slice dynamic_slice concatenate pad gather rev split sharding_constraint device_put
     optimization_barrier bitcast_convert_type random_wrap random_unwrap real imag conj""".split()
-)
+    )
+    | IDENTITIES
+)  # layout requests and checkpoint names: no kernel of their own
 # Elementwise ops the compiler counts as transcendentals, not flops (HloCostAnalysis).
 TRANSCENDENTAL = frozenset(
     "exp log tanh sqrt rsqrt cbrt pow erf sin cos tan log1p expm1 atan2".split()

@@ -53,6 +53,7 @@ from planner.lowering.gpipe import (
     to_circular,
 )
 from planner.lowering.xla_moves import MoveChoice, choose
+from planner.program.constraints import SHARDING_PARAM
 from planner.program.halo import split
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split, with_body
@@ -509,6 +510,11 @@ class Lowered:
             choice = self.choices.get((mv.value.name, mv.src, mv.dst))
             if choice is None or not choice.use_redist or self.micro is not None:
                 return self._constrain(x, mv.dst)
+            try:
+                return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh,
+                                           cost_model="bytes")  # fmt: skip
+            except ValueError:  # typed on the user's mesh of whole axes (auto_axes): XLA moves it
+                return self._constrain(x, mv.dst)
         if not self.local:  # the plan the simulator priced (redist.plan's cost model)
             return redist.redistribute(x, _pspec(mv.src), _pspec(mv.dst), mesh=self.mesh,
                                        cost_model="bytes")  # fmt: skip
@@ -643,6 +649,10 @@ def _first_device(axes):
 def _bind(op: Op, *args, local_out=None, step: OpStep | None = None):
     """Run ``op``'s primitive on ``args`` (local blocks when ``local_out`` is given)."""
     eqn = op.eqn
+    if eqn.primitive.name in SHARDING_PARAM:  # the plan lays the result out (program.constraints)
+        it = iter(args)
+        return tuple(jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jcore.Literal) else next(it)
+                     for v in eqn.invars)  # fmt: skip
     params = dict(eqn.params)
     pending = step.pending if step is not None else ()
     if local_out is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import re
 import warnings
 from collections.abc import Callable
@@ -59,26 +60,52 @@ def _inner(eqn) -> tuple[object, tuple] | None:
 
 _PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)")
 
+FRAMEWORKS = frozenset(
+    "jax jaxlib flax keras optax kauldron etils equinox haiku chex numpy jaxtyping typeguard "
+    "treescope orbax qwix aqt tokamax".split()
+)
+"""Packages that build models or optimizers for others: an op made inside one is reported at
+the model's own line that called it (a model library's, such as MaxText's, keras-hub's or
+gemma's, or the user's), "in" the framework."""
+
+
+_PLANNER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+SHIMS = ("tunix_adapter.py",)
+"""Files that wrap JAX's own functions for the whole process (MaxText 0.2.5 replaces
+``jax.lax.with_sharding_constraint`` with one of its own): their frames are not the model's."""
+
 
 def _source(eqn, outer: tuple | None) -> tuple | None:
     """Where the user's code made ``eqn``: ``(file, line, library)`` (see :attr:`Op.source`).
 
-    The innermost frame of its traceback outside JAX (JAX's own notion of the user's frame) and
-    outside installed packages; ``library`` names the package the user's line called into (an
-    optax update is reported at the user's ``tx.update`` line, "in optax"). Equations that kept
-    no traceback (the bodies of nested jits) take ``outer``, their call's."""
+    Where the op was made inside a model library (an installed package that is not a framework,
+    :data:`FRAMEWORKS`: MaxText, keras-hub, gemma), the innermost frame of that library; else the
+    innermost frame of its traceback outside JAX (JAX's own notion of the user's frame) and
+    outside installed packages. ``library`` names the framework that line called into (an optax
+    update is reported at the user's ``tx.update`` line, "in optax"; a Keras layer's kernel at
+    keras-hub's line, "in keras"). Equations that kept no traceback (the bodies of nested jits)
+    take ``outer``, their call's."""
     try:
-        frames = source_info_util.user_frames(eqn.source_info.traceback)
-        library, first = None, None
-        for frame in frames:
-            package = _PACKAGE.search(frame.file_name)
-            if package is None:
-                return frame.file_name, frame.start_line, library
-            library = library or package.group(1).split(".")[0]
-            first = first or (frame.file_name, frame.start_line, None)
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     except Exception:  # a JAX without this private module or attribute: no sources
         return outer
-    return outer or first
+    called, framework, model = None, None, None
+    for frame in frames:  # innermost first
+        if frame.file_name.startswith(_PLANNER) or frame.file_name.endswith(SHIMS):
+            continue  # the planner's own call of the user's function; shims around JAX's API
+        package = _PACKAGE.search(frame.file_name)
+        if package is None:  # the user's own line, or the model library's line it led to
+            return model or (frame.file_name, frame.start_line, called)
+        called = package.group(1).split(".")[0]
+        if called in FRAMEWORKS:
+            framework = called
+        elif model is None:
+            model = (frame.file_name, frame.start_line, framework)
+    if model is not None:  # a model library's line, in a nested jit of it too
+        return model
+    if outer is not None:
+        return outer
+    return (frames[0].file_name, frames[0].start_line, None) if frames else None
 
 
 def _identity(name: str, kind: str, srcs: list[Value], dst: Value, trips: int) -> Op:

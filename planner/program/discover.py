@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import math
 
@@ -56,15 +58,16 @@ def _split(x: np.ndarray, dim: int | None, half: int) -> np.ndarray:
 
 def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
     """An :class:`Op` from running ``eqn``'s primitive on pieces, or ``None`` if it cannot run."""
-    if len(outs) != 1:
+    if any(o.shape != outs[0].shape for o in outs):  # several results: of one shape (an unstack)
         return None
     out = outs[0]
     literal = [getattr(v, "val", None) for v in eqn.invars]
     idx = [k for k, v in enumerate(ins) if v is not None]
 
-    def run(pieces):
-        res = eqn.primitive.bind(*pieces, **eqn.params)
-        return np.asarray(res[0] if eqn.primitive.multiple_results else res)
+    def run(pieces):  # quietly: a probe is not the user's program (a debug print in it, say)
+        with contextlib.redirect_stdout(io.StringIO()):
+            res = eqn.primitive.bind(*pieces, **eqn.params)
+        return np.stack([np.asarray(r) for r in (res if eqn.primitive.multiple_results else [res])])
 
     small = _shrink([out.shape] + [ins[k].shape for k in idx])
     probes = [small, {n: n for n in small}]  # shrunk shapes, else the real ones if small enough
@@ -79,7 +82,7 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
             whole = run(args)
         except Exception:  # noqa: BLE001 - a primitive that cannot run eagerly is replicated
             continue
-        if whole.shape == tuple(size.get(n, n) for n in out.shape):
+        if whole.shape == (len(outs), *(size.get(n, n) for n in out.shape)):  # results stacked
             break
     else:
         return None
@@ -105,7 +108,7 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
             res.append(run(pieces))
         return res
 
-    for od, size in enumerate(whole.shape):
+    for od, size in enumerate(whole.shape[1:]):
         if size < 2 or size % 2:
             loops.append(Loop(f"i{od}", out.shape[od], partitionable=False))
             out_dims[od] = (f"i{od}",)
@@ -115,7 +118,7 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
                 a, b = halves(combo)
             except Exception:  # noqa: BLE001 - this split is not a valid input
                 continue
-            joined = np.concatenate([a, b], axis=od) if a.shape == b.shape else None
+            joined = np.concatenate([a, b], axis=od + 1) if a.shape == b.shape else None
             if (
                 joined is not None
                 and joined.shape == whole.shape
@@ -154,5 +157,6 @@ def discover(name: str, eqn, ins, outs, seed: int = 0) -> Op | None:
     return Op(
         name, eqn.primitive.name, tuple(loops),
         tuple(Access(ins[k], tuple(in_dims[k])) for k in idx),
-        (Access(out, tuple(out_dims)),), reductions=tuple(reductions), how="discovered",
+        tuple(Access(o, tuple(out_dims)) for o in outs), reductions=tuple(reductions),
+        how="discovered",
     )  # fmt: skip

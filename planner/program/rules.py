@@ -22,6 +22,10 @@
 |                                 | a sum, the operand added once); dims   | masked ones split (XLA only)     |
 |                                 | written one element at a time: masked  |                                  |
 | iota                            | one per result dim (counted one: not)  |                                  |
+| sharding_constraint, reshard,   | one per dim (identities; the layouts   | same loops                       |
+| mesh_cast, name (checkpoint)    | asked for: program.constraints)        |                                  |
+| stack / unstack                 | one per result dim                     | the stacked dim whole            |
+| optimization_barrier            | one per dim of each operand            | each operand as its result       |
 | random ops, PRNG key values     | whole (a split would draw other bits)  | read whole                       |
 | conv_general_dilated            | n, g (groups), o (features), i (in     | the input's spatial dims split   |
 |                                 | features, sum), spatial s*, windows w* | by s* (or w*) with a halo        |
@@ -554,8 +558,51 @@ def select_and_scatter_add(name, eqn, ins, outs):
               windows=tuple(windows))  # fmt: skip
 
 
+IDENTITIES = frozenset({"sharding_constraint", "reshard", "mesh_cast", "name", "pvary"})
+"""Primitives whose result is their operand: layout requests (:mod:`planner.program.constraints`)
+and names (``checkpoint_name``, read by remat policies)."""
+
+
+def unstack(name, eqn, ins, outs):
+    """``unstack`` (the transpose of ``stack``): one loop per result dimension, each result's
+    dimensions those of the operand less the unstacked one, which is read whole."""
+    axis = eqn.params["axis"]
+    loops = _loops("i", outs[0].shape)
+    dims = [(lp.name,) for lp in loops]
+    return Op(name, "unstack", tuple(loops), (_acc(ins[0], [*dims[:axis], (), *dims[axis:]]),),
+              tuple(_acc(o, dims) for o in outs))  # fmt: skip
+
+
+def stack(name, eqn, ins, outs):
+    """``stack``: one loop per result dimension; the stacked one is not partitionable (each
+    operand is one of its rows), the others are the operands'."""
+    if any(v is None for v in ins):
+        return None
+    axis = eqn.params["axis"]
+    loops = [Loop(f"i{d}", n, d != axis) for d, n in enumerate(outs[0].shape)]
+    dims = [(lp.name,) for lp in loops]
+    return Op(name, "stack", tuple(loops),
+              tuple(_acc(v, dims[:axis] + dims[axis + 1 :]) for v in ins),
+              (_acc(outs[0], dims),))  # fmt: skip
+
+
+def optimization_barrier(name, eqn, ins, outs):
+    """An identity on several values at once: loops ``a<k>_<d>`` for dimension ``d`` of operand
+    ``k``, each operand read as its result is written (XLA keeps them together)."""
+    if any(v is None for v in ins):
+        return None
+    loops, accs = [], []
+    for k, v in enumerate(ins):
+        own = _loops(f"a{k}_", v.shape)
+        loops += own
+        accs.append([(lp.name,) for lp in own])
+    return Op(name, eqn.primitive.name, tuple(loops),
+              tuple(_acc(v, d) for v, d in zip(ins, accs)),
+              tuple(_acc(o, d) for o, d in zip(outs, accs)))  # fmt: skip
+
+
 def rule_for(primitive: str) -> Rule | None:
-    if primitive in ELEMENTWISE:
+    if primitive in ELEMENTWISE or primitive in IDENTITIES:
         return elementwise
     if primitive in REDUCTIONS:
         return reduction
@@ -569,6 +616,9 @@ def rule_for(primitive: str) -> Rule | None:
         "sort": along_axis,
         "top_k": along_axis,
         "split": along_axis,
+        "unstack": unstack,
+        "stack": stack,
+        "optimization_barrier": optimization_barrier,
         "rev": rev,
         "pad": pad,
         "slice": slice_,

@@ -45,6 +45,7 @@ from planner.program.ops import Op, itemsize
 from planner.program.schedule import Schedule, check_assignment, make_schedule, splits
 from planner.solver import strategies
 from planner.solver.chain import ChainDP, with_siblings
+from planner.solver.requested import Requested
 from redist.calibration import Calibration
 from redist.types import MeshShape
 
@@ -101,9 +102,10 @@ def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes,
 
 
 class _Evaluator:
-    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, xla=False):
+    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, xla=False, pinned=None):
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
         self.groups, self.priced_as, self.xla = groups, priced_as, xla
+        self.pinned = pinned or {}  # op -> loops every schedule keeps (constraints="keep")
         self.cache: dict = {}
         self.best_peak = math.inf
         self.best_peak_schedule: Schedule | None = None
@@ -116,6 +118,7 @@ class _Evaluator:
         if key not in self.cache:
             try:
                 named = {k: v for k, v in with_siblings(assign, self.groups).items() if v}
+                named.update(self.pinned)
                 sched = make_schedule(self.prog, named, self.mesh, default=default, stored=stored,
                                       xla=self.xla)  # fmt: skip
             except ValueError:
@@ -127,6 +130,8 @@ class _Evaluator:
     def schedule(self, sched: Schedule) -> tuple[float, int, Schedule, Prediction]:
         """A complete schedule (one made elsewhere too, an expert strategy's), scored; its donated
         state stored as the step leaves it (:func:`planner.layout.donation.keep_state_layouts`)."""
+        if any(sched.assign.get(op) != loops for op, loops in self.pinned.items()):
+            sched = dataclasses.replace(sched, assign={**sched.assign, **self.pinned})
         sched = keep_state_layouts(self.prog, sched)
         priced = self.priced_as(sched) if self.priced_as else sched
         pred = simulate(self.prog, priced, self.cal)
@@ -207,6 +212,7 @@ def search(
     dp: bool = True,
     priced_as: Callable[[Schedule], Schedule] | None = None,
     xla: bool = True,
+    requested: Requested | None = None,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
@@ -218,6 +224,10 @@ def search(
     makes of it, e.g. :func:`planner.layout.staging.staged` pipelining its scans over another axis;
     the candidate itself is returned, with the prediction of what it was priced as.
 
+    ``requested``: the layout the program asks for (:mod:`planner.solver.requested`): with
+    ``"keep"`` every schedule priced keeps its constraints; otherwise it is one more starting
+    point, so the plan is never predicted slower than the user's own layout.
+
     Raises:
         planner.cost.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
             ``memory_limit_bytes`` (the message gives the smallest peak seen and its largest
@@ -228,7 +238,10 @@ def search(
     cal = calibration or Calibration.default()
     grouped = groups(prog)
     ops = [g[0] for g in grouped]
-    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as, xla)
+    requested = requested or Requested()
+    evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as, xla,
+                          requested.pinned(prog, shape, xla))  # fmt: skip
+    asked = _asked(prog, shape, requested, evaluate)
     empty: Assignment = {o.name: {} for o in ops}
 
     classes = interchangeable(shape, cal)
@@ -261,17 +274,17 @@ def search(
             again = evaluate(relabelled)
             if again[0] <= best[0][0] * (1 + 1e-9) and again[1] <= best[0][1]:
                 best = (again, relabelled)
-        results = [best[0]]
+        results = [best[0], *scores, *_seeds(prog, shape, evaluate), *asked]
         if memory_limit_bytes is not None:  # the fastest few, whatever their memory, with ZeRO
             fastest = sorted((r for r in scores if r[3] is not None), key=lambda r: r[3].time_s)
             results += _zero(prog, shape, fastest[:8], evaluate)
-        return _result(refine(min(results, key=lambda r: r[:2]), evaluate, shape),
-                       evaluate, memory_limit_bytes)  # fmt: skip
+        return _result(refine(best_of(results), evaluate, shape), evaluate, memory_limit_bytes)
     per_axis = [tuple(shape.axis_factors(a)) for a in shape.axis_names]
     passes = [[tuple(names)], per_axis]
     if len(per_axis) < len(names) <= PER_FACTOR_MAX:  # some axis splits into several factors
         passes.append([(f,) for f in names])
-    results = [evaluate(empty), *_seeds(prog, shape, evaluate)]  # never worse than replication
+    # never worse than replication, the experts or the user's own layout
+    results = [evaluate(empty), *_seeds(prog, shape, evaluate), *asked]
     if dp:
         tables = ChainDP(prog, grouped, shape.sizes, cal, xla)
         results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]
@@ -280,8 +293,29 @@ def search(
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     if memory_limit_bytes is not None:
         results += _zero(prog, shape, results, evaluate)
-    return _result(refine(min(results, key=lambda r: r[:2]), evaluate, shape), evaluate,
-                   memory_limit_bytes)  # fmt: skip
+    return _result(refine(best_of(results), evaluate, shape), evaluate, memory_limit_bytes)
+
+
+TIME_TIE = 0.03
+"""Plans predicted within this fraction of the fastest count as equally fast, and of those the one
+with the smallest predicted peak wins: memory a plan leaves free is batch, KV cache or sequence
+length for the user, while 3 % is within the cost model's error (and well within the 0.75-1.05x
+a program measures against itself on a shared host)."""
+
+
+def best_of(scores: list) -> tuple:
+    """The best of ``(time, peak, schedule, prediction)`` scores: the smallest peak among those
+    within :data:`TIME_TIE` of the fastest that fits (the fastest first where peaks tie).
+
+    Example:
+        >>> best_of([(1.00, 900, None, None), (1.02, 500, None, None), (1.2, 100, None, None)])
+        (1.02, 500, None, None)
+    """
+    fitting = [s for s in scores if not math.isinf(s[0])]
+    if not fitting:
+        return min(scores, key=lambda r: r[:2])
+    fastest = min(s[0] for s in fitting)
+    return min((s for s in fitting if s[0] <= fastest * (1 + TIME_TIE)), key=lambda r: (r[1], r[0]))
 
 
 REFINED_OPS = 4  # the propagated ops refine() tries, those communicating most
@@ -436,7 +470,9 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
     FSDP over all but the last axis with tensor parallelism over the last), so that the plan is
     never predicted slower than what an expert writes, nor over the memory limit where theirs
     fits."""
-    axes = shape.axis_names
+    axes = tuple(a for a in shape.axis_names if shape.sizes[a] > 1)  # as explain()'s rows
+    if not axes:
+        return []
     makers = [
         lambda: strategies.data_parallel(prog, axes),
         lambda: strategies.megatron(prog, axes),
@@ -458,6 +494,17 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
     return out
 
 
+def _asked(prog: Program, shape: MeshShape, requested: Requested, evaluate: _Evaluator) -> list:
+    """The user's own layout scored (:meth:`Requested.schedule`), where the program asks for one
+    that fits the mesh."""
+    if not requested.asks(prog, shape, evaluate.xla):
+        return []
+    try:
+        return [evaluate.schedule(requested.schedule(prog, shape.sizes, evaluate.xla))]
+    except ValueError:  # inputs' layouts the mesh does not divide: priced nowhere
+        return []
+
+
 def _result(score, evaluate: _Evaluator, limit):
     time_s, _, sched, pred = score
     if sched is None or time_s == math.inf:
@@ -468,19 +515,21 @@ def _result(score, evaluate: _Evaluator, limit):
 
 
 def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO,
-                  fastest: tuple | None = None, xla: bool = True):  # fmt: skip
+                  fastest: tuple | None = None, xla: bool = True,
+                  requested: Requested | None = None):  # fmt: skip
     """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`);
     ``fastest``: the ``(schedule, prediction)`` of the search without a limit, where the caller
-    has it already; ``xla``: as :func:`search`'s."""
+    has it already; ``xla``, ``requested``: as :func:`search`'s."""
     num_devices = math.prod(mesh_sizes.values())
     limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
     if memory_limit_bytes != AUTO or limit is None:
-        return search(prog, mesh_sizes, calibration, limit, xla=xla)
-    sched, pred = fastest or search(prog, mesh_sizes, calibration, None, xla=xla)
+        return search(prog, mesh_sizes, calibration, limit, xla=xla, requested=requested)
+    sched, pred = fastest or search(prog, mesh_sizes, calibration, None, xla=xla,
+                                    requested=requested)  # fmt: skip
     if pred.peak_bytes <= limit:
         return sched, pred
     try:
-        return search(prog, mesh_sizes, calibration, limit, xla=xla)
+        return search(prog, mesh_sizes, calibration, limit, xla=xla, requested=requested)
     except MemoryLimitError as e:
         capacity = limit / (1 - MEMORY_RESERVE)
         note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "

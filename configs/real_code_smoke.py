@@ -1,0 +1,11 @@
+"""A quick run of experiments/real_code.py (the tests run it): MaxText's step on its own mesh,
+keras-hub's and gemma's, float32, not timed."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.cases = "maxtext:float32:maxtext,keras:float32:2axis,gemma:float32:2axis"
+    c.repeats = 0
+    return c

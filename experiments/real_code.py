@@ -1,0 +1,228 @@
+"""The planner on the code people run: MaxText's own training step, keras-hub's Llama and Google's
+gemma, planned and measured against the layouts their authors wrote.
+
+Usage:
+    python -m experiments.real_code --config=configs/real_code.py --workdir=workdir/real_code
+
+Each case (library, dtype, mesh) builds the library's own step tiny on 8 CPU devices
+(:mod:`experiments.libraries`), plans it with :func:`planner.plan` (its sharding constraints as
+hints, the authors' ``in_shardings`` to compare with), prices the authors' layout with
+:func:`planner.price` on the same model, then compiles both (``plan.jit()`` and the library's own
+jitted step) and runs two steps of each from the same state: the largest difference of any
+state leaf (relative to its largest value), compiled memory per device (arguments + outputs +
+temporaries - aliased, ``memory_analysis()``), and the time of one step, both programs run in
+turn (medians of ``config.repeats``). Writes ``results.json`` and ``report.md``.
+
+Two steps of AdamW from a fresh state amplify float noise: an update is about the learning rate
+times the sign of the gradient, so where a gradient is at the level of rounding (a norm's scale
+initialized at zero, a bfloat16 product) the two programs may move a weight in opposite
+directions. ``difference`` (every state leaf, relative to its largest value) shows that;
+``metrics_difference`` compares the step's loss and metrics after the second step.
+
+Needs Python >= 3.12 with the libraries (the ``test`` extra installs them there); a library
+that is not installed is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A library's step ready to plan: the step, its state and batch, the mesh, the authors'
+    ``in_shardings`` and their jitted step, the context to trace it in, the state arguments the
+    authors donate."""
+
+    step: Callable
+    state: Any
+    batch: Any
+    mesh: Any
+    in_shardings: tuple
+    authors_jit: Callable[[], Callable]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    donate_argnums: tuple[int, ...] = ()
+
+
+def build_case(library: str, dtype: str, mesh: str) -> Case:
+    """The case of ``library`` (``maxtext``, ``keras`` or ``gemma``) in ``dtype`` on ``mesh``
+    (``maxtext``: MaxText's own 12-axis mesh; ``2axis``: a plain fsdp 4 x tensor 2 one)."""
+    if library == "maxtext":
+        from experiments.libraries import maxtext_step
+
+        b = maxtext_step.build(dtype, mesh)
+        return Case(b.step, b.state, b.batch, b.mesh, (b.state_shardings, b.batch_shardings),
+                    b.authors_jit, b.context, (0,))  # fmt: skip
+    if mesh != "2axis":
+        raise ValueError(f"{library} runs on the 2axis mesh only, not {mesh!r}")
+    if library == "keras":
+        from experiments.libraries import keras_step
+
+        b = keras_step.build("mixed_bfloat16" if dtype == "bfloat16" else dtype)
+    elif library == "gemma":
+        from experiments.libraries import gemma_step
+
+        b = gemma_step.build(dtype)
+    else:
+        raise ValueError(f"library must be maxtext, keras or gemma, got {library!r}")
+    return Case(b.step, b.state, b.batch, b.mesh, b.authors_shardings, b.authors_jit)
+
+
+def compiled_mib(compiled) -> float:
+    """Arguments + outputs + temporaries - aliased bytes per device, in MiB."""
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)  # fmt: skip
+    return total / MIB
+
+
+def worst_difference(a, b) -> float:
+    """The largest difference of two pytrees' float leaves, each relative to its largest value."""
+    import jax
+    import numpy as np
+
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+            continue
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        worst = max(worst, float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
+    return worst
+
+
+def measure(case: Case, repeats: int) -> dict:
+    """Plan ``case``, price the authors' layout, compile, run and time both (see the module)."""
+    import jax
+
+    import planner
+    from experiments.measure import interleaved_times
+
+    def fresh():
+        return jax.tree.map(lambda x: x.copy(), case.state)
+
+    out: dict = {}
+    with case.context():
+        start = time.perf_counter()
+        p = planner.plan(case.step, case.state, case.batch, mesh=case.mesh,
+                         donate_argnums=case.donate_argnums, compare=case.in_shardings)  # fmt: skip
+        out["plan_s"] = time.perf_counter() - start
+        out["search_s"] = p.search_s
+        mine = planner.price(case.step, case.state, case.batch, mesh=case.mesh,
+                             in_shardings=case.in_shardings,
+                             donate_argnums=case.donate_argnums)  # fmt: skip
+        out["predicted_plan_ms"] = p.prediction.time_s * 1e3
+        out["predicted_authors_ms"] = mine.prediction.time_s * 1e3
+        out["predicted_plan_mib"] = p.prediction.peak_bytes / MIB
+        out["predicted_authors_mib"] = mine.prediction.peak_bytes / MIB
+        theirs, ours = case.authors_jit(), p.jit()
+        state_a, batch_a = jax.device_put((fresh(), case.batch), case.in_shardings)
+        state_p, batch_p = jax.device_put((fresh(), case.batch), tuple(p.in_shardings))
+        compiled_a = theirs.lower(state_a, batch_a).compile()
+        compiled_p = ours.lower(state_p, batch_p).compile()
+        out["authors_mib"], out["plan_mib"] = compiled_mib(compiled_a), compiled_mib(compiled_p)
+        two, metrics = {}, {}
+        for name, f, s, b in (("authors", theirs, state_a, batch_a), ("plan", ours, state_p,
+                                                                       batch_p)):  # fmt: skip
+            for _ in range(2):
+                s, m = f(s, b)
+            two[name], metrics[name] = s, m
+        out["difference"] = worst_difference(two["plan"], two["authors"])
+        out["metrics_difference"] = worst_difference(metrics["plan"], metrics["authors"])
+        runs = {"authors": [two["authors"], batch_a, compiled_a],
+                "plan": [two["plan"], batch_p, compiled_p]}  # fmt: skip
+
+        def stepper(name):
+            def run():
+                held = runs[name]
+                held[0] = held[2](held[0], held[1])[0]
+                return held[0]
+
+            return run
+
+        if repeats:
+            times = interleaved_times([stepper("authors"), stepper("plan")], repeats, 1)
+            out["authors_ms"] = times[0]["median"] * 1e3
+            out["plan_ms"] = times[1]["median"] * 1e3
+        out["departures"] = [line for line in p.explain().splitlines()
+                             if line.startswith("Sharding constraints")]  # fmt: skip
+        out["sources"] = sorted({os.path.basename(o.source[0]) for o in p.program.ops
+                                 if o.source})[:12]  # fmt: skip
+        out["not_understood"] = sorted({o.primitive for o in p.program.ops
+                                        if o.how == "replicated"})  # fmt: skip
+    return out
+
+
+def run(config, workdir: str) -> dict:
+    """Every case of ``config.cases`` (``library:dtype:mesh``, comma-separated), measured."""
+    os.makedirs(workdir, exist_ok=True)
+    results = []
+    for spec in config.cases.split(","):
+        library, dtype, mesh = spec.split(":")
+        row = {"library": library, "dtype": dtype, "mesh": mesh}
+        try:
+            case = build_case(library, dtype, mesh)
+        except ImportError as e:
+            row["skipped"] = str(e)
+            results.append(row)
+            continue
+        row.update(measure(case, config.repeats))
+        results.append(row)
+        logging.warning("%s", json.dumps(row))
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(report(results))
+    return {"results": results, "workdir": workdir}
+
+
+def report(results: list[dict]) -> str:
+    """The table: per case, compiled memory and measured time of the plan against the authors'
+    layout, both predictions, the search's seconds and the largest state difference."""
+    lines = [
+        "| library | dtype | mesh | compiled MiB plan / authors | measured ms plan / authors "
+        "| predicted ms plan / authors | search s | state / loss difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['library']} | {r['dtype']} | {r['mesh']} | skipped: not "
+                         "installed | | | | |")  # fmt: skip
+            continue
+        timed = (f"{r['plan_ms']:.0f} / {r['authors_ms']:.0f} = "
+                 f"{r['plan_ms'] / r['authors_ms']:.2f}x" if "plan_ms" in r else "not timed")  # fmt: skip
+        lines.append(
+            f"| {r['library']} | {r['dtype']} | {r['mesh']} | {r['plan_mib']:.1f} / "
+            f"{r['authors_mib']:.1f} = {r['plan_mib'] / r['authors_mib']:.2f}x | {timed} | "
+            f"{r['predicted_plan_ms']:.0f} / {r['predicted_authors_ms']:.0f} | "
+            f"{r['search_s']:.1f} | {r['difference']:.1e} / {r['metrics_difference']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    from experiments.measure import force_host_devices
+
+    force_host_devices(8)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # MaxText's imports (transformers, TensorFlow) load Keras: on JAX, as keras-hub's step needs
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    print(json.dumps(run(flags.FLAGS.config, flags.FLAGS.workdir), indent=1))
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", "configs/real_code.py", "Config file.")
+    flags.DEFINE_string("workdir", "workdir/real_code", "Where outputs go.")
+    app.run(main)

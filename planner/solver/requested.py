@@ -1,0 +1,70 @@
+"""The layout the user's program already asks for, as a schedule the search prices and may keep.
+
+Two things say it: the program's sharding constraints (:mod:`planner.program.constraints`) and
+the layouts its inputs are given (``in_shardings``, or the arrays' own shardings:
+``plan(..., compare=...)``, :func:`planner.price`). :class:`Requested` holds them with what
+``plan(..., constraints=...)`` does with the constraints:
+
+- ``"hint"`` (the default): the user's layout is priced as a whole-program strategy beside the
+  experts' and seeds the search, which departs from it where it predicts better;
+- ``"keep"``: every constraint holds in every schedule the search prices (its op's loops are
+  fixed; the other ops follow);
+- ``"drop"``: constraints are identities and nothing more (the inputs' layouts are still priced).
+
+Example:
+    >>> req = Requested("hint", stored=((("fsdp",), ()), None))
+    >>> sched = req.schedule(prog, {"fsdp": 4, "tensor": 2})          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from planner.layout.donation import keep_state_layouts
+from planner.program.constraints import MODES, requested_assignment
+from planner.program.ir import Program
+from planner.program.schedule import Schedule, Spec, make_schedule
+from redist.types import MeshShape
+
+Assignment = dict[str, dict[str, tuple[str, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Requested:
+    """What the program asks for: ``mode`` (see the module) and ``stored``, per input of the
+    program (its leaves in order), the layout it is given (``None``: none; whole mesh axes)."""
+
+    mode: str = "hint"
+    stored: tuple[Spec | None, ...] = ()
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"constraints must be one of {MODES}, got {self.mode!r}")
+
+    def assignment(self, prog: Program, shape: MeshShape, xla: bool = True) -> Assignment:
+        """The constrained ops' loops as their constraints ask (none with ``"drop"``)."""
+        if self.mode == "drop":
+            return {}
+        return requested_assignment(prog, shape, xla)[0]
+
+    def pinned(self, prog: Program, shape: MeshShape, xla: bool = True) -> Assignment:
+        """What every schedule priced must keep: the constraints under ``"keep"``, else nothing."""
+        return self.assignment(prog, shape, xla) if self.mode == "keep" else {}
+
+    def stored_specs(self, prog: Program) -> dict[str, Spec]:
+        """Input name -> its given layout, for :func:`planner.program.schedule.make_schedule`."""
+        return {v.name: s for v, s in zip(prog.inputs, self.stored) if s is not None}
+
+    def asks(self, prog: Program, shape: MeshShape, xla: bool = True) -> bool:
+        """Whether the program asks for any layout (a constraint that can hold, or an input's)."""
+        return bool(self.assignment(prog, shape, xla) or self.stored_specs(prog))
+
+    def schedule(self, prog: Program, sizes: dict[str, int], xla: bool = True) -> Schedule:
+        """The user's layout as a whole schedule: the constrained ops as asked, the inputs stored
+        as given, every other op by propagation from them (as XLA's partitioner propagates),
+        donated state stored as the step leaves it. Raises ``ValueError`` where the inputs'
+        layouts do not fit the mesh."""
+        shape = MeshShape.of(sizes)
+        sched = make_schedule(prog, self.assignment(prog, shape, xla), sizes,
+                              stored=self.stored_specs(prog), xla=xla)  # fmt: skip
+        return keep_state_layouts(prog, sched)
