@@ -107,11 +107,27 @@ def run(workdir: str) -> str:
             for name, r in lowered.items()
         ),
     ]
-    sections = tpu_sections(workdir) + spatial_section(workdir) + uneven_section(workdir)
+    sections = (tpu_sections(workdir) + spatial_section(workdir) + uneven_section(workdir)
+                + real_code_section(workdir))  # fmt: skip
     text = "\n".join(lines + sections) + "\n"
     with open(os.path.join(workdir, "README.md"), "w") as f:
         f.write(text)
     return text
+
+
+def real_code_section(workdir: str) -> list[str]:
+    """Markdown on ``real_code/`` (MaxText's, keras-hub's and gemma's own steps against their
+    authors' layouts): it needs Python >= 3.12 with those libraries, so it is run on its own
+    (``python -m experiments.real_code --config=configs/real_code.py --workdir=results/real_code``)
+    and read here."""
+    path = os.path.join(workdir, "real_code", "report.md")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        table = f.read().strip()
+    return ["", "## The code people run (`real_code/`)", "",
+            "Each library's own training step, tiny, on 8 CPU devices: the plan against the "
+            "authors' layout.", "", table]  # fmt: skip
 
 
 def tpu_sections(workdir: str) -> list[str]:
