@@ -186,7 +186,7 @@ def plan(
         )
         return AutoPlan(prog, sched, pred, mesh, searching[0], sig.in_tree, out_tree, replicated,
                         calibration, sig, _argnums(donate_argnums, len(args)), remat,
-                        asked=_asked(prog, requested, shape, xla_only_splits))  # fmt: skip
+                        asked=requested.asked(prog, sizes, xla_only_splits))  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None
@@ -311,16 +311,6 @@ def _requested(prog: Program, values, positional, compare, constraints: str, sha
                           f"{dict(shape.sizes)} and are ignored: " + "; ".join(problems),
                           stacklevel=3)  # fmt: skip
     return dataclasses.replace(requested, stored=stored)
-
-
-def _asked(prog: Program, requested: Requested, shape: MeshShape, xla: bool):
-    """The user's own layout as a schedule, where the program asks for one (else ``None``)."""
-    if not requested.asks(prog, shape, xla):
-        return None
-    try:
-        return requested.schedule(prog, shape.sizes, xla)
-    except ValueError:
-        return None
 
 
 def _argnums(donate_argnums, n: int) -> tuple[int, ...]:

@@ -195,3 +195,12 @@ def test_plan_jit_takes_arrays_placed_in_another_layout(mesh):
     _close(p.jit()(*placed), f(*args))
     _close(p.jit(donate_argnums=(0,))(*[a.copy() for a in placed]), f(*args))
     assert p.jit().lower(*args).compile() is not None
+
+
+def test_a_constrained_plan_runs_under_set_mesh_and_jit_of_grad(mesh):
+    f, args = _mlp(mesh)
+    p = planner.plan(f, *args, mesh=mesh)
+    with jax.set_mesh(mesh):
+        _close(p.jit()(*args), f(*args))
+    g = jax.jit(jax.grad(lambda *a: p.jit()(*a), argnums=1))(*args)
+    _close(g, jax.grad(f, argnums=1)(*args), rtol=1e-4)

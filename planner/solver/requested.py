@@ -68,3 +68,14 @@ class Requested:
         sched = make_schedule(prog, self.assignment(prog, shape, xla), sizes,
                               stored=self.stored_specs(prog), xla=xla)  # fmt: skip
         return keep_state_layouts(prog, sched)
+
+    def asked(self, prog: Program, sizes: dict[str, int], xla: bool = True) -> Schedule | None:
+        """:meth:`schedule` where the program asks for a layout that fits the mesh, else ``None``
+        (no constraint that holds and no input's layout, or inputs' layouts the mesh does not
+        divide)."""
+        if not self.asks(prog, MeshShape.of(sizes), xla):
+            return None
+        try:
+            return self.schedule(prog, sizes, xla)
+        except ValueError:
+            return None

@@ -495,14 +495,9 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
 
 
 def _asked(prog: Program, shape: MeshShape, requested: Requested, evaluate: _Evaluator) -> list:
-    """The user's own layout scored (:meth:`Requested.schedule`), where the program asks for one
-    that fits the mesh."""
-    if not requested.asks(prog, shape, evaluate.xla):
-        return []
-    try:
-        return [evaluate.schedule(requested.schedule(prog, shape.sizes, evaluate.xla))]
-    except ValueError:  # inputs' layouts the mesh does not divide: priced nowhere
-        return []
+    """The user's own layout scored, where the program asks for one that fits the mesh."""
+    sched = requested.asked(prog, shape.sizes, evaluate.xla)
+    return [] if sched is None else [evaluate.schedule(sched)]
 
 
 def _result(score, evaluate: _Evaluator, limit):
