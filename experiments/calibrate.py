@@ -179,13 +179,20 @@ COLLECTIVE_SIZES = (2**12, 2**18, 2**20)  # float32 elements per device tile
 :func:`_collectives` tries: a least-squares fit of latency + wire bytes / bandwidth over all, of
 relative errors (the largest gathers, whose results leave the caches, would rule otherwise)."""
 
+CHAINED = 8
+"""Collectives :func:`_collectives` adds to a program to time one inside a program: a program's
+call on every device (a few hundred microseconds on 8 CPU devices) is not a collective's."""
+
 
 def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
     """Latency and bandwidth per collective kind, fitted (least squares) to its times at
     :data:`COLLECTIVE_SIZES` over all ``n`` devices and over groups of half of them (two
-    groups at once: the planner's collectives mostly run over one axis of a mesh). On a host
-    whose simulated devices share its cores and memory, what costs is the traffic of all
-    groups at once; the bandwidth is each device's share of it."""
+    groups at once: the planner's collectives mostly run over one axis of a mesh). A
+    collective's time is what one more costs inside a program: programs of 1 and
+    ``1 + CHAINED`` of them in a chain (each result scaled, behind an optimization barrier, as
+    the next one's input), the difference over ``CHAINED``, less the same chain's without the
+    collectives. On a host whose simulated devices share its cores and memory, what costs is
+    the traffic of all groups at once; the bandwidth is each device's share of it."""
     import jax
     import numpy as np
     from jax import lax
@@ -198,12 +205,22 @@ def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
     if n % 2 == 0 and n > 2:
         half = jax.make_mesh((n // 2, 2), ("g", "r"), axis_types=(AxisType.Auto,) * 2)
         meshes.append((half, ("g",), n // 2))
+
+    def chain(one, count: int):
+        def body(t):
+            for _ in range(count):
+                u = one(t)
+                t = lax.optimization_barrier(u[: t.shape[0]] * 1.0001)
+            return t
+
+        return body
+
     latency, bandwidth = {}, {}
     for kind in KINDS:
         points = []
         for m, axes, size in meshes:
             perm = [(i, (i + 1) % size) for i in range(size)]
-            body = {
+            one = {
                 "all-gather": lambda t, a=axes: lax.all_gather(t, a, tiled=True),
                 "all-to-all": lambda t, a=axes: lax.all_to_all(t, a, 0, 0, tiled=True),
                 "collective-permute": lambda t, a=axes, p=perm: lax.ppermute(t, a, p),
@@ -213,15 +230,36 @@ def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
             spec = P(tuple(m.axis_names))
             for elems in COLLECTIVE_SIZES:
                 x = jax.device_put(np.ones((n * elems,), np.float32), NamedSharding(m, spec))
-                f = jax.jit(jax.shard_map(body, mesh=m, in_specs=spec, out_specs=spec,
-                                          check_vma=False))  # fmt: skip
-                nbytes = elems * 4 * (size if kind == "all-gather" else 1)
-                points.append((wire_bytes(kind, nbytes, size), seconds(f, x)))
+                same = lambda t: t  # noqa: E731  (the chain without the collective)
+                if kind == "reduce-scatter":  # its result tiled back to the input's size
+                    x = jax.device_put(np.ones((n * elems * size,), np.float32),
+                                       NamedSharding(m, spec))  # fmt: skip
+                    one = lambda t, f=one, s=size: jnp_tile(f(t), s)  # noqa: E731
+                    same = lambda t, s=size: jnp_tile(t[: t.shape[0] // s], s)  # noqa: E731
+                times = {}
+                for label, fn in (("with", one), ("without", same)):
+                    for count in (1, 1 + CHAINED):
+                        f = jax.jit(jax.shard_map(chain(fn, count), mesh=m, in_specs=spec,
+                                                  out_specs=spec, check_vma=False))  # fmt: skip
+                        times[label, count] = seconds(f, x)
+                added = (times["with", 1 + CHAINED] - times["with", 1]) / CHAINED
+                base = (times["without", 1 + CHAINED] - times["without", 1]) / CHAINED
+                nbytes = elems * 4 * (size if kind in ("all-gather", "reduce-scatter") else 1)
+                points.append((wire_bytes(kind, nbytes, size), max(added - base, 1e-7)))
         wire, t = np.array(points).T
         slope, intercept = np.polyfit(wire, t, 1, w=1 / t)  # relative errors: every size counts
         bandwidth[kind] = float(1 / max(slope, 1e-15))
-        latency[kind] = float(max(intercept, 1e-7))
+        # a fit through noise can pass below zero: the smallest collectives are latency alone
+        smallest = float(t[wire == wire.min()].min())
+        latency[kind] = float(intercept if intercept > 0.1 * smallest else smallest)
     return latency, bandwidth
+
+
+def jnp_tile(t, times: int):
+    """``t`` repeated ``times`` along its one axis (a reduce-scatter's input for the next)."""
+    import jax.numpy as jnp
+
+    return jnp.tile(t, times)
 
 
 def _with_memory(cal, device_kind: str):

@@ -45,7 +45,8 @@ def test_named_problems_config():
 
 def test_paper_problems_side_by_side():
     text = paper_problems.describe("P2")
-    assert "dynslice" in text and "all-to-all" in text
+    assert "dynslice(" in text and "alltoall(" in text  # the plan (its lowering: by calibration)
+    assert "redist collectives:" in text
     assert "XLA    collectives:" in text
 
 

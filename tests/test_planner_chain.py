@@ -118,13 +118,14 @@ def test_alpa_oracle_small_batch_large_hidden_gives_megatron_alternation():
 
 
 def test_alpa_oracle_large_batch_small_hidden_gives_data_parallelism_on_a_fast_network():
-    # On this CPU (collective latency ~0.4 ms against ~0.1 ms of compute per layer) the plan is
-    # to replicate; with latencies 100x smaller, as on an accelerator interconnect, it is pure data
+    # With collective latencies of ~0.6 ms against ~0.1 ms of compute per layer the plan is to
+    # replicate; with latencies 1000x smaller, as on an accelerator interconnect, it is pure data
     # parallelism: the batch split everywhere, one all-reduce per weight gradient (the loss the
     # step drops is dead code, not planned).
     prog = _program("mlp", [256, 32, 6])
-    cpu = Calibration.default()
-    fast = dataclasses.replace(cpu, latency_s={k: v / 100 for k, v in cpu.latency_s.items()})
+    base = Calibration.default()
+    cpu = dataclasses.replace(base, latency_s={k: 6e-4 for k in base.latency_s})
+    fast = dataclasses.replace(cpu, latency_s={k: v / 1000 for k, v in cpu.latency_s.items()})
     sched, _ = search(prog, {"a": 2, "b": 2}, fast)
     assert [sched.assign[o.name] for o in anchors(prog)] == [{"m": ("a", "b")}] * 6
     psums = _psums(prog, sched)

@@ -110,6 +110,67 @@ def test_fusion_copies_a_cheap_op_into_each_consumer_and_writes_for_a_scatter():
     assert f.runs[mulc.name] == 2 and f.reads[mulc.name][0] == 2  # products read for themselves
 
 
+def _mlp_grad(ws, a):
+    h = a @ ws[0]
+    h = jnp.tanh(h) * jax.nn.sigmoid(h)
+    return jnp.mean((h @ ws[1] - a) ** 2)
+
+
+def _twice(t, s):
+    return t * s, t + 1  # t read by two kernels
+
+
+def _once(t):
+    return t * 2 + t * 3  # t read twice in one kernel
+
+
+CPU_PROGRAMS = {
+    "dot_bias_relu": (lambda a, b, c: jax.nn.relu(a @ b + c), (16, 24), (24, 32), (32,)),
+    "tanh_two_kernels": (lambda a: _twice(jnp.tanh(a), jax.nn.sigmoid(a)), (64, 32)),
+    "tanh_one_kernel": (lambda a: _once(jnp.tanh(a)), (64, 32)),
+    "reduce_and_other": (lambda a: ((a * 3).sum(1), (a * 3) + 2), (64, 32)),
+    "siblings": (lambda a: (a * 2, a + 1, a - 3), (64, 32)),
+    "elementwise_into_dot": (lambda a, b: (a * 2) @ jnp.tanh(b), (64, 32), (32, 32)),
+    "softmax": (lambda a: jax.nn.softmax(a, -1), (64, 32)),
+    "mlp_grad": (jax.grad(_mlp_grad), ((32, 48), (48, 32)), (64, 32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CPU_PROGRAMS))
+def test_cpu_fusion_counts_the_bytes_xla_cpu_compiles(name):
+    """XLA:CPU's kernels (planner.cost.costs.SEPARATE_KERNELS): products fuse nothing, an
+    expensive value that two kernels read is written once, a reduction fuses only what it alone
+    reads, siblings each read their input. The predicted bytes accessed of the whole program on
+    one device are the compiled program's ``cost_analysis()`` figure (within 10%: a softmax's
+    maximum is computed in the kernel that reads it), and the TPU's model is another."""
+    fn, *shapes = CPU_PROGRAMS[name]
+    rng = np.random.default_rng(0)
+    args = jax.tree.map(lambda s: rng.normal(size=s).astype(np.float32), shapes,
+                        is_leaf=lambda s: isinstance(s, tuple) and all(isinstance(n, int) for n in s))  # fmt: skip
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    compiled = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+    prog = planner.analyze(fn, *args)
+    sched = prog.schedule({}, {"a": 1}, default="replicate")
+    cpu = planner.simulate(prog, sched, Calibration.named("cpu")).bytes_accessed
+    assert cpu == pytest.approx(compiled, rel=0.1), (cpu, compiled)
+    tpu = planner.simulate(prog, sched, Calibration.named("tpu_v5p")).bytes_accessed
+    if name in ("mlp_grad", "elementwise_into_dot", "tanh_two_kernels", "siblings"):
+        assert tpu < 0.9 * compiled  # the TPU's compiler fuses these; XLA:CPU does not
+
+
+def test_cpu_fusion_writes_an_expensive_value_read_by_two_kernels():
+    prog = planner.analyze(lambda a: _twice(jnp.tanh(a), 2.0), y)
+    tanh = next(o for o in prog.ops if o.primitive == "tanh")
+    cpu, tpu = fusion(prog, "cpu"), fusion(prog, "tpu")
+    assert cpu.writes[tanh.name] == (1,)
+    assert tpu.writes[tanh.name] == (0,) and tpu.runs[tanh.name] == 2
+    prog = planner.analyze(lambda a, b: jnp.tanh(a @ b), x, w)
+    dot, tanh = prog.ops
+    cpu, tpu = fusion(prog, "cpu"), fusion(prog, "tpu")
+    assert cpu.writes[dot.name] == (1,) and cpu.reads[tanh.name] == (1,)
+    assert tpu.writes[dot.name] == (0,)
+
+
 def test_prediction_sums_flops_bytes_and_trips():
     def layers(h, ws):
         return lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, ws)[0]

@@ -26,12 +26,14 @@ Flops (XLA's ``HloCostAnalysis``, checked on the TPU compiler, libtpu 0.0.42):
 Bytes follow fusion (:func:`fusion`): XLA fuses chains of elementwise ops, broadcasts and
 reshapes into the kernel that consumes them (a reduction, a product, the last op of the chain),
 and an elementwise consumer into the product it follows; a fused kernel reads its inputs from
-memory once and writes the values it hands on, and nothing in between. Kernel boundaries are a
-property of the program alone; the bytes of each read and write depend on the layouts a schedule
+memory once and writes the values it hands on, and nothing in between. XLA:CPU fuses less
+(:data:`SEPARATE_KERNELS`: products alone, expensive values read by two kernels written, no
+sibling fusion), so :func:`fusion` has a model per backend. Kernel boundaries are a property of
+the program (and the backend) alone; the bytes of each read and write depend on the layouts a schedule
 gives (local tiles), so :func:`op_bytes` prices one op with its operand and result tile sizes.
 
 Example:
-    >>> f = fusion(prog)                                                   # doctest: +SKIP
+    >>> f = fusion(prog, "cpu")                                            # doctest: +SKIP
     >>> op_flops(op, {"m": 64, "n": 32, "k": 16})                          # doctest: +SKIP
     (65536.0, 0.0)
 """
@@ -70,7 +72,7 @@ EXPANDED = {
 }
 ARG_REDUCTION_FLOPS = 9.0  # compare and select of value and index per reduced element (measured)
 # Elementwise ops the compiler does not copy into several consumers (XLA's "expensive" ops).
-EXPENSIVE = TRANSCENDENTAL | frozenset(EXPANDED) | {"div", "rem", "logistic"}
+EXPENSIVE = TRANSCENDENTAL | {"div", "rem", "logistic", "exp2", "erf_inv", "threefry2x32"}
 DENSE = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -202,22 +204,46 @@ class Fusion:
         return self.reads[op.name], self.writes[op.name], self.runs[op.name]
 
 
-def fusion(prog: Program) -> Fusion:
-    """Where the compiler's kernels begin and end in ``prog`` (cached on the program).
+SEPARATE_KERNELS = frozenset({"cpu"})
+"""Backends whose compiler fuses less than the TPU's (XLA:CPU, JAX 0.10 and 0.12, checked on its
+HLO): a product is a kernel of its own (a YNNPACK or Eigen dot) that fuses no elementwise op
+into its operands or its result (a view of an operand, a transpose or reshape, is folded into
+the product's dimensions); an expensive elementwise value (:data:`EXPENSIVE`) that kernels
+beside one read is written once (``wrapped_tanh``) rather than computed again in each; a
+reduction computes a value fused into it only when it is the value's one reader; and kernels
+reading the same value are not fused into one with several outputs: each reads it."""
+
+FUSION_MODELS = ("tpu", *sorted(SEPARATE_KERNELS))
+"""The fusion models :func:`fusion` has: the TPU's (also XLA:GPU's), and XLA:CPU's."""
+
+FOLDED_VIEWS = frozenset("reshape squeeze expand_dims transpose".split()) | IDENTITIES
+"""Data movement a product folds into its dimensions (:data:`SEPARATE_KERNELS`)."""
+
+
+def fusion(prog: Program, backend: str = "tpu") -> Fusion:
+    """Where the ``backend``'s compiler begins and ends kernels in ``prog`` (cached on the
+    program per backend).
 
     A value stays inside a kernel (is not written to memory) when it is not a program output and
     either its producer is data movement or elementwise and every consumer can fuse it (anything
-    but the ``"other"`` kinds), copied into each consumer unless the producer is expensive (then
-    only with one consumer); or its producer is a product whose one consumer is elementwise (the
-    product's output fusion). Every other value is written once and read by each kernel that
-    uses it. A kernel is an op with a written result plus everything fused into it, backwards.
+    but the ``"other"`` kinds), copied into each consumer; or its producer is a product whose one
+    consumer is elementwise (the product's output fusion). Every other value is written once and
+    read by each kernel that uses it. A kernel is an op with a written result plus everything
+    fused into it, backwards. Backends in :data:`SEPARATE_KERNELS` fuse less (see there).
+
+    Example:
+        >>> fusion(prog, "cpu").writes["tanh_2"]   # tanh read by two kernels   # doctest: +SKIP
+        (1,)
     """
-    cached = prog.__dict__.get("_fusion")
-    if cached is not None:
-        return cached
+    cache = prog.__dict__.setdefault("_fusion", {})
+    backend = backend if backend in FUSION_MODELS else "tpu"
+    if backend in cache:
+        return cache[backend]
+    separate = backend in SEPARATE_KERNELS
     kinds = {o.name: kind(o) for o in prog.ops}
     outputs = {v.name for v in prog.outputs}
     uses = prog.uses
+    producer = prog.producer
     materialized: set[str] = set()
     dense_out: list[tuple[str, str]] = []
     for o in prog.ops:
@@ -234,12 +260,19 @@ def fusion(prog: Program) -> Fusion:
                 spread = o.primitive in ("broadcast_in_dim", "iota") and all(
                     math.prod(a.value.shape) <= 1 for a in o.operands
                 )
-                if not spread and any(kinds[c] == "other" for c in consumers):
+                if spread:
+                    continue
+                if any(kinds[c] == "other" for c in consumers):
                     materialized.add(name)
-            elif k == "dense" and len(consumers) == 1:
+                elif separate and len(consumers) > 1 and any(kinds[c] == "reduction"
+                                                             for c in consumers):  # fmt: skip
+                    materialized.add(name)  # a reduction fuses only what it alone reads
+            elif k == "dense" and len(consumers) == 1 and not separate:
                 dense_out.append((name, next(iter(consumers))))
             else:
                 materialized.add(name)
+    if separate:
+        materialized |= _read_by_products(prog, kinds)
     # A product's output fuses into its one elementwise consumer when that consumer is the end
     # of its kernel (written, so that the product runs in one kernel, never copied).
     for name, c in dense_out:
@@ -248,27 +281,23 @@ def fusion(prog: Program) -> Fusion:
             r.value.name in materialized for r in consumer.results
         ):
             materialized.add(name)
-    producer = prog.producer
+    kernels = _kernels(prog, materialized)
+    while separate:  # an expensive value read by several kernels is written by its own
+        shared = {r.value.name for o in prog.ops if o.primitive in EXPENSIVE
+                  for r in o.results if r.value.name not in materialized
+                  and len({k for c, _ in uses.get(r.value.name, ()) for k in kernels[c.name]}) > 1}  # fmt: skip
+        if not shared:
+            break
+        materialized |= shared
+        kernels = _kernels(prog, materialized)
     reads: dict[str, list[int]] = {o.name: [0] * len(o.operands) for o in prog.ops}
-    runs = dict.fromkeys((o.name for o in prog.ops), 0)
-    shared: set[str] = set()  # values read by some kernel that is not a product's
-    for root in prog.ops:
-        if not any(r.value.name in materialized for r in root.results):
-            continue
-        # the kernel: root and the ops whose values reach it without being written
-        members, stack = {root.name}, [root]
-        while stack:
-            o = stack.pop()
-            for acc in o.operands:
-                p = producer.get(acc.value.name)
-                if p is not None and acc.value.name not in materialized and p.name not in members:
-                    members.add(p.name)
-                    stack.append(p)
+    runs = {o.name: len(kernels[o.name]) for o in prog.ops}
+    shared_reads: set[str] = set()  # values read by some kernel that is not a product's
+    for root, members in _members(prog, materialized):
         # A product's kernel reads its inputs itself; the other kernels reading one value are
         # siblings the compiler fuses into one kernel with several outputs: read once for all.
-        seen: set[str] = set() if kinds[root.name] == "dense" else shared
+        seen: set[str] = set() if separate or kinds[root.name] == "dense" else shared_reads
         for o in sorted((prog.op(n) for n in members), key=lambda o: prog.index[o.name]):
-            runs[o.name] += 1
             for k, acc in enumerate(o.operands):
                 name = acc.value.name
                 if name in seen or (name in producer and name not in materialized):
@@ -278,7 +307,56 @@ def fusion(prog: Program) -> Fusion:
     writes = {o.name: tuple(int(r.value.name in materialized) for r in o.results)
               for o in prog.ops}  # fmt: skip
     out = Fusion(frozenset(materialized), {n: tuple(v) for n, v in reads.items()}, writes, runs)
-    prog.__dict__["_fusion"] = out
+    cache[backend] = out
+    return out
+
+
+def _read_by_products(prog: Program, kinds: Mapping[str, str]) -> set[str]:
+    """Values a product reads from memory where products fuse nothing (:data:`SEPARATE_KERNELS`):
+    each operand, or what a view of it (:data:`FOLDED_VIEWS`) reads, back to a value that is a
+    program input or made by an op that is not a view."""
+    out: set[str] = set()
+    producer = prog.producer
+    for o in prog.ops:
+        if kinds[o.name] != "dense":
+            continue
+        stack = [a.value.name for a in o.operands]
+        while stack:
+            name = stack.pop()
+            p = producer.get(name)
+            if p is None:
+                continue
+            if p.primitive in FOLDED_VIEWS and len(p.operands) == 1:
+                stack.append(p.operands[0].value.name)
+            elif kinds[p.name] in ("movement", "elementwise"):
+                out.add(name)
+    return out
+
+
+def _members(prog: Program, materialized: Collection[str]):
+    """Each kernel as ``(root, member op names)``: an op with a written result and the ops whose
+    values reach it without being written."""
+    producer = prog.producer
+    for root in prog.ops:
+        if not any(r.value.name in materialized for r in root.results):
+            continue
+        members, stack = {root.name}, [root]
+        while stack:
+            o = stack.pop()
+            for acc in o.operands:
+                p = producer.get(acc.value.name)
+                if p is not None and acc.value.name not in materialized and p.name not in members:
+                    members.add(p.name)
+                    stack.append(p)
+        yield root, members
+
+
+def _kernels(prog: Program, materialized: Collection[str]) -> dict[str, set[str]]:
+    """The roots of the kernels each op runs in (none: dead code the compiler drops)."""
+    out: dict[str, set[str]] = {o.name: set() for o in prog.ops}
+    for root, members in _members(prog, materialized):
+        for n in members:
+            out[n].add(root.name)
     return out
 
 

@@ -151,7 +151,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     parts = {lp.name: math.prod(sizes[a] for a in sched.axes_of(op, lp.name)) for lp in op.loops}
     local = {lp.name: tile(lp.extent, parts[lp.name]) for lp in op.loops}
     padded = {lp.name for lp in op.loops if lp.extent % parts[lp.name]}
-    fused = fusion(sched.program)
+    fused = fusion(sched.program, cal.backend)
     # once per op (the compiler also counts a cheap op it copies into several kernels each time:
     # a few percent more on elementwise-heavy programs); none for an op no kernel needs
     ran = 1 if fused.runs[op.name] else 0
@@ -211,7 +211,7 @@ def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tupl
     op = st.op
     key = (op.signature, tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves),
            tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
-           st.pending, st.scatter, fusion(sched.program).key(op))  # fmt: skip
+           st.pending, st.scatter, fusion(sched.program, cal.backend).key(op))  # fmt: skip
     priced = memo.get(key)
     if priced is None:
         priced = memo[key] = _price(op, st, sched, sizes, m, cal)

@@ -416,6 +416,34 @@ def _try(op: Op, mesh, wanted: dict[str, Axes], xla: bool = False) -> dict[str, 
     return out
 
 
+def _refine(op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool) -> bool:
+    """Split ``op`` (partitioned already, no reduction) further on loops its consumers split
+    and it leaves whole, over axes it does not use (a local slice, no communication), as
+    XLA's propagation makes a sharding more specific: the transpose of a weight's gradient
+    takes the weight's FSDP split from the update that reads it, and the product's partial sum
+    before it becomes a reduce-scatter. Returns whether it changed."""
+    if op.reductions:
+        return False
+    have = result[op.name]
+    used = {a for axes in have.values() for a in axes}
+    wanted = dict(have)
+    for res in op.results:
+        for c, acc in consumers.get(res.value.name, ()):
+            if not result.get(c.name):
+                continue
+            for d, axes in zip(res.dims, sched.spec(c, acc)):
+                if d and axes and d[0] not in wanted and not used & set(axes):
+                    wanted[d[0]] = axes
+                    used.update(axes)
+    if wanted == have:
+        return False
+    new = _try(op, mesh, wanted, xla)
+    if len(new) <= len(have):
+        return False
+    result[op.name] = new
+    return True
+
+
 def _propagate(
     prog: Program, mesh, result: dict, fixed: set[str], at_rest, xla: bool, rounds: int = 3
 ) -> None:
@@ -446,7 +474,10 @@ def _propagate(
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.
         for o in reversed(prog.ops):
-            if o.name in fixed or o.name in tied or result.get(o.name):
+            if o.name in fixed or o.name in tied:
+                continue
+            if result.get(o.name):
+                changed |= _refine(o, mesh, result, consumers, sched, xla)
                 continue
             wanted = {}
             for res in o.results:

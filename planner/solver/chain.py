@@ -39,7 +39,7 @@ import collections
 import math
 from collections.abc import Sequence
 
-from planner.cost.costs import fusion
+from planner.cost.costs import FUSION_MODELS, fusion
 from planner.cost.simulator import op_seconds, simulate
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
@@ -128,7 +128,7 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     # where the compiler's kernels end, which the whole program decides: windows share the
     # whole program's memo and fusion.
     sub.__dict__["_price_memo"] = prog.__dict__.setdefault("_price_memo", {})
-    sub.__dict__["_fusion"] = fusion(prog)
+    sub.__dict__["_fusion"] = {b: fusion(prog, b) for b in FUSION_MODELS}
     return sub
 
 
@@ -141,11 +141,12 @@ def structure(prog: Program) -> tuple:
         return (ids.setdefault(v.name, len(ids)), v.shape, v.dtype)
 
     ins = tuple(vid(v) for v in prog.inputs)
-    fused = fusion(prog)
+    fused = [fusion(prog, b) for b in FUSION_MODELS]
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
-         tuple((vid(r.value), r.dims, r.halo) for r in o.results), fused.key(o), o.windows)
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results),
+         tuple(f.key(o) for f in fused), o.windows)
         for o in prog.ops
     )  # fmt: skip
     return ins, ops, tuple(vid(v) for v in prog.outputs)

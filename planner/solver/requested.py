@@ -20,13 +20,38 @@ from __future__ import annotations
 
 import dataclasses
 
-from planner.layout.donation import keep_state_layouts
+from planner.layout.donation import donated_pairs, keep_state_layouts
 from planner.program.constraints import MODES, requested_assignment
 from planner.program.ir import Program
-from planner.program.schedule import Schedule, Spec, make_schedule
+from planner.program.schedule import Schedule, Spec, check_assignment, make_schedule
 from redist.types import MeshShape
 
 Assignment = dict[str, dict[str, tuple[str, ...]]]
+
+
+def returned_as_given(
+    prog: Program, stored: dict[str, Spec], shape: MeshShape, xla: bool = True
+) -> Assignment:
+    """The loops of the ops making donated state's outputs (:func:`donated_pairs`) split so that
+    each comes back in its input's given layout (``stored``: input name -> whole mesh axes per
+    dimension); an op whose loops cannot lay its result out so is left to propagation.
+
+    Example:
+        >>> returned_as_given(prog, {"mu": (("fsdp",), ())}, MeshShape.of({"fsdp": 4}))  # doctest: +SKIP
+        {'add_41': {'i0': ('fsdp#0', 'fsdp#1')}}
+    """
+    out: Assignment = {}
+    for inp, res in donated_pairs(prog):
+        spec, op = stored.get(inp.name), prog.producer.get(res.name)
+        if not spec or op is None or op.how == "region" or op.name in out:
+            continue
+        access = next(r for r in op.results if r.value.name == res.name)
+        loops = {dims[0]: axes for dims, axes in zip(access.dims, spec) if axes and dims}
+        try:
+            out[op.name] = check_assignment(shape, op, loops, xla)
+        except ValueError:
+            continue
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +86,15 @@ class Requested:
 
     def schedule(self, prog: Program, sizes: dict[str, int], xla: bool = True) -> Schedule:
         """The user's layout as a whole schedule: the constrained ops as asked, the inputs stored
-        as given, every other op by propagation from them (as XLA's partitioner propagates),
-        donated state stored as the step leaves it. Raises ``ValueError`` where the inputs'
-        layouts do not fit the mesh."""
+        as given, donated state returned as it was given (the op making each donated input's
+        paired output lays it out as the input: ``jax.jit(out_shardings=in_shardings)``, as
+        MaxText's and Keras' steps are jitted), every other op by propagation from them (as
+        XLA's partitioner propagates). Raises ``ValueError`` where the inputs' layouts do not
+        fit the mesh."""
         shape = MeshShape.of(sizes)
-        sched = make_schedule(prog, self.assignment(prog, shape, xla), sizes,
-                              stored=self.stored_specs(prog), xla=xla)  # fmt: skip
+        stored = self.stored_specs(prog)
+        assign = returned_as_given(prog, stored, shape, xla) | self.assignment(prog, shape, xla)
+        sched = make_schedule(prog, assign, sizes, stored=stored, xla=xla)
         return keep_state_layouts(prog, sched)
 
     def asked(self, prog: Program, sizes: dict[str, int], xla: bool = True) -> Schedule | None:
