@@ -204,3 +204,26 @@ def test_a_constrained_plan_runs_under_set_mesh_and_jit_of_grad(mesh):
         _close(p.jit()(*args), f(*args))
     g = jax.jit(jax.grad(lambda *a: p.jit()(*a), argnums=1))(*args)
     _close(g, jax.grad(f, argnums=1)(*args), rtol=1e-4)
+
+
+def test_the_users_layout_returns_donated_state_as_it_was_given(mesh):
+    """A step jitted with ``out_shardings=in_shardings`` (MaxText's, Keras's): the momentum's
+    update is laid out as the momentum was given, so the priced layout stores it as given and
+    reduce-scatters the gradient into it, rather than storing it as the gradient comes."""
+
+    def step(state, x):
+        w, m = state
+        g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        m = g + 0.9 * m  # the gradient's layout first: propagation alone would follow it
+        return w - 0.1 * m, m
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(32, 16)) / 6, jnp.float32)
+    state, x = (w, jnp.zeros_like(w)), jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    given = ((P("fsdp", "tensor"), P("tensor", "fsdp")), P("fsdp"))
+    mine = planner.price(step, state, x, mesh=mesh, in_shardings=given, donate_argnums=0)
+    specs = [*mine.in_specs[0], mine.in_specs[1]]
+    assert specs == [P("fsdp", "tensor"), P("tensor", "fsdp"), P("fsdp")]
+    out = mine.jit()(jax.tree.map(jnp.copy, state), x)
+    assert [a.sharding.spec for a in out] == specs[:2]
+    _close(out, step(state, x))
