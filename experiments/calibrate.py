@@ -194,6 +194,7 @@ def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
     collectives. On a host whose simulated devices share its cores and memory, what costs is
     the traffic of all groups at once; the bandwidth is each device's share of it."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import AxisType, NamedSharding
@@ -234,8 +235,8 @@ def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
                 if kind == "reduce-scatter":  # its result tiled back to the input's size
                     x = jax.device_put(np.ones((n * elems * size,), np.float32),
                                        NamedSharding(m, spec))  # fmt: skip
-                    one = lambda t, f=one, s=size: jnp_tile(f(t), s)  # noqa: E731
-                    same = lambda t, s=size: jnp_tile(t[: t.shape[0] // s], s)  # noqa: E731
+                    one = lambda t, f=one, s=size: jnp.tile(f(t), s)  # noqa: E731
+                    same = lambda t, s=size: jnp.tile(t[: t.shape[0] // s], s)  # noqa: E731
                 times = {}
                 for label, fn in (("with", one), ("without", same)):
                     for count in (1, 1 + CHAINED):
@@ -253,13 +254,6 @@ def _collectives(mesh, n: int, seconds) -> tuple[dict, dict]:
         smallest = float(t[wire == wire.min()].min())
         latency[kind] = float(intercept if intercept > 0.1 * smallest else smallest)
     return latency, bandwidth
-
-
-def jnp_tile(t, times: int):
-    """``t`` repeated ``times`` along its one axis (a reduce-scatter's input for the next)."""
-    import jax.numpy as jnp
-
-    return jnp.tile(t, times)
 
 
 def _with_memory(cal, device_kind: str):

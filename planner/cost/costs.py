@@ -281,7 +281,8 @@ def fusion(prog: Program, backend: str = "tpu") -> Fusion:
             r.value.name in materialized for r in consumer.results
         ):
             materialized.add(name)
-    kernels = _kernels(prog, materialized)
+    groups = list(_members(prog, materialized))
+    kernels = _kernels(prog, groups)
     while separate:  # an expensive value read by several kernels is written by its own
         shared = {r.value.name for o in prog.ops if o.primitive in EXPENSIVE
                   for r in o.results if r.value.name not in materialized
@@ -289,11 +290,12 @@ def fusion(prog: Program, backend: str = "tpu") -> Fusion:
         if not shared:
             break
         materialized |= shared
-        kernels = _kernels(prog, materialized)
+        groups = list(_members(prog, materialized))
+        kernels = _kernels(prog, groups)
     reads: dict[str, list[int]] = {o.name: [0] * len(o.operands) for o in prog.ops}
     runs = {o.name: len(kernels[o.name]) for o in prog.ops}
     shared_reads: set[str] = set()  # values read by some kernel that is not a product's
-    for root, members in _members(prog, materialized):
+    for root, members in groups:
         # A product's kernel reads its inputs itself; the other kernels reading one value are
         # siblings the compiler fuses into one kernel with several outputs: read once for all.
         seen: set[str] = set() if separate or kinds[root.name] == "dense" else shared_reads
@@ -351,10 +353,11 @@ def _members(prog: Program, materialized: Collection[str]):
         yield root, members
 
 
-def _kernels(prog: Program, materialized: Collection[str]) -> dict[str, set[str]]:
-    """The roots of the kernels each op runs in (none: dead code the compiler drops)."""
+def _kernels(prog: Program, groups) -> dict[str, set[str]]:
+    """The roots of the kernels each op runs in (``groups``: :func:`_members`; none: dead code
+    the compiler drops)."""
     out: dict[str, set[str]] = {o.name: set() for o in prog.ops}
-    for root, members in _members(prog, materialized):
+    for root, members in groups:
         for n in members:
             out[n].add(root.name)
     return out

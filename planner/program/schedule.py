@@ -416,6 +416,26 @@ def _try(op: Op, mesh, wanted: dict[str, Axes], xla: bool = False) -> dict[str, 
     return out
 
 
+def want_loops(access: Access, spec: Spec, wanted: dict, used: set[str] | None = None) -> None:
+    """Add to ``wanted`` (loop -> axes) the first loop of each dimension of ``access`` that
+    ``spec`` splits, where that loop is not wanted yet (with ``used``: and over axes not used
+    yet, which it then records).
+
+    Example:
+        >>> wanted = {}; want_loops(x_access, (("fsdp",), ()), wanted)   # doctest: +SKIP
+        >>> wanted
+        {'i0': ('fsdp',)}
+    """
+    for d, axes in zip(access.dims, spec):
+        if not d or not axes or d[0] in wanted:
+            continue
+        if used is not None:
+            if used & set(axes):
+                continue
+            used.update(axes)
+        wanted[d[0]] = axes
+
+
 def _refine(op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool) -> bool:
     """Split ``op`` (partitioned already, no reduction) further on loops its consumers split
     and it leaves whole, over axes it does not use (a local slice, no communication), as
@@ -431,10 +451,7 @@ def _refine(op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool) -
         for c, acc in consumers.get(res.value.name, ()):
             if not result.get(c.name):
                 continue
-            for d, axes in zip(res.dims, sched.spec(c, acc)):
-                if d and axes and d[0] not in wanted and not used & set(axes):
-                    wanted[d[0]] = axes
-                    used.update(axes)
+            want_loops(res, sched.spec(c, acc), wanted, used)
     if wanted == have:
         return False
     new = _try(op, mesh, wanted, xla)
@@ -461,12 +478,8 @@ def _propagate(
             elif o.name not in fixed and (k == 0 or not result.get(o.name)):
                 wanted: dict[str, Axes] = {}
                 for acc in o.operands:
-                    spec = layout.get(acc.value.name)
-                    if spec is None:
-                        continue
-                    for d, axes in zip(acc.dims, spec):
-                        if d and axes and d[0] not in wanted:
-                            wanted[d[0]] = axes
+                    if acc.value.name in layout:
+                        want_loops(acc, layout[acc.value.name], wanted)
                 new = _try(o, mesh, wanted, xla)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
@@ -482,11 +495,8 @@ def _propagate(
             wanted = {}
             for res in o.results:
                 for c, acc in consumers.get(res.value.name, ()):
-                    if not result.get(c.name):
-                        continue
-                    for d, axes in zip(res.dims, sched.spec(c, acc)):
-                        if d and axes and d[0] not in wanted:
-                            wanted[d[0]] = axes
+                    if result.get(c.name):
+                        want_loops(res, sched.spec(c, acc), wanted)
             result[o.name] = _try(o, mesh, wanted, xla)
             changed |= bool(result[o.name])
         if not changed:

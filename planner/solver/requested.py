@@ -23,7 +23,13 @@ import dataclasses
 from planner.layout.donation import donated_pairs, keep_state_layouts
 from planner.program.constraints import MODES, requested_assignment
 from planner.program.ir import Program
-from planner.program.schedule import Schedule, Spec, check_assignment, make_schedule
+from planner.program.schedule import (
+    Schedule,
+    Spec,
+    check_assignment,
+    make_schedule,
+    want_loops,
+)
 from redist.types import MeshShape
 
 Assignment = dict[str, dict[str, tuple[str, ...]]]
@@ -46,7 +52,8 @@ def returned_as_given(
         if not spec or op is None or op.how == "region" or op.name in out:
             continue
         access = next(r for r in op.results if r.value.name == res.name)
-        loops = {dims[0]: axes for dims, axes in zip(access.dims, spec) if axes and dims}
+        loops: dict = {}
+        want_loops(access, spec, loops)
         try:
             out[op.name] = check_assignment(shape, op, loops, xla)
         except ValueError:
