@@ -187,7 +187,10 @@ class AutoPlan:
         without arrays) are ``static_argnums``, and each new structure, shape, dtype or static
         value is refused when traced (:class:`planner.calls.ArgumentMismatch`); it is a
         :class:`planner.calls.PlannedJit`: keyword arguments are passed on, and arrays placed in
-        another layout are moved to the plan's first.
+        another layout are moved to the plan's first. Where the program has sharding constraints,
+        only the values the plan lays out otherwise than they ask (and their neighbours) are
+        constrained; elsewhere XLA propagates from the user's constraints, as their own
+        ``jax.jit`` does (:func:`planner.lowering.spmd.anchored`).
 
         Example:
             >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP
@@ -209,7 +212,9 @@ class AutoPlan:
         return self._signature.jit(body, in_shardings, out_shardings, self.out_tree, **jit_kwargs)
 
     def _xla_lowered(self, moves: str) -> Lowered:
-        return Lowered(self.program, self.schedule, self.mesh, "xla", moves, self.calibration)
+        return Lowered(
+            self.program, self.schedule, self.mesh, "xla", moves, self.calibration, self.asked
+        )
 
     def move_choices(self, moves: str = "auto") -> list:
         """For every change of layout the plan makes, how XLA and ``redist`` would make it and

@@ -56,6 +56,7 @@ from planner.program.schedule import (
     xla_splits,
 )
 from planner.solver import strategies
+from planner.solver.schedule_search import TIME_TIE
 from redist.calibration import Calibration, wire_bytes
 from redist.cost import step_costs
 from redist.types import MeshShape
@@ -802,7 +803,10 @@ def constraint_words(prog: Program, sched: Schedule, asked: Schedule | None, mes
         f"Sharding constraints: {len(reqs)} in the program; the plan keeps "
         f"{len(reqs) - len(departed)}"
     )
-    if departed:
+    if not departed:
+        line += (f" (departing must be predicted over {TIME_TIE:.0%} faster, or as fast in less "
+                 "memory)")  # fmt: skip
+    else:
         line += (
             f", departs from {len(departed)}: {_times(asked_pred.time_s, pred.time_s)} as "
             f"fast as your layout, {_times(pred.peak_bytes, asked_pred.peak_bytes)} its "
