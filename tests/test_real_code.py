@@ -44,7 +44,8 @@ def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     """Two steps of the plan equal two of the authors' layout (float32, reassociated sums: the
     loss; the state where AdamW's first step does not amplify rounding, see the experiment);
     every op is understood; explain() names the library's own source files; the plan is never
-    predicted slower than the authors' layout, which it priced."""
+    predicted slower than the authors' layout, which it priced, and compiles to no more memory
+    than the authors' jitted step (``memory_analysis()``, which does not drift)."""
     r = rows[library]
     assert "skipped" not in r, r.get("skipped")
     assert r["metrics_difference"] < 1e-5
@@ -52,10 +53,13 @@ def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     assert r["not_understood"] == []
     assert SOURCES[library] in r["sources"], r["sources"]
     assert r["predicted_plan_ms"] <= r["predicted_authors_ms"] * 1.03
-    assert r["plan_mib"] > 0 and r["authors_mib"] > 0
+    assert 0 < r["plan_mib"] <= r["authors_mib"] * 1.001, (r["plan_mib"], r["authors_mib"])
 
 
 def test_maxtexts_constraints_are_read_and_reported(rows):
     """MaxText constrains every activation: the plan says how many and which it departs from."""
     (line,) = rows["maxtext"]["departures"]
     assert line.startswith("Sharding constraints: 44 in the program")
+    if "departs" not in line:  # the plan is MaxText's layout, run as MaxText's own jit runs it
+        assert rows["maxtext"]["plan_mib"] == rows["maxtext"]["authors_mib"]
+        assert rows["maxtext"]["difference"] == 0.0

@@ -18,7 +18,7 @@ import dataclasses
 
 from planner.program.ir import Program
 from planner.program.ops import Op
-from planner.program.schedule import check_assignment
+from planner.program.schedule import check_assignment, want_loops
 from redist.types import MeshShape
 
 SHARDING_PARAM = {"sharding_constraint": "sharding", "reshard": "dst_sharding",
@@ -119,8 +119,10 @@ def requested_assignment(
 
 
 def _loops(op: Op, req: Request, shape: MeshShape) -> dict[str, tuple[str, ...]]:
-    loops: dict[str, tuple[str, ...]] = {}
-    for dims, axes in zip(op.results[0].dims, req.spec):
+    """The loops of ``op`` that ``req`` splits (its size-1 axes dropped); raises ``ValueError``
+    naming an axis the plan's mesh does not have at the size asked."""
+    spec = []
+    for axes in req.spec:
         wanted = []
         for a in axes or ():
             size = (req.mesh or shape.sizes).get(a, shape.sizes.get(a))
@@ -132,8 +134,9 @@ def _loops(op: Op, req: Request, shape: MeshShape) -> dict[str, tuple[str, ...]]
                     f"{dict(shape.sizes)}"
                 )
             wanted.append(a)
-        if wanted and dims:
-            loops[dims[0]] = tuple(wanted)
+        spec.append(tuple(wanted))
+    loops: dict[str, tuple[str, ...]] = {}
+    want_loops(op.results[0], tuple(spec), loops)
     return loops
 
 
