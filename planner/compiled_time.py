@@ -33,6 +33,7 @@ import json
 
 from planner.compiled import _devices_of
 from redist.calibration import Calibration
+from redist.collectives import CollectiveKind
 from redist.hlo import (
     KINDS,
     CountedCollective,
@@ -48,7 +49,7 @@ GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 def collective_seconds(
     collectives, calibration: Calibration, num_devices: int, crosses: bool = False
 ) -> float:
-    """Seconds of ``collectives`` (:class:`CountedCollective`\\ s, or :class:`redist.hlo.Collective`\\ s
+    """Seconds of ``collectives`` (:class:`CountedCollective`\\ s, or :class:`redist.hlo.CollectiveKind`\\ s
     counted once) at the calibration's prices; a group of unstated size is all ``num_devices``.
     The HLO states each collective's result per device; the calibration prices a reduce-scatter
     by its input (the result times the group)."""
@@ -58,7 +59,7 @@ def collective_seconds(
         if coll.kind not in KINDS:
             continue
         n = coll.group_size or num_devices
-        nbytes = coll.bytes * n if coll.kind == "reduce-scatter" else coll.bytes
+        nbytes = coll.bytes * n if coll.kind == CollectiveKind.REDUCE_SCATTER else coll.bytes
         total += runs * calibration.collective_time(coll.kind, nbytes, n, crosses)
     return total
 

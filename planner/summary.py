@@ -45,6 +45,7 @@ from planner.layout.staging import pipeline_runs, region_of
 from planner.program.constraints import requests
 from planner.program.halo import halo_bytes, split
 from planner.program.ir import Program
+from planner.program.memo import PerObject
 from planner.program.microbatch import microbatching
 from planner.program.ops import Op, is_key, itemsize
 from planner.program.schedule import (
@@ -58,12 +59,22 @@ from planner.program.schedule import (
 from planner.solver import strategies
 from planner.solver.schedule_search import TIME_TIE
 from redist.calibration import Calibration, wire_bytes
+from redist.collectives import CollectiveKind, kind_label
 from redist.cost import step_costs
 from redist.types import MeshShape
 
 MAX_LINES = 40
 HEAVY = 8
-KINDS = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "permute")
+KINDS = tuple(
+    c.short
+    for c in (
+        CollectiveKind.ALL_GATHER,
+        CollectiveKind.ALL_TO_ALL,
+        CollectiveKind.REDUCE_SCATTER,
+        CollectiveKind.ALL_REDUCE,
+        CollectiveKind.PERMUTE,
+    )
+)  # the order rows print in
 OPTIMIZER_KEYS = ("opt_state", "optimizer")
 _FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}
 _ROLE = {  # loop name prefixes of products and convolutions -> words
@@ -453,7 +464,7 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
     out: dict[str, dict] = {}
 
     def add(kind, seconds, sent, trips):
-        kind = "permute" if kind == "collective-permute" else kind
+        kind = kind_label(kind)
         row = out.setdefault(kind, {"count": 0, "bytes": 0.0, "seconds": 0.0})
         row["count"] += trips
         row["bytes"] += sent * trips
@@ -476,22 +487,22 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
             tile *= itemsize(a.dtype)
             for border in halo_bytes(w, math.prod(sched.mesh[x] for x in axes), tile):
                 if border:
-                    seconds = cal.collective_time("collective-permute", border, 2,
+                    seconds = cal.collective_time(CollectiveKind.PERMUTE, border, 2,
                                                   cal.crosses(m, axes))  # fmt: skip
-                    add("collective-permute", seconds, border, op.trips)
+                    add(CollectiveKind.PERMUTE, seconds, border, op.trips)
         if st.pending:
             n = math.prod(sched.mesh[a] for a in st.pending)
             crosses = cal.crosses(m, st.pending)
             for k, (r, spec) in enumerate(zip(op.results, st.out_specs)):
                 size = math.prod(local_shape(r.value.shape, spec, sched.mesh))
                 size *= itemsize(r.value.dtype)
-                kind, nbytes = ("all-reduce", size) if st.scatter[k] is None else (
-                    "reduce-scatter", size * n)  # fmt: skip
+                kind, nbytes = (CollectiveKind.ALL_REDUCE, size) if st.scatter[k] is None else (
+                    CollectiveKind.REDUCE_SCATTER, size * n)  # fmt: skip
                 nbytes /= micro.get(r.value.name, 1)
                 add(kind, cal.collective_time(kind, nbytes, n, crosses),
                     wire_bytes(kind, nbytes, n), trips)  # fmt: skip
     for ticks, seconds, sent in hand_overs(prog, sched, steps, cal):  # pipeline stages
-        add("collective-permute", seconds, sent, ticks)
+        add(CollectiveKind.PERMUTE, seconds, sent, ticks)
     return out
 
 
@@ -655,11 +666,15 @@ def _shorten(lines: list[tuple], room: int) -> list[tuple]:
     return out
 
 
+SUMMARIES: PerObject[Summary] = PerObject("summaries of plans")
+
+
 def summarize(plan) -> Summary:
-    """The summary of an :class:`planner.autoplan.AutoPlan` (cached on it)."""
-    cached = plan.__dict__.get("_summary")
-    if cached is not None:
-        return cached
+    """The summary of an :class:`planner.autoplan.AutoPlan` (held in :data:`SUMMARIES`)."""
+    return SUMMARIES.get(plan, lambda: _summarize(plan))
+
+
+def _summarize(plan) -> Summary:
     prog: Program = plan.program
     sched: Schedule = plan.schedule
     pred: Prediction = plan.prediction
@@ -773,7 +788,6 @@ def summarize(plan) -> Summary:
         constraint_words(prog, sched, plan.asked, mesh, pred, asked)
         + pipeline_words(prog, sched) + xla_only_words(sched),
     )  # fmt: skip
-    plan.__dict__["_summary"] = summary
     return summary
 
 

@@ -41,7 +41,9 @@ import functools
 import json
 import os
 
-KINDS = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+from redist.collectives import CollectiveKind
+
+KINDS = tuple(CollectiveKind)  # what a calibration prices, as its files name them
 DEFAULT_FILE = os.path.join(os.path.dirname(__file__), "calibrations", "cpu.json")
 
 
@@ -49,9 +51,9 @@ def wire_bytes(kind: str, nbytes: float, n: int) -> float:
     """Bytes each device sends for ``kind`` over ``n`` devices (see the table above)."""
     if n <= 1:
         return 0.0
-    if kind == "collective-permute":
+    if kind == CollectiveKind.PERMUTE:
         return float(nbytes)
-    if kind == "all-reduce":
+    if kind == CollectiveKind.ALL_REDUCE:
         return 2.0 * nbytes * (n - 1) / n
     if kind in KINDS:
         return nbytes * (n - 1) / n

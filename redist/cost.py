@@ -20,6 +20,7 @@ import functools
 import math
 
 from redist.calibration import Calibration, wire_bytes
+from redist.collectives import CollectiveKind, of_step
 
 COMMUNICATING = ("alltoall", "allgather", "allpermute", "reducescatter", "allreduce")
 COST_MODELS = ("bytes", "bytes+copies", "calibrated")
@@ -28,10 +29,6 @@ calibration ``<name>`` (``"calibrated"`` alone: the CPU file), see :func:`cost_m
 AUTO = "auto"
 """``redistribute``'s default: the calibrated model on the calibration of the devices the move
 runs on (resolved where the mesh is known, :func:`redist.api.resolved_cost_model`)."""
-# The calibrated model's collective names (redist.calibration) for our step kinds.
-CALIBRATED_KIND = {"alltoall": "all-to-all", "allgather": "all-gather",
-                   "allpermute": "collective-permute", "reducescatter": "reduce-scatter",
-                   "allreduce": "all-reduce"}  # fmt: skip
 KINDS = ("dynslice",) + COMMUNICATING
 
 
@@ -122,9 +119,8 @@ def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int, model: str) 
     cal = model_calibration(model)
     seconds = copies / cal.copy_bytes_per_s
     if kind != "dynslice":
-        collective = CALIBRATED_KIND[kind]
         named = nbytes / 2 if kind == "allreduce" else nbytes  # step_cost counts 2x for it
-        seconds += cal.collective_time(collective, named, group)
+        seconds += cal.collective_time(of_step(kind), named, group)
     return round(seconds * 1e9)
 
 
@@ -135,7 +131,7 @@ def calibrated_floor_ns(nbytes: int, model: str = "calibrated") -> int:
     if nbytes <= 0:
         return 0
     cal = model_calibration(model)
-    kinds = ("all-to-all", "all-gather")
+    kinds = (CollectiveKind.ALL_TO_ALL, CollectiveKind.ALL_GATHER)
     seconds = min(cal.latency_s[k] for k in kinds) + nbytes / 2 / max(
         cal.bytes_per_s[k] for k in kinds
     )
@@ -163,24 +159,21 @@ def step_costs(plan, cal: Calibration) -> list[tuple[str, float, float]]:
         if s.kind == "reblock":  # rounds of collective-permutes of a few rows (redist.uneven)
             rounds = s.collectives
             seconds = rounds and rounds * cal.collective_time(
-                "collective-permute", s.cost_bytes / rounds, n_dev
+                CollectiveKind.PERMUTE, s.cost_bytes / rounds, n_dev
             )
-            out.append(("collective-permute", seconds, float(s.cost_bytes)))
+            out.append((CollectiveKind.PERMUTE, seconds, float(s.cost_bytes)))
             continue
         if s.kind == "allgather" and s.serial:  # rounds of collective-permutes of the tile
             rounds = s.group_size - 1
             seconds = rounds * cal.collective_time(
-                "collective-permute", before, n_dev, cal.crosses(plan.mesh, s.axes)
+                CollectiveKind.PERMUTE, before, n_dev, cal.crosses(plan.mesh, s.axes)
             )
-            out.append(("collective-permute", seconds, float(rounds * before)))
+            out.append((CollectiveKind.PERMUTE, seconds, float(rounds * before)))
             continue
-        kind, nbytes = {
-            "allgather": ("all-gather", after),
-            "alltoall": ("all-to-all", before),
-            "allpermute": ("collective-permute", before * len(s.perm) / n_dev),
-            "reducescatter": ("reduce-scatter", before),
-            "allreduce": ("all-reduce", before),
-        }[s.kind]
+        kind = of_step(s.kind)
+        nbytes = {"allgather": after, "allpermute": before * len(s.perm) / n_dev}.get(
+            s.kind, before
+        )
         n = s.group_size if s.kind != "allpermute" else n_dev
         if s.kind == "allpermute":
             d = cal.domain_devices or n_dev

@@ -22,12 +22,14 @@ import os
 import re
 import tempfile
 
+from redist.collectives import CollectiveKind
+
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
     "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e4m3": 1, "f8e3m4": 1,
 }  # fmt: skip
-KINDS = ("all-to-all", "all-gather", "collective-permute", "all-reduce", "reduce-scatter")
+KINDS = tuple(CollectiveKind)  # the collectives counted, as HLO names them
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z\-]+)(?:-start)?\(")
 _SHAPE = re.compile(r"(pred|bf16|c64|c128|f8e\d+m\d+[a-z]*|[suf]\d+)\[([\d,]*)\]")
 # replica_groups={{0,1},{2,3}} | replica_groups=[4,2]<=[8] | replica_groups=mesh['x'=2,...] ... {'x'}

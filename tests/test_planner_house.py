@@ -1,10 +1,12 @@
-"""The planner's house: stages as packages, each importing only the stages below it.
+"""The planner's house: stages as packages, each importing only the stages below it, and caches
+held by the stage that fills them.
 
 Reads every module's imports from its source (``ast``, nothing imported) and fails on an import
 cycle, on an import from a later stage, on a ``planner`` import deferred into a function (the way
 cycles hide), on a deferred import of anything else without a reason on its line, and on JAX
 imported by a stage that prices or searches (those stay pure). A ``TYPE_CHECKING`` import is for
-annotations only: it may not reach a later stage, and it is left out of the cycle check.
+annotations only: it may not reach a later stage, and it is left out of the cycle check. A module
+writing into another object's ``__dict__`` (a hidden cache) fails too.
 """
 
 from __future__ import annotations
@@ -80,7 +82,11 @@ def problems(sources: dict[str, str]) -> list[str]:
     for name, text in sorted(sources.items()):
         lines = text.splitlines()
         here = stage_of(name)
-        for target, kind, line, comment in imports(ast.parse(text), lines, modules):
+        tree = ast.parse(text)
+        found += [f"{name}:{n.lineno} keeps state in an object's __dict__ (a cache is a "
+                  "planner.program.memo.PerObject its stage owns)"
+                  for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "__dict__"]  # fmt: skip
+        for target, kind, line, comment in imports(tree, lines, modules):
             where = f"{name}:{line} imports {target}"
             if target.split(".")[0] in ("jax", "jaxlib") and here in PURE and kind == "top":
                 found.append(f"{where}: the {here} stage does not import JAX")
@@ -122,6 +128,7 @@ def test_the_planner_imports_only_downwards_without_cycles():
           "planner.program.b": ""}, "inside a function (import it at the top)"),
         ({"planner.program.a": "def f():\n    import numpy\n"}, "without a reason"),
         ({"planner.cost.a": "import jax\n"}, "does not import JAX"),
+        ({"planner.cost.a": "def f(p):\n    p.__dict__['_k'] = 1\n"}, "keeps state in an object's"),
         ({"planner.program.a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                "    from planner.cost.b import C\n", "planner.cost.b": ""},
          "stage 'program' may not import 'cost'"),

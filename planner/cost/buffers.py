@@ -92,6 +92,7 @@ import dataclasses
 import math
 
 from planner.program.ir import Program
+from planner.program.memo import PerObject
 from planner.program.ops import Op
 from planner.program.rules import IDENTITIES
 
@@ -281,11 +282,14 @@ class Lifetimes:
     )
 
 
+LIFETIMES: PerObject[dict[str, Lifetimes]] = PerObject("buffers and lifetimes per backend")
+
+
 def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
     """The program's buffers and their lifetimes when compiled for ``backend`` (a calibration's
     ``backend``: see :data:`UNSHARED_REDUCTIONS`), per the module docstring; computed once per
     program and backend."""
-    cache = prog.__dict__.setdefault("_lifetimes", {})
+    cache = LIFETIMES.get(prog, dict)
     if backend not in cache:
         lt = _lifetimes(
             prog,

@@ -45,6 +45,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 from planner.program.ir import Program
+from planner.program.memo import PerObject
 from planner.program.ops import Access, Op, itemsize
 from planner.program.rules import CUMULATIVE, ELEMENTWISE, IDENTITIES, REDUCTIONS, SCATTERS
 
@@ -220,6 +221,9 @@ FOLDED_VIEWS = frozenset("reshape squeeze expand_dims transpose".split()) | IDEN
 """Data movement a product folds into its dimensions (:data:`SEPARATE_KERNELS`)."""
 
 
+KERNELS: PerObject[dict[str, Fusion]] = PerObject("kernels (fusion) per backend")
+
+
 def fusion(prog: Program, backend: str = "tpu") -> Fusion:
     """Where the ``backend``'s compiler begins and ends kernels in ``prog`` (cached on the
     program per backend).
@@ -235,7 +239,7 @@ def fusion(prog: Program, backend: str = "tpu") -> Fusion:
         >>> fusion(prog, "cpu").writes["tanh_2"]   # tanh read by two kernels   # doctest: +SKIP
         (1,)
     """
-    cache = prog.__dict__.setdefault("_fusion", {})
+    cache = KERNELS.get(prog, dict)
     backend = backend if backend in FUSION_MODELS else "tpu"
     if backend in cache:
         return cache[backend]

@@ -55,9 +55,11 @@ from planner.layout.staging import (
 from planner.program.halo import halo_bytes
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
+from planner.program.memo import PerObject
 from planner.program.ops import itemsize
 from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, tile
 from redist.calibration import Calibration, wire_bytes
+from redist.collectives import CollectiveKind
 from redist.cost import plan_cost
 
 
@@ -93,33 +95,37 @@ def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
     return math.prod(local_shape(shape, spec, sizes)) * itemsize(dtype)
 
 
+ROLLED: PerObject[frozenset[str]] = PerObject("ops of rolled loop bodies")
+PRICES: PerObject[dict] = PerObject("per-op prices, by calibration and mesh (see _memo)")
+
+
 def rolled_ops(prog: Program) -> frozenset[str]:
     """The ops of loop bodies the compiler keeps as loops: a ``while``'s, and a scan's whose
-    ``unroll`` is below its length (cached on the program). Their kernels are priced at the
+    ``unroll`` is below its length (held in :data:`ROLLED`). Their kernels are priced at the
     calibration's ``loop_body_factor`` (no fusion across iterations, slicing of stacked operands).
 
     Example:
         >>> "dot_general_12" in rolled_ops(prog)   # a scanned layer's product   # doctest: +SKIP
         True
     """
-    cached = prog.__dict__.get("_rolled")
-    if cached is not None:
-        return cached
+    return ROLLED.get(prog, lambda: _rolled(prog))
+
+
+def _rolled(prog: Program) -> frozenset[str]:
     unrolled = {r.start for r in inlined_scans(prog)}
     names = set()
     for r in prog.regions:
         if r.kind not in ("scan", "while") or r.start in unrolled:
             continue
         names.update(o.name for o in prog.ops[r.body : r.stop] if o.how != "region")
-    prog.__dict__["_rolled"] = out = frozenset(names)
-    return out
+    return frozenset(names)
 
 
 def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
     """Per-op prices already computed for this program, calibration and mesh: a search prices
     thousands of schedules that differ in a few ops, so each op's price under the same layouts
     is computed once (once for all the layers that repeat it, keyed by :attr:`Op.signature`)."""
-    caches = prog.__dict__.setdefault("_price_memo", {})
+    caches = PRICES.get(prog, dict)
     key = (id(cal), tuple(sorted(sizes.items())))
     if key not in caches:  # the calibration is held so that its id stays its own
         caches[key] = (cal, {})
@@ -169,13 +175,13 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
         crosses = cal.crosses(m, st.pending)
         for k_res, size in enumerate(outs):
             if st.scatter[k_res] is None:
-                comm_t += cal.collective_time("all-reduce", size, n, crosses)
-                wire += wire_bytes("all-reduce", size, n)
+                comm_t += cal.collective_time(CollectiveKind.ALL_REDUCE, size, n, crosses)
+                wire += wire_bytes(CollectiveKind.ALL_REDUCE, size, n)
                 accessed += 2 * size
                 flops += size / itemsize(op.results[k_res].value.dtype)
             else:
-                comm_t += cal.collective_time("reduce-scatter", size * n, n, crosses)
-                wire += wire_bytes("reduce-scatter", size * n, n)
+                comm_t += cal.collective_time(CollectiveKind.REDUCE_SCATTER, size * n, n, crosses)
+                wire += wire_bytes(CollectiveKind.REDUCE_SCATTER, size * n, n)
                 accessed += size * n + size
                 flops += size * n / itemsize(op.results[k_res].value.dtype)
     extended = 0  # a convolution's input tile with its halo, made before the kernel runs
@@ -184,7 +190,9 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
         borders = halo_bytes(w, math.prod(sizes[a] for a in axes), ins[w.input])
         for border in borders:
             if border:
-                comm_t += cal.collective_time("collective-permute", border, 2, cal.crosses(m, axes))
+                comm_t += cal.collective_time(
+                    CollectiveKind.PERMUTE, border, 2, cal.crosses(m, axes)
+                )
                 wire += border
                 accessed += 2 * border
         extended = max(extended, ins[w.input] + sum(borders) if any(borders) else 0)
@@ -435,7 +443,7 @@ def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[
                     for st_ in steps[r.start + nc : r.body]
                     for v in [st_.op.results[0].value]
                     if st_.op.primitive == "scan_carry")  # fmt: skip
-        seconds = cal.collective_time("collective-permute", carry / k, p, cal.crosses(m, axes))
+        seconds = cal.collective_time(CollectiveKind.PERMUTE, carry / k, p, cal.crosses(m, axes))
         out.append((st.repeats * k + p - 1, seconds, carry / k))
     return out
 
@@ -488,7 +496,7 @@ def circular_orders(prog: Program, sched: Schedule, steps, cal: Calibration) -> 
         seconds = sent = 0.0
         for size in (*stacked_in, *stacked_out):
             one = size / st.repeats
-            seconds += moving * cal.collective_time("collective-permute", one, p,
+            seconds += moving * cal.collective_time(CollectiveKind.PERMUTE, one, p,
                                                     cal.crosses(m, axes))  # fmt: skip
             sent += sends * one
         out.append(CircularOrder(r.start, r.stop - 1, seconds, sent,

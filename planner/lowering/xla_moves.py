@@ -30,6 +30,7 @@ from planner.layout.explanation import entries
 from planner.program.ops import itemsize
 from planner.program.schedule import is_even, local_shape
 from redist.calibration import Calibration
+from redist.collectives import CollectiveKind
 from redist.cost import plan_cost
 from redist.hlo import Collective, captured_stderr, hlo_collectives
 
@@ -82,8 +83,8 @@ def xla_collectives(mesh, shape: tuple[int, ...], dtype: str, src: PartitionSpec
 def _seconds(colls: tuple[Collective, ...], devices: int, cal: Calibration) -> float:
     total = 0.0
     for c in colls:
-        n = c.group_size if c.group_size and c.kind != "collective-permute" else devices
-        named = c.bytes * n if c.kind == "reduce-scatter" else c.bytes  # its operand
+        n = c.group_size if c.group_size and c.kind != CollectiveKind.PERMUTE else devices
+        named = c.bytes * n if c.kind == CollectiveKind.REDUCE_SCATTER else c.bytes  # its operand
         total += cal.collective_time(c.kind, named, n)
     return total
 

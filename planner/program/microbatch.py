@@ -25,6 +25,7 @@ from networkx.utils import UnionFind
 
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
+from planner.program.memo import PerObject
 from planner.program.ops import Op, Region
 
 LINEAR = frozenset(
@@ -89,13 +90,16 @@ def _where(op: Op) -> str:
     return f"{op.name}{src}"
 
 
+PROVEN: PerObject[dict[int, Microbatching]] = PerObject("scans proven to run on microbatches")
+
+
 def microbatching(prog: Program, region: Region) -> Microbatching:
     """Prove that ``region`` (a scan) runs exactly on microbatches of its carries' dimension 0.
 
     Raises:
         NotPipelinable: (a ``ValueError``) naming the op or value that mixes microbatches.
     """
-    proven = prog.__dict__.setdefault("_microbatching", {})
+    proven = PROVEN.get(prog, dict)
     if region.start not in proven:
         proven[region.start] = _prove(prog, region)
     return proven[region.start]

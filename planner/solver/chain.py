@@ -39,8 +39,8 @@ import collections
 import math
 from collections.abc import Sequence
 
-from planner.cost.costs import FUSION_MODELS, fusion
-from planner.cost.simulator import op_seconds, simulate
+from planner.cost.costs import FUSION_MODELS, KERNELS, fusion
+from planner.cost.simulator import PRICES, op_seconds, simulate
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
 from planner.program.schedule import Schedule, make_schedule
@@ -127,8 +127,8 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     # An op's price depends on its own layouts and moves only, all in the memo's key, and on
     # where the compiler's kernels end, which the whole program decides: windows share the
     # whole program's memo and fusion.
-    sub.__dict__["_price_memo"] = prog.__dict__.setdefault("_price_memo", {})
-    sub.__dict__["_fusion"] = {b: fusion(prog, b) for b in FUSION_MODELS}
+    PRICES.put(sub, PRICES.get(prog, dict))
+    KERNELS.put(sub, {b: fusion(prog, b) for b in FUSION_MODELS})
     return sub
 
 
