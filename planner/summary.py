@@ -36,14 +36,13 @@ import os
 
 import jax
 
-import redist
 from planner.confirm import describe_checks
 from planner.cost.pipeline import bubble
-from planner.cost.simulator import Prediction, hand_overs, simulate
+from planner.cost.simulator import Prediction, simulate
 from planner.layout.dataflow import dataflow, input_spec, output_specs
-from planner.layout.staging import pipeline_runs, region_of
+from planner.layout.staging import region_of
 from planner.program.constraints import requests
-from planner.program.halo import halo_bytes, split
+from planner.program.halo import split
 from planner.program.ir import Program
 from planner.program.memo import PerObject
 from planner.program.microbatch import microbatching
@@ -58,9 +57,8 @@ from planner.program.schedule import (
 )
 from planner.solver import strategies
 from planner.solver.schedule_search import TIME_TIE
-from redist.calibration import Calibration, wire_bytes
+from redist.calibration import Calibration
 from redist.collectives import CollectiveKind, kind_label
-from redist.cost import step_costs
 from redist.types import MeshShape
 
 MAX_LINES = 40
@@ -456,54 +454,12 @@ def _why_whole(op: Op, mesh: MeshShape) -> str:
     return "not worth splitting (it would cost more than it saves)"
 
 
-def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) -> dict:
-    """Kind -> ``{"count", "bytes", "seconds"}`` of one step (bytes sent per device), from the
-    plan's layout changes (``redist`` plans) and pending sums; local slices under ``"copy"``."""
-    steps = steps if steps is not None else dataflow(prog, sched)
-    m = redist.MeshShape.of(sched.mesh)
-    out: dict[str, dict] = {}
-
-    def add(kind, seconds, sent, trips):
-        kind = kind_label(kind)
-        row = out.setdefault(kind, {"count": 0, "bytes": 0.0, "seconds": 0.0})
-        row["count"] += trips
-        row["bytes"] += sent * trips
-        row["seconds"] += seconds * trips
-
-    runs, micro = pipeline_runs(prog, sched)  # a pipelined body runs per tick, on microbatches
-    for st in steps:
-        op = st.op
-        run = runs.get(op.name)
-        trips = op.trips * (run.calls if run else 1)
-        for mv in st.moves:
-            plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
-            part = 1 / micro.get(mv.value.name, 1)
-            for kind, seconds, sent in step_costs(plan, cal):
-                add(kind, seconds * part, sent * part, trips)
-        for w in op.windows:  # halos, from each neighbour
-            axes = sched.axes_of(op, w.owner)
-            a = op.operands[w.input].value
-            tile = math.prod(local_shape(a.shape, st.in_specs[w.input], sched.mesh))
-            tile *= itemsize(a.dtype)
-            for border in halo_bytes(w, math.prod(sched.mesh[x] for x in axes), tile):
-                if border:
-                    seconds = cal.collective_time(CollectiveKind.PERMUTE, border, 2,
-                                                  cal.crosses(m, axes))  # fmt: skip
-                    add(CollectiveKind.PERMUTE, seconds, border, op.trips)
-        if st.pending:
-            n = math.prod(sched.mesh[a] for a in st.pending)
-            crosses = cal.crosses(m, st.pending)
-            for k, (r, spec) in enumerate(zip(op.results, st.out_specs)):
-                size = math.prod(local_shape(r.value.shape, spec, sched.mesh))
-                size *= itemsize(r.value.dtype)
-                kind, nbytes = (CollectiveKind.ALL_REDUCE, size) if st.scatter[k] is None else (
-                    CollectiveKind.REDUCE_SCATTER, size * n)  # fmt: skip
-                nbytes /= micro.get(r.value.name, 1)
-                add(kind, cal.collective_time(kind, nbytes, n, crosses),
-                    wire_bytes(kind, nbytes, n), trips)  # fmt: skip
-    for ticks, seconds, sent in hand_overs(prog, sched, steps, cal):  # pipeline stages
-        add(CollectiveKind.PERMUTE, seconds, sent, ticks)
-    return out
+def collectives(pred: Prediction) -> dict:
+    """Kind (as reports print it) -> ``{"count", "bytes", "seconds"}`` of one step (bytes sent
+    per device), read from the prediction (:meth:`planner.cost.simulator.Prediction.traffic`);
+    local slices under ``"copy"``."""
+    return {kind_label(k): {"count": t.count, "bytes": t.bytes, "seconds": t.seconds}
+            for k, t in pred.traffic().items()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- the comparisons
@@ -511,41 +467,10 @@ def collectives(prog: Program, sched: Schedule, cal: Calibration, steps=None) ->
 
 def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, object]:
     """Label -> Prediction, or a short reason why the strategy does not apply: the expert
-    strategies of :func:`planner.solver.strategies.expert_schedules` (data parallelism and FSDP over
-    every axis; FSDP over the others with tensor parallelism over the last axis)."""
-    axes = tuple(a for a, n in mesh.axes if n > 1)
-    ways = mesh.num_devices
-    labels = {"data_parallel": f"data parallelism ({ways}-way batch)",
-              "fsdp": f"FSDP ({ways}-way, weights split)"}  # fmt: skip
-    out: dict[str, object] = {}
-    try:
-        batch = strategies.batch_extent(prog)
-        if batch is not None and batch % ways:
-            return {label: _reason(ValueError("not divisible"), mesh) for label in labels.values()}
-        found = strategies.expert_schedules(prog, mesh.sizes, axes, None) if axes else {}
-    except (ValueError, KeyError, AttributeError) as e:
-        return {label: _reason(e, mesh) for label in labels.values()}
-    for name, label in labels.items():
-        out[label] = simulate(prog, found[name], cal) if name in found else "n/a"
-    if len(axes) > 1:
-        label = f"FSDP x tensor ({'x'.join(axes[:-1])} x {axes[-1]})"
-        try:
-            sched = strategies.expert_schedules(prog, mesh.sizes, axes[:-1], axes[-1])
-            out[label] = simulate(prog, sched["fsdp_tensor"], cal)
-        except (ValueError, KeyError, AttributeError) as e:
-            out[label] = _reason(e, mesh)
-    return out
-
-
-def _reason(e: Exception, mesh: MeshShape) -> str:
-    text = str(e)
-    if "not divisible" in text:
-        return f"n/a: the batch does not split {mesh.num_devices} ways"
-    if "a dot_general or convolution" in text:
-        return "n/a: no matrix product"
-    if "batch-like loop" in text:
-        return "n/a: no batch loop"
-    return "n/a"
+    strategies the search seeds with (:func:`planner.solver.strategies.experts`: data parallelism
+    and FSDP over every axis; FSDP over the others with tensor parallelism over the last axis)."""
+    rows = strategies.experts(prog, mesh.sizes).rows
+    return {label: s if isinstance(s, str) else simulate(prog, s, cal) for label, s in rows.items()}
 
 
 # ---------------------------------------------------------------------------- the summary
@@ -748,7 +673,7 @@ def _summarize(plan) -> Summary:
         g["share"] = g["time_s"] / total
 
     # 4. collectives
-    coll = collectives(prog, sched, cal, steps)
+    coll = collectives(pred)
 
     # 5. memory
     mem: dict = {"peak_bytes": pred.peak_bytes}

@@ -160,7 +160,7 @@ def test_a_step_that_discards_its_loss_is_predicted_as_compiled():
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     params, x = {"w1": f32(1024, 4096), "w2": f32(4096, 1024)}, f32(4096, 1024)
     p = planner.plan(_mlp_sgd, params, x, mesh=AXES, calibration=Calibration.named("tpu_v5p"))
-    predicted = set(collectives(p.program, p.schedule, p.calibration)) - {"copy"}
+    predicted = set(collectives(p.prediction)) - {"copy"}
     report = p.compiled_report(mesh=planner.topology_mesh("v5p:2x2x2", AXES))
     assert report.error is None and report.fits
     assert predicted == set(report.collectives_by_kind) == set()

@@ -216,12 +216,14 @@ def test_pipelined_memory_is_priced_per_microbatch():
     assert seen[8][0] < 0.97 * seen[2][0] and seen[8][1] < 0.9 * seen[2][1], seen
 
 
-def test_a_pipelines_gradient_sums_are_priced_once_per_tick():
-    """Inside a pipeline, a layer's weight gradient over a batch split on another axis is
-    all-reduced on every tick (whole each time, one microbatch's part), so with more
-    microbatches the all-reduces grow as ``(K + P - 1) / P`` while the layers' work shrinks."""
-    from planner.layout.staging import staged
-    from planner.summary import collectives
+def test_a_pipelines_sums_are_priced_per_tick_or_once_after_the_ticks():
+    """Inside a pipeline, a sum over a batch split on another axis is all-reduced on every tick
+    (one microbatch's part each time), so with more microbatches those all-reduces grow as
+    ``(K + P - 1) / P`` while the layers' work shrinks; a weight gradient's sums are combined
+    once after the ticks (:func:`planner.layout.staging.deferred_sums`), as the lowering runs
+    them. The prediction's collectives (what ``explain()`` prints) add up to its communication."""
+    from planner.layout.dataflow import dataflow
+    from planner.layout.staging import deferred_sums, staged
     from redist.calibration import Calibration
 
     args = _args(np.random.default_rng(0), layers=4, batch=64, d=32, hidden=64)
@@ -233,9 +235,18 @@ def test_a_pipelines_gradient_sums_are_priced_once_per_tick():
     counts = {}
     for k in (2, 8):
         sched = staged(prog, base, stage, k)
-        counts[k] = collectives(prog, sched, Calibration.default())["all-reduce"]["count"]
-    gradients = 2 * 4  # two weight products per layer, four layers
-    assert counts[2] >= gradients * (2 + 2 - 1) / 2 and counts[8] >= gradients * (8 + 2 - 1) / 2
+        once = {op for op, _ in deferred_sums(prog, sched, dataflow(prog, sched)).values()}
+        pred = planner.simulate(prog, sched, Calibration.default())
+        assert once
+        for c in pred.ops:
+            if c.op in once:
+                assert all(t.count == prog.op(c.op).trips for t in c.traffic), c
+        counts[k] = sum(t.count for c in pred.ops if c.op not in once and c.op in prog.index
+                        and prog.op(c.op).trips > 1
+                        for t in c.traffic if t.kind == "all-reduce")  # fmt: skip
+        total = sum(t.seconds for t in pred.traffic().values())
+        assert total == pytest.approx(sum(c.comm_s for c in pred.ops), rel=1e-9)
+    assert counts[2] > 0 and counts[8] == pytest.approx(counts[2] * (8 + 2 - 1) / (2 + 2 - 1))
 
 
 def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path):

@@ -185,3 +185,21 @@ def test_the_harness_catches_an_operand_added_per_part(monkeypatch):
     sched = make_schedule(prog, {op.name: {"r0": ("a", "b")}}, dict(mesh.shape))
     with pytest.raises(AssertionError):
         assert_same(planner.lower(prog, sched, mesh)(*args), jax.jit(fn)(*args))
+
+
+@pytest.mark.parametrize("program", list(PROGRAMS))
+def test_the_predictions_collectives_add_up_to_its_communication(program):
+    """The collectives by kind that ``explain()`` prints are read from the prediction: for random
+    plans of every corpus program their seconds and bytes add up to its communication."""
+    fn, make = PROGRAMS[program]
+    prog = planner.analyze(fn, *make(np.random.default_rng(0)))
+    sizes = dict(make_mesh("2x2x2").shape)
+    for seed in range(3):
+        assign = random_schedule(prog, sizes, random.Random(seed))
+        pred = planner.simulate(prog, make_schedule(prog, assign, sizes, default="replicate"))
+        traffic = pred.traffic().values()
+        assert sum(t.seconds for t in traffic) == pytest.approx(
+            sum(c.comm_s for c in pred.ops), rel=1e-9, abs=1e-15
+        )
+        assert sum(t.bytes for t in traffic) == pytest.approx(pred.comm_bytes, rel=1e-9, abs=1e-9)
+        assert all(t.count > 0 for t in traffic)

@@ -60,7 +60,29 @@ from planner.program.ops import itemsize
 from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, tile
 from redist.calibration import Calibration, wire_bytes
 from redist.collectives import CollectiveKind
-from redist.cost import plan_cost
+from redist.cost import plan_cost, step_costs
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Collectives of one ``kind`` (a :class:`redist.collectives.CollectiveKind`, or ``"copy"``
+    for a redistribution's local slices, which send nothing) in one step: how many run, the
+    bytes each device sends and their seconds.
+
+    Example:
+        >>> Traffic("all-gather", 1, 4096.0, 1e-5).times(3)
+        Traffic(kind='all-gather', count=3, bytes=12288.0, seconds=3e-05)
+    """
+
+    kind: str
+    count: float
+    bytes: float
+    seconds: float
+
+    def times(self, runs: float, share: float | None = None) -> Traffic:
+        """Run ``runs`` times, moving ``share`` (default ``runs``) times the bytes and time."""
+        share = runs if share is None else share
+        return Traffic(self.kind, self.count * runs, self.bytes * share, self.seconds * share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +94,7 @@ class OpCost:
     memory_bytes: int  # live bytes per device while the op runs
     flops: float = 0.0  # per device, as the compiler counts them (planner.cost.costs)
     bytes_accessed: float = 0.0  # per device: kernel reads and writes, collectives' in and out
+    traffic: tuple[Traffic, ...] = ()  # its collectives, by kind (comm_s is their seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +112,22 @@ class Prediction:
             f"predicted {self.time_s * 1e3:.3f} ms, {self.comm_bytes / 2**20:.3f} MiB sent per "
             f"device, peak {self.peak_bytes / 2**20:.3f} MiB per device"
         )
+
+    def traffic(self) -> dict[str, Traffic]:
+        """The step's collectives summed by kind (``"copy"``: local slices), in the order they
+        first run: what the prediction's communication time is made of.
+
+        Example:
+            >>> simulate(prog, sched, cal).traffic()["all-gather"].bytes   # doctest: +SKIP
+            1048576.0
+        """
+        out: dict[str, Traffic] = {}
+        for c in self.ops:
+            for t in c.traffic:
+                was = out.get(t.kind)
+                out[t.kind] = t if was is None else Traffic(
+                    t.kind, was.count + t.count, was.bytes + t.bytes, was.seconds + t.seconds)  # fmt: skip
+        return out
 
 
 def _bytes(shape, spec: Spec, sizes: dict[str, int], dtype: str) -> int:
@@ -132,18 +171,25 @@ def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
     return caches[key][1]
 
 
+def _plan_traffic(plan, cal: Calibration) -> list[Traffic]:
+    """The collectives of a ``redist`` plan's steps, one :class:`Traffic` each."""
+    return [Traffic(kind, 1, sent, seconds) for kind, seconds, sent in step_costs(plan, cal)]
+
+
 def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
     operand in its new layout, bytes of each result, bytes its kernel holds while it runs,
-    (flops, transcendentals, bytes accessed)), per trip."""
+    (flops, transcendentals, bytes accessed), its collectives), per trip."""
     comm_t = wire = 0.0
     transient = 0
     moved = []
+    traffic: list[Traffic] = []
     accessed = 0.0  # bytes the collectives read and write
     for mv in st.moves:
         plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
         t, w = plan_cost(plan, cal)
         comm_t, wire = comm_t + t, wire + w
+        traffic += _plan_traffic(plan, cal)
         transient = max(transient, plan.peak_bytes)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
         accessed += sum(s.before.local_size + s.after.local_size for s in plan.steps) * (
@@ -174,26 +220,30 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
         n = math.prod(sizes[a] for a in st.pending)
         crosses = cal.crosses(m, st.pending)
         for k_res, size in enumerate(outs):
+            elems = size / itemsize(op.results[k_res].value.dtype)
             if st.scatter[k_res] is None:
-                comm_t += cal.collective_time(CollectiveKind.ALL_REDUCE, size, n, crosses)
-                wire += wire_bytes(CollectiveKind.ALL_REDUCE, size, n)
-                accessed += 2 * size
-                flops += size / itemsize(op.results[k_res].value.dtype)
+                kind, nbytes = CollectiveKind.ALL_REDUCE, size
+                accessed, flops = accessed + 2 * size, flops + elems
             else:
-                comm_t += cal.collective_time(CollectiveKind.REDUCE_SCATTER, size * n, n, crosses)
-                wire += wire_bytes(CollectiveKind.REDUCE_SCATTER, size * n, n)
-                accessed += size * n + size
-                flops += size * n / itemsize(op.results[k_res].value.dtype)
+                kind, nbytes = CollectiveKind.REDUCE_SCATTER, size * n
+                accessed, flops = accessed + size * n + size, flops + elems * n
+            seconds, sent = (
+                cal.collective_time(kind, nbytes, n, crosses),
+                wire_bytes(kind, nbytes, n),
+            )
+            comm_t, wire = comm_t + seconds, wire + sent
+            traffic.append(Traffic(kind, 1, sent, seconds))
     extended = 0  # a convolution's input tile with its halo, made before the kernel runs
     for w in op.windows:
         axes = sched.axes_of(op, w.owner)
         borders = halo_bytes(w, math.prod(sizes[a] for a in axes), ins[w.input])
         for border in borders:
             if border:
-                comm_t += cal.collective_time(
+                seconds = cal.collective_time(
                     CollectiveKind.PERMUTE, border, 2, cal.crosses(m, axes)
                 )
-                wire += border
+                comm_t, wire = comm_t + seconds, wire + border
+                traffic.append(Traffic(CollectiveKind.PERMUTE, 1, float(border), seconds))
                 accessed += 2 * border
         extended = max(extended, ins[w.input] + sum(borders) if any(borders) else 0)
     # What the kernel holds while it runs: operands it copies into another order, and a partial
@@ -211,7 +261,8 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
         partial = sum(size if st.scatter[k_res] is None else whole * size * n
                       for k_res, size in enumerate(outs))  # fmt: skip
     counts = (flops, transcendentals, accessed)
-    return compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial), counts
+    return (compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial), counts,
+            tuple(traffic))  # fmt: skip
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
@@ -345,8 +396,10 @@ def returned_evenly(prog: Program, sched: Schedule, made, returned, cal: Calibra
     out = []
     for v, src, dst in zip(prog.outputs, made, returned):
         if src != dst:
-            seconds, wire = plan_cost(redist.plan(v.shape, src, dst, m, dtype=v.dtype), cal)
-            out.append(OpCost(f"{v.name} returned evenly", 0.0, seconds, wire, 0))
+            plan = redist.plan(v.shape, src, dst, m, dtype=v.dtype)
+            seconds, wire = plan_cost(plan, cal)
+            out.append(OpCost(f"{v.name} returned evenly", 0.0, seconds, wire, 0,
+                              traffic=tuple(_plan_traffic(plan, cal))))  # fmt: skip
     return out
 
 
@@ -463,6 +516,7 @@ class CircularOrder:
     sent: float
     held: int
     leaving: int
+    collectives: int = 0  # the ppermutes it runs
 
 
 def circular_orders(prog: Program, sched: Schedule, steps, cal: Calibration) -> list:
@@ -499,8 +553,8 @@ def circular_orders(prog: Program, sched: Schedule, steps, cal: Calibration) -> 
             seconds += moving * cal.collective_time(CollectiveKind.PERMUTE, one, p,
                                                     cal.crosses(m, axes))  # fmt: skip
             sent += sends * one
-        out.append(CircularOrder(r.start, r.stop - 1, seconds, sent,
-                                 sum(stacked_in) + carry, sum(stacked_out)))  # fmt: skip
+        out.append(CircularOrder(r.start, r.stop - 1, seconds, sent, sum(stacked_in) + carry,
+                                 sum(stacked_out), moving * len((*stacked_in, *stacked_out))))  # fmt: skip
     return out
 
 
@@ -529,16 +583,20 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
         if st.op.name in once:  # its stage's layers' sums, combined once after the ticks
             comm = 1 / run.stages
         c = costs[i]
+        runs_of = 1 if st.op.name in once else run.calls  # how often its collectives run
         costs[i] = dataclasses.replace(c, compute_s=c.compute_s * run.share,
                                        comm_s=c.comm_s * comm, comm_bytes=c.comm_bytes * comm,
                                        flops=c.flops * run.share,
-                                       bytes_accessed=c.bytes_accessed * run.share)  # fmt: skip
+                                       bytes_accessed=c.bytes_accessed * run.share,
+                                       traffic=tuple(t.times(runs_of, comm) for t in c.traffic))  # fmt: skip
     for st, (ticks, seconds, sent) in zip(sched.stages, hand_overs(prog, sched, steps, cal)):
-        costs.append(OpCost(f"pipeline hand-overs of {st.axis}", 0.0, ticks * seconds,
-                            ticks * sent, 0))  # fmt: skip
+        hand = Traffic(CollectiveKind.PERMUTE, 1, sent, seconds).times(ticks)
+        costs.append(OpCost(f"pipeline hand-overs of {st.axis}", 0.0, hand.seconds, hand.bytes,
+                            0, traffic=(hand,)))  # fmt: skip
     for c in circular_orders(prog, sched, steps, cal):
+        order = Traffic(CollectiveKind.PERMUTE, c.collectives, c.sent, c.seconds)
         costs.append(OpCost(f"circular order of the pipeline at op {c.start}", 0.0, c.seconds,
-                            c.sent, 0))  # fmt: skip
+                            c.sent, 0, traffic=(order,)))  # fmt: skip
     return costs
 
 
@@ -611,7 +669,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         names: dict = {}  # (live buffer (value name, or other), last op) -> bytes
     rolled = rolled_ops(prog)
     for k, st in enumerate(steps):
-        compute, comm_t, wire, transient, moved, outs, kernel, counts = priced[k]
+        compute, comm_t, wire, transient, moved, outs, kernel, counts, traffic = priced[k]
         live += grow[k]
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
@@ -632,9 +690,10 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         peak = max(peak, now)
         if st.op.name in rolled:  # a kernel of a loop the compiler keeps rolled
             compute *= cal.loop_body_factor
-        costs.append(OpCost(st.op.name, compute * st.op.trips, comm_t * st.op.trips,
-                            wire * st.op.trips, now, counts[0] * st.op.trips,
-                            counts[2] * st.op.trips))  # fmt: skip
+        trips = st.op.trips
+        costs.append(OpCost(st.op.name, compute * trips, comm_t * trips, wire * trips, now,
+                            counts[0] * trips, counts[2] * trips,
+                            tuple(t.times(trips) for t in traffic)))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)

@@ -504,13 +504,7 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
             out.append(evaluate(make()))
         except ValueError:  # not applicable to this program
             continue
-    layouts = [(axes, None)] + ([(axes[:-1], axes[-1])] if len(axes) > 1 else [])
-    for data_axes, tensor_axis in layouts:
-        try:
-            experts = strategies.expert_schedules(prog, shape.sizes, data_axes, tensor_axis)
-        except ValueError:  # no product with a batch loop, or heads linked to the batch
-            continue
-        out += [evaluate.schedule(sched) for sched in experts.values()]
+    out += [evaluate.schedule(sched) for sched in strategies.experts(prog, shape.sizes).seeds]
     return out
 
 

@@ -38,6 +38,7 @@ import math
 from collections.abc import Sequence
 
 from planner.program.ir import Program
+from planner.program.memo import PerObject
 from planner.program.ops import ENTRIES, Op, Value
 from planner.program.rules import COMBINABLE
 from planner.program.schedule import Schedule, _try, make_schedule
@@ -399,3 +400,77 @@ def expert_schedules(
         rules["fsdp_tensor"] = _Rule(batch, data, frozenset(model), tensor_axis,
                                      frozenset(width - model), stacked)  # fmt: skip
     return {name: _schedule(prog, classes, rule, sizes) for name, rule in rules.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """The expert strategies of a program on a mesh, made once (:func:`experts`): ``rows``, label
+    -> the schedule ``explain()`` prices beside a plan, or why the strategy does not apply
+    (``"n/a: ..."``); ``seeds``, every expert schedule the search starts from (the rows' and
+    FSDP / data parallelism over all but the last axis, which FSDP x tensor leaves it)."""
+
+    rows: dict[str, Schedule | str]
+    seeds: tuple[Schedule, ...]
+
+
+EXPERTS: PerObject[dict[tuple, Experts]] = PerObject("expert strategies per mesh")
+
+
+def experts(prog: Program, sizes: dict[str, int]) -> Experts:
+    """The expert strategies of ``prog`` on a mesh of ``sizes`` (its axes of size 1 ignored),
+    for the search's seeds and the rows of ``explain()`` alike; cached per program and mesh.
+
+    Example:
+        >>> list(experts(prog, {"fsdp": 4, "tensor": 2}).rows)          # doctest: +SKIP
+        ['data parallelism (8-way batch)', 'FSDP (8-way, weights split)', 'FSDP x tensor (fsdp x tensor)']
+    """
+    key = tuple(sizes.items())
+    held = EXPERTS.get(prog, dict)
+    if key not in held:
+        held[key] = _experts(prog, dict(sizes))
+    return held[key]
+
+
+def _experts(prog: Program, sizes: dict[str, int]) -> Experts:
+    axes = tuple(a for a, n in sizes.items() if n > 1)
+    ways = math.prod(sizes.values())
+    layouts = [(axes, None)] + ([(axes[:-1], axes[-1])] if len(axes) > 1 else [])
+    made: list[dict[str, Schedule] | ValueError] = []
+    for data_axes, tensor_axis in layouts if axes else ():
+        try:
+            made.append(expert_schedules(prog, sizes, data_axes, tensor_axis))
+        except ValueError as e:  # no product with a batch loop, or heads linked to the batch
+            made.append(e)
+    seeds = tuple(s for m in made if isinstance(m, dict) for s in m.values())
+    labels = {"data_parallel": f"data parallelism ({ways}-way batch)",
+              "fsdp": f"FSDP ({ways}-way, weights split)"}  # fmt: skip
+    try:
+        batch = batch_extent(prog)
+        if batch is not None and batch % ways:
+            raise ValueError("not divisible")
+        if made and isinstance(made[0], ValueError):
+            raise made[0]
+    except ValueError as e:
+        return Experts({label: why_not(e, ways) for label in labels.values()}, seeds)
+    found = made[0] if made else {}
+    rows: dict[str, Schedule | str] = {
+        label: found.get(name, "n/a") for name, label in labels.items()
+    }
+    if len(made) > 1:
+        label = f"FSDP x tensor ({'x'.join(axes[:-1])} x {axes[-1]})"
+        rows[label] = (
+            made[1]["fsdp_tensor"] if isinstance(made[1], dict) else why_not(made[1], ways)
+        )
+    return Experts(rows, seeds)
+
+
+def why_not(e: Exception, ways: int) -> str:
+    """Why an expert strategy does not apply, as ``explain()`` says it (``"n/a: ..."``)."""
+    text = str(e)
+    if "not divisible" in text:
+        return f"n/a: the batch does not split {ways} ways"
+    if "a dot_general or convolution" in text:
+        return "n/a: no matrix product"
+    if "batch-like loop" in text:
+        return "n/a: no batch loop"
+    return "n/a"
