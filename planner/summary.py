@@ -438,22 +438,6 @@ def _halo_words(w, parts: int) -> str:
     return f" with a halo of {cut.left} before, {cut.right} after"
 
 
-def _why_whole(op: Op, mesh: MeshShape) -> str:
-    if op.how == "replicated":
-        return "no rule understands it"
-    if any(is_key(a.value.dtype) for a in op.operands + op.results):
-        return "random bits, drawn whole"
-    if all(lp.extent == 1 for lp in op.loops):
-        return "scalars"
-    cut = [lp for lp in op.loops if lp.partitionable]
-    if not cut:
-        return "its dimensions must stay whole"
-    sizes = set(mesh.factor_size.values())
-    if not any(lp.extent % s == 0 for lp in cut for s in sizes):
-        return "its sizes do not divide the mesh"
-    return "not worth splitting (it would cost more than it saves)"
-
-
 def collectives(pred: Prediction) -> dict:
     """Kind (as reports print it) -> ``{"count", "bytes", "seconds"}`` of one step (bytes sent
     per device), read from the prediction (:meth:`planner.cost.simulator.Prediction.traffic`);
@@ -692,14 +676,12 @@ def _summarize(plan) -> Summary:
     # 6. what runs whole
     whole: dict[tuple, dict] = {}
     n_whole, t_whole = 0, 0.0
-    for st in steps:
-        op = st.op
-        if op.how == "region" or sched.assign.get(op.name) or st.pending:
+    for c in pred.ops:
+        if c.whole is None:
             continue
-        why = _why_whole(op, mesh)
-        c = costs[op.name]
-        w = whole.setdefault((op.primitive, why), {"primitive": op.primitive, "why": why,
-                                                   "count": 0, "time_s": 0.0})  # fmt: skip
+        primitive, why = prog.op(c.op).primitive, c.whole
+        w = whole.setdefault((primitive, why), {"primitive": primitive, "why": why,
+                                                "count": 0, "time_s": 0.0})  # fmt: skip
         w["count"] += 1
         w["time_s"] += c.compute_s + c.comm_s
         n_whole += 1

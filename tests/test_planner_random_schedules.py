@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh
 from planner_programs import PROGRAMS, random_schedule
 
 import planner
+from planner.layout.dataflow import dataflow
 from planner.program.schedule import make_schedule
 
 MESHES = {"2x2x2": ((2, 2, 2), ("a", "b", "c")), "4x2": ((4, 2), ("a", "b")),
@@ -188,9 +189,10 @@ def test_the_harness_catches_an_operand_added_per_part(monkeypatch):
 
 
 @pytest.mark.parametrize("program", list(PROGRAMS))
-def test_the_predictions_collectives_add_up_to_its_communication(program):
-    """The collectives by kind that ``explain()`` prints are read from the prediction: for random
-    plans of every corpus program their seconds and bytes add up to its communication."""
+def test_the_predictions_breakdown_adds_up(program):
+    """What ``explain()`` prints is read from the prediction: for random plans of every corpus
+    program the collectives by kind add up to its communication, and the ops it says run whole
+    (with a reason) are those the plan splits nowhere."""
     fn, make = PROGRAMS[program]
     prog = planner.analyze(fn, *make(np.random.default_rng(0)))
     sizes = dict(make_mesh("2x2x2").shape)
@@ -203,3 +205,9 @@ def test_the_predictions_collectives_add_up_to_its_communication(program):
         )
         assert sum(t.bytes for t in traffic) == pytest.approx(pred.comm_bytes, rel=1e-9, abs=1e-9)
         assert all(t.count > 0 for t in traffic)
+        sched = make_schedule(prog, assign, sizes, default="replicate")
+        steps = {st.op.name: st for st in dataflow(prog, sched)}
+        split = {o.name for o in prog.ops if o.how == "region" or any(sched.assign.get(o.name, {}).values())
+                 or steps[o.name].pending}  # fmt: skip
+        whole = {c.op for c in pred.ops if c.whole is not None}
+        assert whole == {o.name for o in prog.ops} - split

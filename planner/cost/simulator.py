@@ -56,7 +56,7 @@ from planner.program.halo import halo_bytes
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
 from planner.program.memo import PerObject
-from planner.program.ops import itemsize
+from planner.program.ops import Op, is_key, itemsize
 from planner.program.schedule import Schedule, Spec, local_shape, stage_factors, tile
 from redist.calibration import Calibration, wire_bytes
 from redist.collectives import CollectiveKind
@@ -95,6 +95,7 @@ class OpCost:
     flops: float = 0.0  # per device, as the compiler counts them (planner.cost.costs)
     bytes_accessed: float = 0.0  # per device: kernel reads and writes, collectives' in and out
     traffic: tuple[Traffic, ...] = ()  # its collectives, by kind (comm_s is their seconds)
+    whole: str | None = None  # why it runs whole on every device (whole_reason); None: split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,29 @@ def _memo(prog: Program, cal: Calibration, sizes: dict[str, int]) -> dict:
     if key not in caches:  # the calibration is held so that its id stays its own
         caches[key] = (cal, {})
     return caches[key][1]
+
+
+def whole_reason(op: Op, factor_sizes: dict[str, int]) -> str:
+    """Why ``op`` runs whole on every device under a schedule that splits none of its loops,
+    on a mesh of ``factor_sizes`` (prime factor -> size), as ``explain()`` says it.
+
+    Example:
+        >>> whole_reason(iota_op, {"a": 2})          # doctest: +SKIP
+        'its dimensions must stay whole'
+    """
+    if op.how == "replicated":
+        return "no rule understands it"
+    if any(is_key(a.value.dtype) for a in op.operands + op.results):
+        return "random bits, drawn whole"
+    if all(lp.extent == 1 for lp in op.loops):
+        return "scalars"
+    cut = [lp for lp in op.loops if lp.partitionable]
+    if not cut:
+        return "its dimensions must stay whole"
+    sizes = set(factor_sizes.values())
+    if not any(lp.extent % s == 0 for lp in cut for s in sizes):
+        return "its sizes do not divide the mesh"
+    return "not worth splitting (it would cost more than it saves)"
 
 
 def _plan_traffic(plan, cal: Calibration) -> list[Traffic]:
@@ -690,10 +714,12 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         peak = max(peak, now)
         if st.op.name in rolled:  # a kernel of a loop the compiler keeps rolled
             compute *= cal.loop_body_factor
-        trips = st.op.trips
-        costs.append(OpCost(st.op.name, compute * trips, comm_t * trips, wire * trips, now,
+        trips, op = st.op.trips, st.op
+        split = op.how == "region" or any(sched.assign.get(op.name, {}).values()) or st.pending
+        costs.append(OpCost(op.name, compute * trips, comm_t * trips, wire * trips, now,
                             counts[0] * trips, counts[2] * trips,
-                            tuple(t.times(trips) for t in traffic)))  # fmt: skip
+                            tuple(t.times(trips) for t in traffic),
+                            None if split else whole_reason(op, sizes)))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
