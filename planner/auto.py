@@ -34,7 +34,7 @@ from planner.cost.memory import (
     default_calibration,
     resolve_memory_limit,
 )
-from planner.cost.simulator import simulate
+from planner.cost.simulator import replicated, simulate
 from planner.given_layouts import given_specs
 from planner.persistence import (
     FORMAT,
@@ -50,7 +50,6 @@ from planner.program.analysis import analyze
 from planner.program.constraints import requested_assignment
 from planner.program.ir import Program
 from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
-from planner.program.schedule import make_schedule
 from planner.solver.requested import Requested
 from planner.solver.schedule_search import TIME_TIE, search_within
 from planner.solver.staged import search_staged
@@ -181,10 +180,8 @@ def plan(
 
     def plan_of(found) -> AutoPlan:
         prog, sched, pred, remat = found
-        replicated = simulate(
-            prog, make_schedule(prog, {}, sizes, default="replicate"), calibration
-        )
-        return AutoPlan(prog, sched, pred, mesh, searching[0], sig.in_tree, out_tree, replicated,
+        return AutoPlan(prog, sched, pred, mesh, searching[0], sig.in_tree, out_tree,
+                        replicated(prog, sizes, calibration),
                         calibration, sig, _argnums(donate_argnums, len(args)), remat,
                         asked=requested.asked(prog, sizes, xla_only_splits))  # fmt: skip
 
@@ -374,10 +371,8 @@ def price(
                            xla_only_splits)  # fmt: skip
     sched = requested.schedule(prog, shape.sizes, xla_only_splits)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
-    replicated = simulate(prog, make_schedule(prog, {}, shape.sizes, default="replicate"),
-                          calibration)  # fmt: skip
     return AutoPlan(prog, sched, simulate(prog, sched, calibration), mesh, 0.0, sig.in_tree,
-                    out_tree, replicated, calibration, sig,
+                    out_tree, replicated(prog, shape.sizes, calibration), calibration, sig,
                     _argnums(donate_argnums, len(args)), asked=sched)  # fmt: skip
 
 
@@ -442,6 +437,5 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
             f"{doc['prediction']}",
             stacklevel=2,
         )
-    replicated = simulate(prog, make_schedule(prog, {}, shape.sizes, default="replicate"), cal)
-    return AutoPlan(prog, sched, pred, mesh, doc["search_s"], sig.in_tree, out_tree, replicated,
-                    cal, sig, remat=remat)  # fmt: skip
+    return AutoPlan(prog, sched, pred, mesh, doc["search_s"], sig.in_tree, out_tree,
+                    replicated(prog, shape.sizes, cal), cal, sig, remat=remat)  # fmt: skip

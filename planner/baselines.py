@@ -20,9 +20,8 @@ import jax
 from planner.auto import _argnums, donating
 from planner.autoplan import AutoPlan
 from planner.cost.memory import default_calibration
-from planner.cost.simulator import simulate
+from planner.cost.simulator import replicated, simulate
 from planner.program.analysis import analyze
-from planner.program.schedule import make_schedule
 from planner.solver.strategies import (
     STRATEGIES,
     VIEWS,
@@ -99,7 +98,7 @@ def expert_plans(
     donated = _argnums(donate_argnums, len(args))
     sizes = mesh_shape(mesh).sizes
     cal = calibration or default_calibration(mesh)
-    replicated = simulate(prog, make_schedule(prog, {}, sizes, default="replicate"), cal)
+    whole = replicated(prog, sizes, cal)
     in_tree = jax.tree.structure(args)
     out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
     return {
@@ -111,7 +110,7 @@ def expert_plans(
             0.0,
             in_tree,
             out_tree,
-            replicated,
+            whole,
             cal,
             donate_argnums=donated,
         )  # fmt: skip

@@ -38,7 +38,7 @@ import jax
 
 from planner.confirm import describe_checks
 from planner.cost.pipeline import bubble
-from planner.cost.simulator import Prediction, simulate
+from planner.cost.simulator import Prediction, replicated, simulate
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.staging import region_of
 from planner.program.constraints import requests
@@ -51,7 +51,6 @@ from planner.program.schedule import (
     Schedule,
     Spec,
     local_shape,
-    make_schedule,
     stage_factors,
     xla_splits,
 )
@@ -592,12 +591,10 @@ def _summarize(plan) -> Summary:
     steps = dataflow(prog, sched)
 
     # 1. the prediction against the strategies people run
-    replicated = plan.replicated or simulate(
-        prog, make_schedule(prog, {}, mesh.sizes, default="replicate"), cal
-    )
+    whole = plan.replicated or replicated(prog, mesh.sizes, cal)
     rows = [{"name": "this plan", "time_s": pred.time_s, "peak_bytes": pred.peak_bytes}]
-    rows.append({"name": "full replication (whole step each)", "time_s": replicated.time_s,
-                 "peak_bytes": replicated.peak_bytes})  # fmt: skip
+    rows.append({"name": "full replication (whole step each)", "time_s": whole.time_s,
+                 "peak_bytes": whole.peak_bytes})  # fmt: skip
     for label, result in _baselines(prog, mesh, cal).items():
         if isinstance(result, Prediction):
             rows.append({"name": label, "time_s": result.time_s, "peak_bytes": result.peak_bytes})
