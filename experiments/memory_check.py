@@ -71,8 +71,13 @@ def cpu_case(name: str, kind: str, sizes: list[int], strategy: str, mesh, rng) -
             return None
         predicted = planner.simulate(prog, sched)
         out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
-        jitted = planner.AutoPlan(
-            prog, sched, predicted, mesh, 0.0, jax.tree.structure(args), out_tree
+        jitted = planner.AutoPlan.of(
+            prog,
+            sched,
+            mesh,
+            prediction=predicted,
+            in_tree=jax.tree.structure(args),
+            out_tree=out_tree,
         ).jit()  # run as plan.jit runs a searched plan
     search_s = time.perf_counter() - start
     start = time.perf_counter()

@@ -167,7 +167,8 @@ def layer_optimal(plan, build_at, layers: int, mesh, cal, name: str = "") -> flo
         sched = plan.schedule
         try:
             target = Schedule(prog, sched.mesh, sched.assign, sched.stored)
-            small = AutoPlan(prog, target, None, mesh, 0.0, sig.in_tree, out_tree, None, cal, sig)
+            small = AutoPlan.of(prog, target, mesh, calibration=cal, signature=sig,
+                                out_tree=out_tree)  # fmt: skip
             compiled = small.jit().lower(*input_structs(small)).compile()
         except Exception as e:  # noqa: BLE001  (layouts that do not carry: reported as n/a)
             logging.warning("%s at %d layers: %s", name, depth, str(e)[:200])

@@ -164,7 +164,8 @@ def compile_plan(sched, compiled_prog, sig, out_tree, mesh, cal) -> dict:
     from planner.program.schedule import Schedule
 
     target = Schedule(compiled_prog, sched.mesh, sched.assign, sched.stored)
-    plan = AutoPlan(compiled_prog, target, None, mesh, 0.0, sig.in_tree, out_tree, None, cal, sig)
+    plan = AutoPlan.of(compiled_prog, target, mesh, calibration=cal, signature=sig,
+                       out_tree=out_tree)  # fmt: skip
     start = time.perf_counter()
     compiled = plan.jit().lower(*input_structs(plan)).compile()
     compile_s = time.perf_counter() - start

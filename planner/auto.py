@@ -180,10 +180,11 @@ def plan(
 
     def plan_of(found) -> AutoPlan:
         prog, sched, pred, remat = found
-        return AutoPlan(prog, sched, pred, mesh, searching[0], sig.in_tree, out_tree,
-                        replicated(prog, sizes, calibration),
-                        calibration, sig, _argnums(donate_argnums, len(args)), remat,
-                        asked=requested.asked(prog, sizes, xla_only_splits))  # fmt: skip
+        return AutoPlan.of(prog, sched, mesh, prediction=pred, calibration=calibration,
+                           signature=sig, out_tree=out_tree, search_s=searching[0],
+                           replicated=replicated(prog, sizes, calibration),
+                           donate_argnums=_argnums(donate_argnums, len(args)), remat=remat,
+                           asked=requested.asked(prog, sizes, xla_only_splits))  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None
@@ -371,9 +372,10 @@ def price(
                            xla_only_splits)  # fmt: skip
     sched = requested.schedule(prog, shape.sizes, xla_only_splits)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
-    return AutoPlan(prog, sched, simulate(prog, sched, calibration), mesh, 0.0, sig.in_tree,
-                    out_tree, replicated(prog, shape.sizes, calibration), calibration, sig,
-                    _argnums(donate_argnums, len(args)), asked=sched)  # fmt: skip
+    return AutoPlan.of(prog, sched, mesh, prediction=simulate(prog, sched, calibration),
+                       calibration=calibration, signature=sig, out_tree=out_tree,
+                       replicated=replicated(prog, shape.sizes, calibration),
+                       donate_argnums=_argnums(donate_argnums, len(args)), asked=sched)  # fmt: skip
 
 
 def auto_shard(
@@ -437,5 +439,6 @@ def load(path: str, fn: Callable, *args, mesh, **kwargs) -> AutoPlan:
             f"{doc['prediction']}",
             stacklevel=2,
         )
-    return AutoPlan(prog, sched, pred, mesh, doc["search_s"], sig.in_tree, out_tree,
-                    replicated(prog, shape.sizes, cal), cal, sig, remat=remat)  # fmt: skip
+    return AutoPlan.of(prog, sched, mesh, prediction=pred, calibration=cal, signature=sig,
+                       out_tree=out_tree, search_s=doc["search_s"],
+                       replicated=replicated(prog, shape.sizes, cal), remat=remat)  # fmt: skip

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from planner.calls import ArgumentMismatch, Signature
 from planner.compiled import plan_compiled_report, program_structs
 from planner.confirm import MemoryCheck, describe_checks
+from planner.cost.simulator import Prediction
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.explanation import explain_rows, render
 from planner.lowering.spmd import Lowered, lower
@@ -67,7 +68,7 @@ def _spec_mesh(types: list[DistType], mesh: MeshShape) -> MeshShape:
     return MeshShape(tuple(axes))
 
 
-@dataclasses.dataclass(eq=False)  # hashed by identity, as jax.jit(plan) needs
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jax.jit(plan) needs
 class AutoPlan:
     """A searched schedule with its prediction; callable: calling it runs :meth:`jit` (compiled on
     first use), and ``plan.lowered`` is the explicit lowering of the same schedule.
@@ -77,23 +78,46 @@ class AutoPlan:
     into its prime factors (``c:8 -> c_0:2, c_1:2, c_2:2``; ``explain()`` says so).
     ``in_shardings`` / ``out_shardings`` are the same as ``NamedSharding``s (a concrete mesh is
     needed for those and to run the plan: :meth:`bind`; everything else works on an
-    ``AbstractMesh`` or a ``{name: size}`` mesh). :meth:`save` keeps it in a file.
+    ``AbstractMesh`` or a ``{name: size}`` mesh). :meth:`save` keeps it in a file. A plan is a
+    value (frozen; :meth:`bind` and ``dataclasses.replace`` make new ones), made by :meth:`of`.
     """
 
     program: Program
     schedule: Schedule
-    prediction: object
-    mesh: object
+    prediction: Prediction | None  # None: not priced
+    mesh: object  # a jax.sharding.Mesh, an AbstractMesh or {name: size}
     search_s: float
-    in_tree: object
-    out_tree: object
-    replicated: object = None
+    in_tree: object  # the arguments' pytree structure
+    out_tree: object  # the results'
+    replicated: Prediction | None = None  # full replication's prediction, the row it beats
     calibration: Calibration | None = None  # what the plan was priced on
     signature: Signature | None = None  # the arguments it was made for (planner.calls)
     donate_argnums: tuple[int, ...] = ()  # what jit() donates unless told otherwise
     remat: RematDecision | None = None  # what checkpointed layers save, where the planner chose
     memory_checks: tuple[MemoryCheck, ...] = ()  # the compiles that confirmed its memory
     asked: Schedule | None = None  # the layout the program asks for (planner.solver.requested)
+
+    @classmethod
+    def of(cls, program: Program, schedule: Schedule, mesh, *, prediction=None,
+           calibration: Calibration | None = None, signature: Signature | None = None,
+           in_tree=None, out_tree=None, search_s: float = 0.0, replicated=None,
+           donate_argnums: tuple[int, ...] = (), remat: RematDecision | None = None,
+           memory_checks: tuple[MemoryCheck, ...] = (), asked: Schedule | None = None) -> AutoPlan:  # fmt: skip
+        """A plan of ``schedule`` for ``program`` on ``mesh``, every other field by name:
+        ``prediction`` (``None``: not priced), the ``calibration`` it was priced on, the
+        ``signature`` of the arguments it was made for (``in_tree`` defaults to its), the
+        search's seconds, full ``replicated``'s prediction, what :meth:`jit` donates, the remat
+        decision, the compiles that confirmed its memory and the layout the program ``asked``
+        for.
+
+        Example:
+            >>> AutoPlan.of(prog, sched, mesh, prediction=simulate(prog, sched))  # doctest: +SKIP
+        """
+        if in_tree is None and signature is not None:
+            in_tree = signature.in_tree
+        return cls(program, schedule, prediction, mesh, search_s, in_tree, out_tree, replicated,
+                   calibration, signature, tuple(donate_argnums), remat, tuple(memory_checks),
+                   asked)  # fmt: skip
 
     @functools.cached_property
     def _signature(self) -> Signature:

@@ -102,16 +102,15 @@ def expert_plans(
     in_tree = jax.tree.structure(args)
     out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
     return {
-        name: AutoPlan(
+        name: AutoPlan.of(
             prog,
             sched,
-            simulate(prog, sched, cal),
             mesh,
-            0.0,
-            in_tree,
-            out_tree,
-            whole,
-            cal,
+            prediction=simulate(prog, sched, cal),
+            calibration=cal,
+            in_tree=in_tree,
+            out_tree=out_tree,
+            replicated=whole,
             donate_argnums=donated,
         )  # fmt: skip
         for name, sched in expert_schedules(prog, sizes, data_axes, tensor_axis).items()

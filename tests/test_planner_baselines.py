@@ -129,7 +129,7 @@ def test_expert_layouts_of_the_flax_lm(scan, mesh):
             if path.startswith("[1][0].mu"):  # the optimizer state is stored as its parameter
                 assert spec == by_path["[0]" + path[len("[1][0].mu") :]], path
         assert by_path["[2]"] == (DATA, ())  # tokens: the batch over the data axes
-        plan = planner.AutoPlan(prog, sched, None, mesh, 0.0, jax.tree.structure(args), None)
+        plan = planner.AutoPlan.of(prog, sched, mesh, in_tree=jax.tree.structure(args))
         got = _block_specs(plan.in_specs[0], scan)
         assert got == _expected(name, scan), name
 

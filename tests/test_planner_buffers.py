@@ -223,8 +223,9 @@ def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
     sched = prog.schedule({}, {"data": 4}, default="replicate")
     pred = planner.simulate(prog, sched, Calibration.named("tpu_v5p"))
     mesh = planner.topology_mesh("v5p:2x2x1", {"data": 4})
-    p = planner.AutoPlan(prog, sched, pred, mesh, 0.0, jax.tree.structure(tuple(args)),
-                         jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
+    p = planner.AutoPlan.of(prog, sched, mesh, prediction=pred,
+                            in_tree=jax.tree.structure(tuple(args)),
+                            out_tree=jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
     report = p.compiled_report()
     residuals = 8 * 8192 * 256 * 2  # the stacked layer inputs, in bfloat16
     assert report.temp_bytes >= residuals
@@ -251,8 +252,8 @@ def test_attention_scores_are_exponentiated_in_place_on_tpu_and_beside_them_on_g
                  for name in ("h100_sxm", "tpu_v5p")}  # fmt: skip
     assert 0.9 <= predicted["h100_sxm"] / (4240 * 2**20) <= 1.1, predicted
     mesh = planner.topology_mesh("v5p:2x2x1", {"d": 4})
-    p = planner.AutoPlan(prog, sched, None, mesh, 0.0, jax.tree.structure(tuple(shapes)),
-                         jax.tree.structure(jax.eval_shape(fn, *shapes)))  # fmt: skip
+    p = planner.AutoPlan.of(prog, sched, mesh, in_tree=jax.tree.structure(tuple(shapes)),
+                            out_tree=jax.tree.structure(jax.eval_shape(fn, *shapes)))  # fmt: skip
     report = p.compiled_report()
     assert 0.9 <= predicted["tpu_v5p"] / report.total_bytes <= 1.1, (predicted, report)
 
