@@ -67,7 +67,7 @@ from planner.program.schedule import (
 )
 from redist.calibration import Calibration, wire_bytes
 from redist.collectives import CollectiveKind
-from redist.cost import plan_cost, step_costs
+from redist.cost import step_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +90,21 @@ class Traffic:
         """Run ``runs`` times, moving ``share`` (default ``runs``) times the bytes and time."""
         share = runs if share is None else share
         return Traffic(self.kind, self.count * runs, self.bytes * share, self.seconds * share)
+
+    def plus(self, other: Traffic) -> Traffic:
+        """Both together (of one kind)."""
+        return Traffic(self.kind, self.count + other.count, self.bytes + other.bytes,
+                       self.seconds + other.seconds)  # fmt: skip
+
+
+def totals(traffic) -> tuple[float, float]:
+    """``(seconds, bytes sent per device)`` of ``traffic`` (:class:`Traffic` values) together.
+
+    Example:
+        >>> totals([Traffic("all-gather", 1, 8.0, 1e-6), Traffic("all-reduce", 1, 4.0, 2e-6)])
+        (3e-06, 12.0)
+    """
+    return sum(t.seconds for t in traffic), sum(t.bytes for t in traffic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +147,7 @@ class Prediction:
         out: dict[str, Traffic] = {}
         for c in self.ops:
             for t in c.traffic:
-                was = out.get(t.kind)
-                out[t.kind] = t if was is None else Traffic(
-                    t.kind, was.count + t.count, was.bytes + t.bytes, was.seconds + t.seconds)  # fmt: skip
+                out[t.kind] = out[t.kind].plus(t) if t.kind in out else t
         return out
 
 
@@ -211,15 +224,12 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
     operand in its new layout, bytes of each result, bytes its kernel holds while it runs,
     (flops, transcendentals, bytes accessed), its collectives), per trip."""
-    comm_t = wire = 0.0
     transient = 0
     moved = []
     traffic: list[Traffic] = []
     accessed = 0.0  # bytes the collectives read and write
     for mv in st.moves:
         plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
-        t, w = plan_cost(plan, cal)
-        comm_t, wire = comm_t + t, wire + w
         traffic += _plan_traffic(plan, cal)
         transient = max(transient, plan.peak_bytes)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
@@ -258,22 +268,16 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             else:
                 kind, nbytes = CollectiveKind.REDUCE_SCATTER, size * n
                 accessed, flops = accessed + size * n + size, flops + elems * n
-            seconds, sent = (
-                cal.collective_time(kind, nbytes, n, crosses),
-                wire_bytes(kind, nbytes, n),
-            )
-            comm_t, wire = comm_t + seconds, wire + sent
-            traffic.append(Traffic(kind, 1, sent, seconds))
+            traffic.append(Traffic(kind, 1, wire_bytes(kind, nbytes, n),
+                                   cal.collective_time(kind, nbytes, n, crosses)))  # fmt: skip
     extended = 0  # a convolution's input tile with its halo, made before the kernel runs
     for w in op.windows:
         axes = sched.axes_of(op, w.owner)
         borders = halo_bytes(w, math.prod(sizes[a] for a in axes), ins[w.input])
         for border in borders:
             if border:
-                seconds = cal.collective_time(
-                    CollectiveKind.PERMUTE, border, 2, cal.crosses(m, axes)
-                )
-                comm_t, wire = comm_t + seconds, wire + border
+                seconds = cal.collective_time(CollectiveKind.PERMUTE, border, 2,
+                                              cal.crosses(m, axes))  # fmt: skip
                 traffic.append(Traffic(CollectiveKind.PERMUTE, 1, float(border), seconds))
                 accessed += 2 * border
         extended = max(extended, ins[w.input] + sum(borders) if any(borders) else 0)
@@ -292,6 +296,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
         partial = sum(size if st.scatter[k_res] is None else whole * size * n
                       for k_res, size in enumerate(outs))  # fmt: skip
     counts = (flops, transcendentals, accessed)
+    comm_t, wire = totals(traffic)
     return (compute, comm_t, wire, transient, tuple(moved), tuple(outs), (copies, partial), counts,
             tuple(traffic))  # fmt: skip
 
@@ -446,10 +451,9 @@ def returned_evenly(prog: Program, sched: Schedule, made, returned, cal: Calibra
     out = []
     for v, src, dst in zip(prog.outputs, made, returned):
         if src != dst:
-            plan = redist.plan(v.shape, src, dst, m, dtype=v.dtype)
-            seconds, wire = plan_cost(plan, cal)
-            out.append(OpCost(f"{v.name} returned evenly", 0.0, seconds, wire, 0,
-                              traffic=tuple(_plan_traffic(plan, cal))))  # fmt: skip
+            traffic = _plan_traffic(redist.plan(v.shape, src, dst, m, dtype=v.dtype), cal)
+            out.append(OpCost(f"{v.name} returned evenly", 0.0, *totals(traffic), 0,
+                              traffic=tuple(traffic)))  # fmt: skip
     return out
 
 

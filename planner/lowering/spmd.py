@@ -589,7 +589,8 @@ class Lowered:
             parted = step.pending if op.name in self.deferred else next(
                 (self.parts[a.value.name] for a in op.operands if a.value.name in self.parts), None
             )  # fmt: skip
-        if self.xla and op.how != "region" and self._held(op):  # a boundary op keeps its operand's
+        # a boundary op keeps its operand's constraint; an op XLA lays out takes none
+        if self.xla and op.how != "region" and self._held(op):
             outs = [self._constrain(x, sp if parted is None else (parted, *sp))
                     for x, sp in zip(outs, step.out_specs)]  # fmt: skip
         for r, x in zip(op.results, outs):
@@ -655,8 +656,7 @@ def anchored(prog: Program, sched: Schedule, asked: Schedule, steps) -> frozense
     constrained = {op.name for op in prog.ops if op.primitive in SHARDING_PARAM}
     if not any(any(asked.assign.get(name, {}).values()) for name in constrained):
         return None
-    departs = {op.name for op in prog.ops
-               if sched.assign.get(op.name, {}) != asked.assign.get(op.name, {})}  # fmt: skip
+    departs = {op.name for op in prog.ops if sched.grid(op) != asked.grid(op)}
     out = constrained | {st.op.name for st in steps if _spatially_split(st)}
     for op in prog.ops:
         producers = {prog.producer[a.value.name].name for a in op.operands

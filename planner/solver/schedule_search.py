@@ -278,8 +278,7 @@ def search(
         if memory_limit_bytes is not None:  # the fastest few, whatever their memory, with ZeRO
             fastest = sorted((r for r in scores if r[3] is not None), key=lambda r: r[3].time_s)
             results += _zero(prog, shape, fastest[:8], evaluate)
-        best = refine(best_of(results), evaluate, shape)
-        return _result(users_on_a_tie(best, asked), evaluate, memory_limit_bytes)
+        return _finish(results, asked, evaluate, shape, memory_limit_bytes)
     per_axis = [tuple(shape.axis_factors(a)) for a in shape.axis_names]
     passes = [[tuple(names)], per_axis]
     if len(per_axis) < len(names) <= PER_FACTOR_MAX:  # some axis splits into several factors
@@ -294,8 +293,14 @@ def search(
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     if memory_limit_bytes is not None:
         results += _zero(prog, shape, results, evaluate)
+    return _finish(results, asked, evaluate, shape, memory_limit_bytes)
+
+
+def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, limit):
+    """The search's answer from its scored candidates: the best of them, refined, or the user's
+    own layout where that ties (:func:`users_on_a_tie`); raises where nothing fits."""
     best = refine(best_of(results), evaluate, shape)
-    return _result(users_on_a_tie(best, asked), evaluate, memory_limit_bytes)
+    return _result(users_on_a_tie(best, asked), evaluate, limit)
 
 
 TIME_TIE = 0.03
