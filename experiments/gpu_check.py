@@ -2,7 +2,7 @@
 measured (time, and memory as the compiler counts it).
 
 Usage:
-    python -m experiments.gpu_check --config=configs/gpu_check.py --workdir=results/gpu_check
+    python -m experiments.gpu_check --config=configs/gpu_check/default.py --workdir=results/gpu_check
 
 On a machine with a GPU (or any one device) it measures each workload (median of ``repeats``
 runs after ``warmup``, inputs on the device) and compiles it (arguments + outputs + temporaries -
@@ -198,6 +198,6 @@ def main(argv):
 
 if __name__ == "__main__":
     # Flags are defined here, not at import, so that several runners can be imported together.
-    config_flags.DEFINE_config_file("config", "configs/gpu_check.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/gpu_check/default.py", "Config file.")
     flags.DEFINE_string("workdir", "results/gpu_check", "Where to write the results.")
     app.run(main)

@@ -1,7 +1,7 @@
 """One plan, four ways to run it: the lowerings against XLA's SPMD partitioning of the same plan.
 
 Usage:
-    python -m experiments.lowering_benchmark --config=configs/lowering.py --workdir=workdir/lowering
+    python -m experiments.lowering_benchmark --config=configs/lowering_benchmark/default.py --workdir=workdir/lowering
 
 For every workload the planner's searched schedule (and, for reference, plain data parallelism) is
 run as
@@ -139,6 +139,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/lowering.py", "Config file.")
+    config_flags.DEFINE_config_file(
+        "config", "configs/lowering_benchmark/default.py", "Config file."
+    )
     flags.DEFINE_string("workdir", "workdir/lowering", "Where outputs go.")
     app.run(main)

@@ -9,6 +9,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -51,7 +52,7 @@ def auto_mesh(text: str):
 @dataclasses.dataclass(frozen=True)
 class CompileStats:
     """A compiled program's collectives, its temporary memory per device (on TPU the
-    temporaries live at the compiler's peak, :func:`planner.compiled.compiler_peak_bytes`, less
+    temporaries live at the compiler's peak, :func:`planner.target.compiled.compiler_peak_bytes`, less
     arguments and outputs; elsewhere ``memory_analysis().temp_size_in_bytes``) and whether XLA
     rematerialized an array in full."""
 
@@ -69,7 +70,7 @@ class CompileStats:
 
 def compile_stats(jitted, *args) -> tuple[object, CompileStats]:
     """Compile ``jitted`` for ``args``; return the executable and its statistics."""
-    from planner.compiled import compiler_peak_bytes  # imports JAX: after force_host_devices
+    from planner.target.compiled import compiler_peak_bytes  # imports JAX: after force_host_devices
 
     with captured_stderr() as log:
         compiled = jitted.lower(*args).compile()
@@ -136,3 +137,24 @@ def save_figure(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def ratio_axis(ax, axis: str, lo: float, hi: float) -> None:
+    """A log ``axis`` ("x" or "y") of ``ax`` whose ticks are the powers of two in ``[lo, hi]``,
+    written 0.5×, 1×, 2×, 4×: readable where matplotlib's log ticks print "3×10⁰4×10⁰"."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ticks = [2.0**k for k in range(math.floor(math.log2(lo)), math.ceil(math.log2(hi)) + 1)]
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(FixedLocator(ticks))
+    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
+    target.set_minor_locator(NullLocator())
+
+
+def plain_log_ticks(ax) -> None:
+    """Both log axes of ``ax`` labelled with plain numbers (1, 10, 100) rather than 10⁰."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for target in (ax.xaxis, ax.yaxis):
+        target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        target.set_minor_formatter(NullFormatter())

@@ -1,8 +1,8 @@
 """Memory check: the simulator's predicted peak per device against what the compiler allocates.
 
 Usage:
-    python -m experiments.memory_check --config=configs/memory_check.py --workdir=workdir/memory_check
-    python -m experiments.memory_check --config=configs/memory_check.py --config.tpu=True \\
+    python -m experiments.memory_check --config=configs/memory_check/default.py --workdir=workdir/memory_check
+    python -m experiments.memory_check --config=configs/memory_check/default.py --config.tpu=True \\
         --config.strategies=auto --workdir=workdir/memory_check
 
 XLA:CPU (8 forced host devices): for every workload x strategy on ``config.mesh``, the schedule
@@ -179,7 +179,7 @@ def run(config, workdir: str) -> dict:
     force_host_devices(8)
     import numpy as np
 
-    import planner  # noqa: F401  before JAX starts its backends, for the GPU cases (planner.gpus)
+    import planner  # noqa: F401  before JAX starts its backends, for the GPU cases (planner.target.gpus)
     from experiments.measure import auto_mesh
 
     os.makedirs(workdir, exist_ok=True)
@@ -280,6 +280,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/memory_check.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/memory_check/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/memory_check", "Where outputs go.")
     app.run(main)

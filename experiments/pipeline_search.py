@@ -2,7 +2,7 @@
 16 simulated H100s (two 8-GPU hosts).
 
 Usage:
-    python -m experiments.pipeline_search --config=configs/pipeline_search.py \\
+    python -m experiments.pipeline_search --config=configs/pipeline_search/default.py \\
         --workdir=workdir/pipeline_search
 
 For each MLP of the family (``config.models``: layers x hidden, 16-bit, ReLU, a squared loss,
@@ -247,6 +247,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/pipeline_search.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/pipeline_search/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/pipeline_search", "Where outputs go.")
     app.run(main)

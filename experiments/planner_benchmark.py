@@ -1,7 +1,7 @@
 """Planner benchmark: the automatic plan against hand-written strategies, measured and predicted.
 
 Usage:
-    python -m experiments.planner_benchmark --config=configs/planner_default.py --workdir=workdir/planner
+    python -m experiments.planner_benchmark --config=configs/planner_benchmark/default.py --workdir=workdir/planner
 
 For every workload x strategy (all lowered the same way): measured time (interleaved repetitions,
 inputs placed on the devices once as the program wants them),
@@ -222,7 +222,7 @@ def report(results: list[dict], summary: dict) -> str:
 
 
 def figures(results: list[dict], workdir: str) -> None:
-    from experiments.measure import pyplot, save_figure
+    from experiments.measure import plain_log_ticks, pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -232,6 +232,7 @@ def figures(results: list[dict], workdir: str) -> None:
         [r["predicted_s"] * 1e3 for r in results], [r["measured_s"] * 1e3 for r in results], "o"
     )
     ax.set(xlabel="predicted ms", ylabel="measured ms", title="Simulator vs measurement")
+    plain_log_ticks(ax)
     save_figure(fig, os.path.join(workdir, "predicted_vs_measured.png"))
     work = list(dict.fromkeys(r["workload"] for r in results))
     strat = list(dict.fromkeys(r["strategy"] for r in results))
@@ -243,6 +244,7 @@ def figures(results: list[dict], workdir: str) -> None:
         ax.bar([i + k * width for i in range(len(work))], vals, width, label=s)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(work))], work, rotation=20)
     ax.set(ylabel="measured ms", yscale="log")
+    plain_log_ticks(ax)
     ax.legend(fontsize=7)
     save_figure(fig, os.path.join(workdir, "workloads.png"))
 
@@ -255,6 +257,8 @@ def main(argv):
 
 if __name__ == "__main__":
     # Flags are defined here, not at import, so that several runners can be imported together.
-    config_flags.DEFINE_config_file("config", "configs/planner_default.py", "Config file.")
+    config_flags.DEFINE_config_file(
+        "config", "configs/planner_benchmark/default.py", "Config file."
+    )
     flags.DEFINE_string("workdir", "workdir/planner_benchmark", "Where outputs go.")
     app.run(main)

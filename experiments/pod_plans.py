@@ -2,7 +2,7 @@
 strategies experts write, each compiled by the TPU compiler for the pod it is meant for.
 
 Usage:
-    python -m experiments.pod_plans --config=configs/pod_plans.py --workdir=workdir/pod_plans
+    python -m experiments.pod_plans --config=configs/pod_plans/default.py --workdir=workdir/pod_plans
 
 For every model x topology (``config.models``, ``config.topologies``): the step is built from
 shapes only (nothing allocated), planned by ``planner.plan`` (``searched``; parameters and
@@ -15,7 +15,7 @@ topology (``planner.topology_mesh``) and read:
   fits HBM (the compiler refuses a program that does not), against the planner's prediction;
 - time: the compiled-program estimate, the compiler's ``optimal_seconds`` for the kernels plus
   the HLO's collectives priced by the calibration, each as often as it runs
-  (:mod:`planner.compiled_time`; where libtpu's ``optimal_seconds`` is not positive, as it is
+  (:mod:`planner.target.compiled_time`; where libtpu's ``optimal_seconds`` is not positive, as it is
   on v6e, the calibration's roofline of the compiler's flops and bytes). The compiler counts a loop's body once in ``optimal_seconds``,
   so the kernels' time of an ``L``-layer scanned model is taken from the same plan compiled with
   1 and 2 layers, unrolled: ``t1 + (L - 1) (t2 - t1)`` (every layer costs the same; parameters,
@@ -113,8 +113,8 @@ def parse_topology(text: str) -> tuple[str, dict[str, int]]:
 
 def _compiled(plan, cal, n: int) -> dict:
     """The compiler's verdict on ``plan`` (bound to its topology mesh)."""
-    from planner.compiled import compile_and_report, input_structs
-    from planner.compiled_time import compiled_time
+    from planner.target.compiled import compile_and_report, input_structs
+    from planner.target.compiled_time import compiled_time
 
     start = time.perf_counter()
     compiled, report = compile_and_report(plan.jit().lower(*input_structs(plan)))
@@ -150,10 +150,10 @@ def layer_optimal(plan, build_at, layers: int, mesh, cal, name: str = "") -> flo
 
     from planner.autoplan import AutoPlan
     from planner.calls import Signature
-    from planner.compiled import input_structs
-    from planner.compiled_time import compiled_time
     from planner.program.analysis import analyze
     from planner.program.schedule import Schedule
+    from planner.target.compiled import input_structs
+    from planner.target.compiled_time import compiled_time
 
     times = []
     for depth in (1, 2):
@@ -342,40 +342,53 @@ def report(rows: list[dict], summary: dict) -> str:
 
 
 def figure(rows: list[dict], path: str) -> None:
-    """Bars: each strategy's estimate over the best expert's, per model x topology."""
-    import matplotlib
+    """Bars: each strategy's estimate over the best expert's, one row per model x topology (log
+    axis, 1x: the best expert); "does not fit" where a strategy's program is over HBM."""
+    from experiments.measure import pyplot, ratio_axis, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = list(dict.fromkeys(f"{r['model']}\n{r['topology']}" for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cases)), 4))
-    width = 0.8 / len(STRATEGIES)
+    plt = pyplot()
+    if plt is None:
+        return
+    cases = list(dict.fromkeys(f"{r['model']} @ {r['topology']}" for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 1.0 + 0.5 * len(cases)))
+    height = 0.8 / len(STRATEGIES)
+    ratios = []
     for k, strategy in enumerate(STRATEGIES):
-        xs, ys, marks = [], [], []
+        ys, widths, missing = [], [], []
         for i, case in enumerate(cases):
-            by = {r["strategy"]: r for r in rows if f"{r['model']}\n{r['topology']}" == case}
+            by = {r["strategy"]: r for r in rows if f"{r['model']} @ {r['topology']}" == case}
             fitting = [v["estimate_s"] for s, v in by.items()
                        if s != "searched" and v.get("fits") and v.get("estimate_s")]  # fmt: skip
             r = by.get(strategy)
             if r is None or not fitting:
                 continue
-            xs.append(i + (k - 1.5) * width)
-            ok = r.get("fits") and r.get("estimate_s")
-            ys.append(r["estimate_s"] / min(fitting) if ok else 0.0)
-            marks.append(not ok)
-        bars = ax.bar(xs, ys, width, label=strategy)
-        for b, missing in zip(bars, marks):
-            if missing:
-                ax.annotate("x", (b.get_x() + b.get_width() / 2, 0.02), ha="center")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(range(len(cases)), cases, fontsize=8)
-    ax.set_ylabel("compiled estimate / best expert's")
-    ax.set_title("Step time on TPU pods (compiled), x: does not fit")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+            y = i + (k - (len(STRATEGIES) - 1) / 2) * height
+            if r.get("fits") and r.get("estimate_s"):
+                ys.append(y)
+                widths.append(r["estimate_s"] / min(fitting))
+            else:
+                missing.append(y)
+        ax.barh(ys, widths, height, label=strategy, color=f"C{k}")
+        ratios += widths
+        for y in missing:
+            ax.annotate("does not fit", (1.0, y), fontsize=6, va="center", color=f"C{k}")
+    for i, case in enumerate(cases):
+        if not any(r.get("fits") and r.get("estimate_s") for r in rows
+                   if f"{r['model']} @ {r['topology']}" == case and r["strategy"] != "searched"):  # fmt: skip
+            ax.annotate("no expert strategy fits (or none compiled)", (1.0, i), fontsize=6,
+                        va="center", color="gray")  # fmt: skip
+    ax.set_xscale("log")
+    if ratios:
+        lo, hi = min(min(ratios), 0.5), max(max(ratios), 2.0)
+        ax.set_xlim(lo / 1.2, hi * 1.2)
+        ratio_axis(ax, "x", lo, hi)
+    ax.axvline(1.0, color="gray", lw=0.8)
+    ax.set_yticks(range(len(cases)), cases, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("compiled step-time estimate / best expert's (shorter: faster)")
+    ax.set_title("Step time on TPU pods, compiled by the TPU compiler")
+    ax.legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)
 
 
 def run(config, workdir: str) -> dict:
@@ -422,6 +435,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/pod_plans.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/pod_plans/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/pod_plans", "Where outputs go.")
     app.run(main)

@@ -1,8 +1,8 @@
 """Random-problem benchmark against XLA's own resharding (the paper's §8, Fig. 13-14).
 
 Usage:
-    python -m experiments.random_benchmark --workdir=workdir/bench --config=configs/default.py
-    python -m experiments.random_benchmark --config=configs/default.py --config.num_problems=10
+    python -m experiments.random_benchmark --workdir=workdir/bench --config=configs/random_benchmark/default.py
+    python -m experiments.random_benchmark --config=configs/random_benchmark/default.py --config.num_problems=10
 
 For every problem, on the same input array and in the same process: our plan (synthesis time), our
 compiled program, and XLA's resharding (``jax.jit(lambda v: v, out_shardings=dst)``, what
@@ -357,6 +357,8 @@ def main(argv):
 
 if __name__ == "__main__":
     # Flags are defined here, not at import, so that several runners can be imported together.
-    config_flags.DEFINE_config_file("config", "configs/default.py", "Benchmark config file.")
+    config_flags.DEFINE_config_file(
+        "config", "configs/random_benchmark/default.py", "Benchmark config file."
+    )
     flags.DEFINE_string("workdir", "workdir/random_benchmark", "Where outputs go.")
     app.run(main)

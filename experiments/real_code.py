@@ -2,7 +2,7 @@
 gemma, planned and measured against the layouts their authors wrote.
 
 Usage:
-    python -m experiments.real_code --config=configs/real_code.py --workdir=workdir/real_code
+    python -m experiments.real_code --config=configs/real_code/default.py --workdir=workdir/real_code
 
 Each case (library, dtype, mesh) builds the library's own step tiny on 8 CPU devices
 (:mod:`experiments.libraries`), plans it with :func:`planner.plan` (its sharding constraints as
@@ -223,6 +223,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/real_code.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/real_code/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/real_code", "Where outputs go.")
     app.run(main)

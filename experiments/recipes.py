@@ -1,7 +1,7 @@
 """The planner against MaxText's own published recipes, each compiled for the recipe's topology.
 
 Usage:
-    python -m experiments.recipes --config=configs/recipes.py --workdir=workdir/recipes
+    python -m experiments.recipes --config=configs/recipes/default.py --workdir=workdir/recipes
 
 For every recipe (``config.recipes``, :data:`RECIPES`: MaxText's ``benchmarks/`` v5p recipes):
 the training step MaxText runs, written from its public configs
@@ -236,7 +236,7 @@ def topology_axes(recipe: dict) -> dict[str, int]:
 def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
     import jax
 
-    from planner.compiled import compile_and_report
+    from planner.target.compiled import compile_and_report
 
     step, args = recipe_step(recipe, mesh, layers, unroll)
     shardings = recipe_shardings(args, mesh)
@@ -247,7 +247,7 @@ def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
 
 
 def _row_of(compiled, report, cal, n: int, optimal_s: float | None) -> dict:
-    from planner.compiled_time import compiled_time
+    from planner.target.compiled_time import compiled_time
 
     row = {"fits": report.fits, "compiled_bytes": report.total_bytes,
            "hbm_bytes": report.hbm_bytes, "temp_bytes": report.temp_bytes}  # fmt: skip
@@ -263,9 +263,9 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     """Rows of the ``strategies`` of recipe ``name`` not yet in ``done``."""
     import planner
     from planner.baselines import expert_plans
-    from planner.compiled import compile_and_report, input_structs
-    from planner.compiled_time import compiled_time
     from planner.cost.memory import MemoryLimitError, default_calibration
+    from planner.target.compiled import compile_and_report, input_structs
+    from planner.target.compiled_time import compiled_time
 
     recipe = RECIPES[name]
     todo = [s for s in strategies if (name, s) not in done]
@@ -345,7 +345,7 @@ def depth_rows(name: str, depths: list[int], done: set) -> list[dict]:
     trusting the model: no compile rounds) at each depth of ``depths`` not in ``done``: its
     predicted peak and the compiler's."""
     import planner
-    from planner.compiled import compile_and_report, input_structs
+    from planner.target.compiled import compile_and_report, input_structs
 
     recipe = RECIPES[name]
     mesh = planner.topology_mesh(recipe["topology"], topology_axes(recipe))
@@ -389,7 +389,7 @@ def _seconds(row) -> str:
 
 
 def _checks(rounds) -> str:
-    """``2 (over, within; 310 s)``: the plan's compile rounds (:mod:`planner.confirm`)."""
+    """``2 (over, within; 310 s)``: the plan's compile rounds (:mod:`planner.target.confirm`)."""
     if not rounds:
         return ""
     limit = rounds[0]["searched_limit"]
@@ -473,6 +473,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/recipes.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/recipes/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/recipes", "Where outputs go.")
     app.run(main)

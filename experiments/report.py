@@ -134,8 +134,10 @@ def markdown(results: list[dict], summary: dict, config) -> str:
 
 
 def figures(results: list[dict], workdir: str) -> list[str]:
-    """Fig. 14a-like scatter, Fig. 14b-like histogram, and a memory-ratio histogram (PNG)."""
-    from experiments.measure import pyplot
+    """Fig. 14a-like scatter, Fig. 14b-like histogram, and a memory-ratio histogram (PNG). Where
+    both sides compile the very same collectives the ratio is the host's noise, not a win: those
+    problems are drawn apart ("same collectives") from the ones where the programs differ."""
+    from experiments.measure import plain_log_ticks, pyplot, ratio_axis
 
     plt = pyplot()
     if plt is None:
@@ -143,25 +145,35 @@ def figures(results: list[dict], workdir: str) -> list[str]:
     from matplotlib.ticker import MaxNLocator
 
     paths = []
+    same = np.array([bool(r.get("same_collectives")) for r in results])
+    groups = [(~same, "different collectives", "C0"), (same, "same collectives (noise)", "C7")]
     ours = np.array([r["ours"]["median_s"] for r in results]) * 1e3
     xla = np.array([r["xla"]["median_s"] for r in results]) * 1e3
     fig, ax = plt.subplots(figsize=(5, 5))
-    ax.loglog(xla, ours, "o", alpha=0.6, ms=4)
+    for mask, label, color in groups:
+        if mask.any():
+            ax.loglog(xla[mask], ours[mask], "o", alpha=0.6, ms=4, color=color, label=label)
     lo, hi = min(ours.min(), xla.min()) * 0.8, max(ours.max(), xla.max()) * 1.25
     ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="equal time")
     ax.set(xlabel="XLA resharding time (ms)", ylabel="redist time (ms)", xlim=(lo, hi), ylim=(lo, hi),
            title="Run times (below the diagonal: redist faster)")  # fmt: skip
+    plain_log_ticks(ax)
     ax.legend()
     paths.append(_save(fig, workdir, "runtimes.png"))
     sp = np.array([r["speedup"] for r in results])
     fig, ax = plt.subplots(figsize=(6, 4))
-    bins = np.geomspace(min(sp.min(), 0.5), max(sp.max(), 2.0), 30)
-    ax.hist(sp, bins=bins)
+    lo, hi = min(sp.min(), 0.5), max(sp.max(), 2.0)
+    bins = np.geomspace(lo, hi, 30)
+    shown = [(sp[mask], label, color) for mask, label, color in groups if mask.any()]
+    ax.hist([s for s, _, _ in shown], bins=bins, stacked=True,
+            label=[f"{label}: {len(s)}" for s, label, _ in shown],
+            color=[color for _, _, color in shown])  # fmt: skip
     ax.set_xscale("log")
-    ax.axvline(1.0, color="k", ls="--", lw=1, label="equal time (1x)")
+    ratio_axis(ax, "x", lo, hi)
+    ax.axvline(1.0, color="k", ls="--", lw=1, label="equal time (1×)")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="speed-up (XLA time / redist time)", ylabel="problems",
-           title=f"Speed-ups, geometric mean {math.exp(np.log(sp).mean()):.2f}x")  # fmt: skip
+           title=f"Speed-ups, geometric mean {math.exp(np.log(sp).mean()):.2f}×")  # fmt: skip
     ax.legend()
     paths.append(_save(fig, workdir, "speedups.png"))
     fig, ax = plt.subplots(figsize=(6, 4))

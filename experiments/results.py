@@ -1,83 +1,145 @@
-"""Regenerate the committed results: the random benchmark, weight sync and synthesis scaling.
+"""Regenerate ``results/``: every folder that runs on this host, each folder's ``command.txt``,
+and ``results/README.md`` with the headline figures.
 
 Usage:
-    python -m experiments.results --workdir=results
+    python -m experiments.results --list                      # each folder, what it needs, its commands
+    python -m experiments.results                             # every folder that runs on 8 CPU devices
+    python -m experiments.results --only=weight_sync,lowering  # those folders
+    python -m experiments.results --summary_only              # README.md and command.txt files only
 
-Runs each experiment with its default config (``configs/default.py``, ``configs/weight_sync.py``,
-``configs/synthesis_scaling.py``) into ``<workdir>/random_benchmark``, ``<workdir>/weight_sync``
-and ``<workdir>/synthesis_scaling``, the planner's search time into
-``<workdir>/planner_search_scaling``, the lowering benchmark (``configs/lowering.py``) into
-``<workdir>/lowering``, then writes ``<workdir>/README.md`` with the headline
-figures. About twenty minutes on 2 CPU cores.
+What makes each folder, what it needs and how long it takes is :mod:`experiments.catalog`. The
+folders that need the TPU compiler for hours, or Python >= 3.12 with MaxText, keras-hub and gemma,
+are run on their own with their ``command.txt``; this reads what they left.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
+import sys
 
 from absl import app, flags, logging
 
-from experiments.measure import force_host_devices
-
-force_host_devices(8)
+from experiments.catalog import FOLDERS, Folder, Needs
 
 
-def run(workdir: str) -> str:
-    """Run the three experiments; return the summary markdown (also written to README.md)."""
-    from configs import default, lowering, synthesis_scaling, weight_sync
-    from experiments import lowering_benchmark, random_benchmark
-    from experiments import synthesis_scaling as scaling
-    from experiments import weight_sync as sync
+def regenerate(folder: Folder, workdir: str) -> None:
+    """Run ``folder``'s commands with this Python into ``workdir/<folder>``."""
+    for command in folder.commands(workdir):
+        argv = shlex.split(command)
+        logging.warning("%s", command)
+        subprocess.run([sys.executable, *argv[1:]], check=True)
 
-    bench = random_benchmark.run(default.get_config(), os.path.join(workdir, "random_benchmark"))
-    ws = sync.run(weight_sync.get_config(), os.path.join(workdir, "weight_sync"))
-    rows = scaling.run(synthesis_scaling.get_config(), os.path.join(workdir, "synthesis_scaling"))
-    planner_rows = planner_search(os.path.join(workdir, "planner_search_scaling"))
-    lowered = lowering_benchmark.run(lowering.get_config(), os.path.join(workdir, "lowering"))
-    worst = max(rows, key=lambda r: r["max_s"])
-    m = ws["methods"]
-    lines = [
-        "# Results",
-        "",
-        "Regenerate with `python -m experiments.results --workdir=results` (8 simulated CPU "
-        "devices; times are ratios measured interleaved in one run).",
-        "",
-        "## Random redistributions against XLA (`random_benchmark/`)",
-        "",
-        f"- {bench['problems']} problems of 4-64 MB on mesh a:2,b:2,c:2: speed-up over XLA "
-        f"geomean {bench['speedup_geomean']:.2f}x (min {bench['speedup_min']:.2f}x, max "
-        f"{bench['speedup_max']:.2f}x).",
-        f"- Noise floor: on the {bench['same_collectives_problems']} problems where both compile "
-        f"the very same collectives, the ratio is {bench['same_collectives_speedup_geomean']:.2f}x "
-        f"geomean, range {bench['same_collectives_speedup_range'][0]:.2f}-"
-        f"{bench['same_collectives_speedup_range'][1]:.2f}x. On the other "
-        f"{bench['different_collectives_problems']}: "
-        f"{bench['different_collectives_speedup_geomean']:.2f}x geomean, "
-        f"{bench['below_noise_floor']} below the noise floor.",
-        f"- Bytes moved: {bench['bytes_ratio_geomean']:.2f}x XLA's (geomean); more than XLA on "
-        f"{bench['ours_more_bytes']} problems.",
-        f"- Full rematerializations (XLA's 'replicate, then slice'): XLA "
-        f"{bench['xla_full_rematerializations']}, ours {bench['ours_full_rematerializations']}.",
-        f"- Compiled temporary memory over max(src tile, dst tile): median "
-        f"{bench['ours_temp_over_bound_median']:.2f} (max {bench['ours_temp_over_bound_max']:.2f}) "
-        f"against XLA's {bench['xla_temp_over_bound_median']:.2f} (max "
-        f"{bench['xla_temp_over_bound_max']:.2f}).",
-        f"- Synthesis p50 {bench['synthesis_ms_p50']:.1f} ms, p99 {bench['synthesis_ms_p99']:.1f} ms.",
-        "",
-        "## Weight sync (`weight_sync/`)",
-        "",
-        f"FSDP training mesh to tensor-parallel serving mesh, {ws['param_bytes'] / 2**20:.0f} MiB "
-        f"of parameters: redist {m['redist']['time_s'] * 1e3:.1f} ms "
-        f"({m['redist']['speedup_vs_xla']:.2f}x XLA), XLA {m['xla']['time_s'] * 1e3:.1f} ms, "
-        f"device_put {m['device_put']['time_s'] * 1e3:.1f} ms; compiled temporary memory "
-        f"{m['redist']['temp_bytes'] / 2**20:.2f} MiB against XLA's "
-        f"{m['xla']['temp_bytes'] / 2**20:.2f} MiB per device.",
-        "",
-        "## Synthesis time (`synthesis_scaling/`)",
-        "",
-        f"Meshes of 8 to 4096 devices, ranks 1-8: slowest problem {worst['max_s']:.2f} s "
-        f"({worst['mesh']}, rank {worst['rank']}).",
+
+def write_commands(workdir: str) -> list[str]:
+    """Write ``command.txt`` into every catalogued folder present under ``workdir``; return the
+    folders found there that the catalog does not know."""
+    present = sorted(d for d in os.listdir(workdir) if os.path.isdir(os.path.join(workdir, d)))
+    for name in present:
+        if name in FOLDERS:
+            with open(os.path.join(workdir, name, "command.txt"), "w") as f:
+                f.write(FOLDERS[name].command_text())
+    return [name for name in present if name not in FOLDERS]
+
+
+def catalog_table() -> list[str]:
+    """A markdown table of the catalog: folder, what it needs, minutes, commands."""
+    lines = ["| folder | needs | minutes (2 cores) | command |", "|---|---|---|---|"]
+    for f in FOLDERS.values():
+        commands = "<br>".join(f"`{c}`" for c in f.commands())
+        lines.append(f"| `{f.name}/` | {f.needs.value} | {f.minutes:g} | {commands} |")
+    return lines
+
+
+def _read(workdir: str, *path: str) -> dict | list | None:
+    """A JSON (``.json``) or JSON-lines (``.jsonl``) file under ``workdir``; None if absent."""
+    p = os.path.join(workdir, *path)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        return [json.loads(line) for line in f] if p.endswith(".jsonl") else json.load(f)
+
+
+def summary(workdir: str) -> str:
+    """``workdir/README.md``'s text, read from the folders there (sections of absent ones left out)."""
+    sections = (redistribution_sections(workdir) + planner_search_section(workdir)
+                + lowering_section(workdir) + tpu_sections(workdir) + spatial_section(workdir)
+                + uneven_section(workdir) + real_code_section(workdir))  # fmt: skip
+    lines = ["# Results", "",
+             "Every folder's `command.txt` names the commands that made it; "
+             "`python -m experiments.results` regenerates the ones that run on 8 simulated CPU "
+             "devices (times are ratios measured interleaved in one run), "
+             "`python -m experiments.results --list` says what the others need.",
+             *sections, "", "## What made each folder", "", *catalog_table()]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def redistribution_sections(workdir: str) -> list[str]:
+    """Markdown on ``random_benchmark/``, ``weight_sync/`` and ``synthesis_scaling/``."""
+    lines = []
+    bench = _read(workdir, "random_benchmark", "summary.json")
+    if bench:
+        lines += [
+            "",
+            "## Random redistributions against XLA (`random_benchmark/`)",
+            "",
+            f"- {bench['problems']} problems of 4-64 MB on mesh a:2,b:2,c:2: speed-up over XLA "
+            f"geomean {bench['speedup_geomean']:.2f}x (min {bench['speedup_min']:.2f}x, max "
+            f"{bench['speedup_max']:.2f}x).",
+            f"- Noise floor: on the {bench['same_collectives_problems']} problems where both compile "
+            f"the very same collectives, the ratio is {bench['same_collectives_speedup_geomean']:.2f}x "
+            f"geomean, range {bench['same_collectives_speedup_range'][0]:.2f}-"
+            f"{bench['same_collectives_speedup_range'][1]:.2f}x. On the other "
+            f"{bench['different_collectives_problems']}: "
+            f"{bench['different_collectives_speedup_geomean']:.2f}x geomean, "
+            f"{bench['below_noise_floor']} below the noise floor.",
+            f"- Bytes moved: {bench['bytes_ratio_geomean']:.2f}x XLA's (geomean); more than XLA on "
+            f"{bench['ours_more_bytes']} problems.",
+            f"- Full rematerializations (XLA's 'replicate, then slice'): XLA "
+            f"{bench['xla_full_rematerializations']}, ours {bench['ours_full_rematerializations']}.",
+            f"- Compiled temporary memory over max(src tile, dst tile): median "
+            f"{bench['ours_temp_over_bound_median']:.2f} (max {bench['ours_temp_over_bound_max']:.2f}) "
+            f"against XLA's {bench['xla_temp_over_bound_median']:.2f} (max "
+            f"{bench['xla_temp_over_bound_max']:.2f}).",
+            f"- Synthesis p50 {bench['synthesis_ms_p50']:.1f} ms, p99 {bench['synthesis_ms_p99']:.1f} ms.",
+        ]
+    ws = _read(workdir, "weight_sync", "results.json")
+    if ws:
+        m = ws["methods"]
+        lines += [
+            "",
+            "## Weight sync (`weight_sync/`)",
+            "",
+            f"FSDP training mesh to tensor-parallel serving mesh, {ws['param_bytes'] / 2**20:.0f} MiB "
+            f"of parameters: redist {m['redist']['time_s'] * 1e3:.1f} ms "
+            f"({m['redist']['speedup_vs_xla']:.2f}x XLA), XLA {m['xla']['time_s'] * 1e3:.1f} ms, "
+            f"device_put {m['device_put']['time_s'] * 1e3:.1f} ms; compiled temporary memory "
+            f"{m['redist']['temp_bytes'] / 2**20:.2f} MiB against XLA's "
+            f"{m['xla']['temp_bytes'] / 2**20:.2f} MiB per device.",
+        ]
+    problems = _read(workdir, "synthesis_scaling", "results.jsonl")
+    if problems:
+        worst = max(problems, key=lambda r: r["seconds"])
+        lines += [
+            "",
+            "## Synthesis time (`synthesis_scaling/`)",
+            "",
+            f"Meshes of 8 to 4096 devices, ranks 1-8: slowest problem {worst['seconds']:.2f} s "
+            f"({worst['mesh']}, rank {worst['rank']}).",
+        ]
+    return lines
+
+
+def planner_search_section(workdir: str) -> list[str]:
+    """Markdown on ``planner_search_scaling/`` (its three runs' rows, in the catalog's order)."""
+    runs = FOLDERS["planner_search_scaling"].runs
+    rows = [r for run in runs
+            for r in _read(workdir, "planner_search_scaling", run.sub, "results.jsonl") or []]  # fmt: skip
+    if not rows:
+        return []
+    return [
         "",
         "## Planner search time (`planner_search_scaling/`)",
         "",
@@ -90,8 +152,17 @@ def run(workdir: str) -> str:
             f"| {r['workload']} {r['sizes']} | {r['layers']} | {r['ops']} | {r['mesh']} | "
             f"{r['devices']} | {r['search_s']:.1f} | {r['predicted_s'] * 1e3:.1f} "
             f"({r['replicated_s'] * 1e3:.1f}) |"
-            for r in planner_rows
+            for r in rows
         ),
+    ]
+
+
+def lowering_section(workdir: str) -> list[str]:
+    """Markdown on ``lowering/``."""
+    lowered = _read(workdir, "lowering", "summary.json")
+    if not lowered:
+        return []
+    return [
         "",
         "## One plan, four lowerings (`lowering/`)",
         "",
@@ -107,18 +178,12 @@ def run(workdir: str) -> str:
             for name, r in lowered.items()
         ),
     ]
-    sections = (tpu_sections(workdir) + spatial_section(workdir) + uneven_section(workdir)
-                + real_code_section(workdir))  # fmt: skip
-    text = "\n".join(lines + sections) + "\n"
-    with open(os.path.join(workdir, "README.md"), "w") as f:
-        f.write(text)
-    return text
 
 
 def real_code_section(workdir: str) -> list[str]:
     """Markdown on ``real_code/`` (MaxText's, keras-hub's and gemma's own steps against their
     authors' layouts): it needs Python >= 3.12 with those libraries, so it is run on its own
-    (``python -m experiments.real_code --config=configs/real_code.py --workdir=results/real_code``)
+    (``python -m experiments.real_code --config=configs/real_code/default.py --workdir=results/real_code``)
     and read here."""
     path = os.path.join(workdir, "real_code", "report.md")
     if not os.path.exists(path):
@@ -141,7 +206,10 @@ def tpu_sections(workdir: str) -> list[str]:
         lines += ["", "## Planning TPU pods (`pod_plans/`)", "",
                   "Searched plan against the best expert strategy that fits, both compiled by the "
                   "TPU compiler for the pod (`python -m experiments.pod_plans`); estimate: "
-                  "compiled kernels + the HLO's collectives priced by the calibration.", "",
+                  "compiled kernels + the HLO's collectives priced by the calibration. Compiled "
+                  "memory here is arguments + outputs + temporaries - aliased, measured before "
+                  "`compiled_report` read the TPU compiler's own peak (12-32 % lower on "
+                  "MaxText's steps).", "",
                   "| model @ topology | searched fits | search s | searched / best expert | "
                   "best expert | predicted / compiled memory |", "|---|---|---|---|---|---|"]  # fmt: skip
         for case, c in summary.items():
@@ -170,9 +238,10 @@ def tpu_sections(workdir: str) -> list[str]:
     path = os.path.join(workdir, "recipes", "report.md")
     if os.path.exists(path):
         lines += ["", "## Against MaxText's recipes (`recipes/`)", "",
-                  "MaxText's step and v5p recipes, its own layout (logical axis rules and "
-                  "activation constraints, GSPMD), the same layout planned, and the searched plan, "
-                  "compiled by the TPU compiler (`python -m experiments.recipes`):", "",
+                  "MaxText's steps and recipes (v5p-128, v5p-512, v6e-256), its own layout "
+                  "(logical axis rules and activation constraints, GSPMD) and the planner's "
+                  "plans, compiled by the TPU compiler (`python -m experiments.recipes`); "
+                  "compiled memory is the compiler's peak per chip:", "",
                   open(path).read().rstrip()]  # fmt: skip
     path = os.path.join(workdir, "recipes", "depths.md")
     if os.path.exists(path):
@@ -183,7 +252,7 @@ def tpu_sections(workdir: str) -> list[str]:
 
 def spatial_section(workdir: str) -> list[str]:
     """Markdown on the spatial-partitioning run (``planner_spatial/``, ``python -m
-    experiments.planner_benchmark --config=configs/planner_spatial.py``), read from its rows."""
+    experiments.planner_benchmark --config=configs/planner_benchmark/spatial.py``), read from its rows."""
     return _benchmark_section(
         workdir, "planner_spatial", "Spatial partitioning",
         "Training steps on two 256x256 images over 8 simulated CPU devices (the batch splits 2 "
@@ -197,7 +266,7 @@ def spatial_section(workdir: str) -> list[str]:
 
 def uneven_section(workdir: str) -> list[str]:
     """Markdown on the GPT-2-sized run (``planner_uneven/``, ``python -m
-    experiments.planner_benchmark --config=configs/planner_uneven.py``), read from its rows."""
+    experiments.planner_benchmark --config=configs/planner_benchmark/uneven.py``), read from its rows."""
     return _benchmark_section(
         workdir, "planner_uneven", "A vocabulary the mesh does not divide",
         "A GPT-2-sized training step (flax, adamw; 2 scanned layers, d 768, 12 heads, vocabulary "
@@ -232,33 +301,37 @@ def _benchmark_section(workdir: str, name: str, title: str, intro: str, digits: 
     return lines
 
 
-PLANNER_MESHES = "a:2,b:2,c:2;a:4,b:4,c:4;data:16,fsdp:4,tensor:4;data:32,fsdp:16,tensor:8"
-
-
-def planner_search(workdir: str) -> list[dict]:
-    """Planner search time: a 2-layer transformer step on 8 to 4096 devices, a 24-layer one on
-    8, and the flax language model planned for TPU v5p pods of 256 and 4096 devices
-    (:mod:`experiments.search_scaling`)."""
-    from experiments import search_scaling
-    from experiments.measure import parse_mesh
-
-    meshes = [parse_mesh(m) for m in PLANNER_MESHES.split(";")]
-    rows = search_scaling.run(["transformer:64x128x16x64"], [2], meshes, 0,
-                              os.path.join(workdir, "mesh_size"), ("dp",))  # fmt: skip
-    rows += search_scaling.run(["transformer:4x64x8x16"], [24], meshes[:1], 0,
-                               os.path.join(workdir, "depth_24"), ("dp",))  # fmt: skip
-    rows += search_scaling.run(["lm_scan:256x512x1024x16x32768"], [2], meshes[2:], 0,
-                               os.path.join(workdir, "lm_pod"), ("dp",), "tpu_v5p")  # fmt: skip
-    return rows
-
-
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    print(run(flags.FLAGS.workdir))
-    print(f"outputs in {flags.FLAGS.workdir}")
+    f = flags.FLAGS
+    if f.list:
+        print("\n".join(catalog_table()))
+        return
+    names = f.only or [n for n, folder in FOLDERS.items() if folder.needs == Needs.HOST]
+    unknown = sorted(set(names) - set(FOLDERS))
+    if unknown:
+        raise ValueError(f"--only names folders the catalog does not have: {unknown}; "
+                         f"known: {sorted(FOLDERS)}")  # fmt: skip
+    if not f.summary_only:
+        for name in names:
+            regenerate(FOLDERS[name], f.workdir)
+    strays = write_commands(f.workdir)
+    if strays:
+        logging.warning("folders under %s that experiments.catalog does not list: %s",
+                        f.workdir, strays)  # fmt: skip
+    text = summary(f.workdir)
+    with open(os.path.join(f.workdir, "README.md"), "w") as out:
+        out.write(text)
+    print(text)
+    print(f"outputs in {f.workdir}")
 
 
 if __name__ == "__main__":
     flags.DEFINE_string("workdir", "results", "Where outputs go.")
+    flags.DEFINE_bool(
+        "list", False, "Print each folder, what it needs and its commands; run nothing."
+    )
+    flags.DEFINE_list("only", [], "Regenerate these folders (default: all that run on this host).")
+    flags.DEFINE_bool("summary_only", False, "Write README.md and command.txt files only.")
     app.run(main)

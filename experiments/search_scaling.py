@@ -91,7 +91,7 @@ def run(workloads: list[str], depths: list[int], meshes: list[dict], greedy_max_
 
 
 def figure(rows: list[dict], path: str) -> None:
-    from experiments.measure import pyplot, save_figure
+    from experiments.measure import plain_log_ticks, pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -106,6 +106,7 @@ def figure(rows: list[dict], path: str) -> None:
                       f"({words.get(key[3], key[3])})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain_log_ticks(ax)
     ax.set(xlabel="devices", ylabel="search time (s)", title="planner search time")
     ax.legend(fontsize=7)
     save_figure(fig, path)

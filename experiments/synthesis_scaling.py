@@ -95,7 +95,7 @@ def markdown(rows: list[dict], config) -> str:
 
 
 def figure(rows: list[dict], path: str) -> None:
-    from experiments.measure import pyplot, save_figure
+    from experiments.measure import plain_log_ticks, pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -112,6 +112,7 @@ def figure(rows: list[dict], path: str) -> None:
         ax.plot([d for d, _ in pts], [s for _, s in pts], marker="o", label=f"rank {rank}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain_log_ticks(ax)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="1 s")
     ax.set_xlabel("devices")
     ax.set_ylabel("slowest synthesis (s)")
@@ -128,6 +129,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/synthesis_scaling.py", "Config file.")
+    config_flags.DEFINE_config_file(
+        "config", "configs/synthesis_scaling/default.py", "Config file."
+    )
     flags.DEFINE_string("workdir", "workdir/synthesis_scaling", "Where outputs go.")
     app.run(main)

@@ -2,7 +2,7 @@
 plans of the flax language model against the TPU compiler's verdict on the same plans.
 
 Usage:
-    python -m experiments.time_check --config=configs/time_check.py --workdir=workdir/time_check
+    python -m experiments.time_check --config=configs/time_check/default.py --workdir=workdir/time_check
 
 Plans (all on one mesh over a TPU topology's devices, e.g. v5p:8x8x4 as data:16,fsdp:4,tensor:4):
 the searched plan, hand baselines (replication; data parallelism over all axes, all but the last,
@@ -16,7 +16,7 @@ layer scan unrolled (``unroll=True``: the same ops and names, no loop; ``config.
 
 Per plan: predicted flops, bytes accessed and transcendentals per device against the compiler's;
 predicted step time against the compiled estimate (the compiler's ``optimal_seconds`` for the
-kernels plus the HLO's collectives priced by the calibration, :mod:`planner.compiled_time`).
+kernels plus the HLO's collectives priced by the calibration, :mod:`planner.target.compiled_time`).
 Writes ``results.jsonl`` (one line per plan), ``compiled.jsonl`` (the compiler's results by
 schedule: a rerun compiles only new schedules), ``summary.json`` (Spearman rank correlation of
 predicted and compiled time; ratios) and ``report.md``.
@@ -159,9 +159,9 @@ def compile_plan(sched, compiled_prog, sig, out_tree, mesh, cal) -> dict:
     """The compiler's verdict on one schedule: ``plan.jit()`` bound to ``mesh`` and compiled on
     the argument shapes (of ``compiled_prog``, the planned program or its unrolled twin)."""
     from planner.autoplan import AutoPlan
-    from planner.compiled import compiled_report, input_structs
-    from planner.compiled_time import compiled_time
     from planner.program.schedule import Schedule
+    from planner.target.compiled import compiled_report, input_structs
+    from planner.target.compiled_time import compiled_time
 
     target = Schedule(compiled_prog, sched.mesh, sched.assign, sched.stored)
     plan = AutoPlan.of(compiled_prog, target, mesh, calibration=cal, signature=sig,
@@ -359,6 +359,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/time_check.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/time_check/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/time_check", "Where outputs go.")
     app.run(main)

@@ -16,7 +16,7 @@ and is checked where it runs).
 
 Usage:
     python -m experiments.transformations --workdir=workdir/transformations \
-        --config=configs/transformations.py
+        --config=configs/transformations/default.py
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/transformations.py")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/transformations/default.py")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/transformations", "Where results go.")
 
 MESHES = ({"a": 2, "b": 2, "c": 2}, {"a": 4, "b": 2}, {"a": 2, "b": 3}, {"a": 6}, {"a": 8})

@@ -211,6 +211,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    config_flags.DEFINE_config_file("config", "configs/weight_sync.py", "Config file.")
+    config_flags.DEFINE_config_file("config", "configs/weight_sync/default.py", "Config file.")
     flags.DEFINE_string("workdir", "workdir/weight_sync", "Where outputs go.")
     app.run(main)

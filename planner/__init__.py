@@ -21,21 +21,20 @@ The stages, each a package importing only those before it:
 4. :mod:`planner.solver` (the search) and :mod:`planner.lowering` (running a schedule);
 5. here, the user's objects: :func:`plan`, :class:`AutoPlan` (:mod:`planner.autoplan`), calls
    (:mod:`planner.calls`), saved plans (:mod:`planner.persistence`), the summary
-   (:mod:`planner.summary`), compiled reports (:mod:`planner.compiled`,
-   :mod:`planner.compiled_time`) and the experts' plans (:mod:`planner.baselines`).
+   (:mod:`planner.summary`), compiled reports (:mod:`planner.target.compiled`,
+   :mod:`planner.target.compiled_time`) and the experts' plans (:mod:`planner.baselines`).
 """
 
 from planner import baselines
 from planner.auto import auto_shard, load, plan, price
 from planner.autoplan import AutoPlan
 from planner.baselines import expert_plans
-from planner.compiled import CompiledReport, compiled_report, topology_mesh
 from planner.cost import MEMORY_RESERVE, MemoryLimitError, Prediction, simulate
-from planner.gpus import gpu_mesh
 from planner.lowering import Lowered, lower
 from planner.program import Access, Loop, Op, Program, Schedule, Value, analyze, make_schedule
 from planner.program.remat import RematChoice, remat_policy
 from planner.solver import search
+from planner.target import CompiledReport, compiled_report, gpu_mesh, topology_mesh
 
 __all__ = [
     "Access",

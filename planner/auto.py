@@ -26,7 +26,6 @@ import jax
 
 from planner.autoplan import AutoPlan, mesh_devices
 from planner.calls import Signature, differences
-from planner.confirm import MARGIN, checks_compiled, confirmed
 from planner.cost.memory import (
     AUTO,
     MEMORY_RESERVE,
@@ -53,6 +52,7 @@ from planner.program.remat import RematDecision, candidate_names, choices_in, ch
 from planner.solver.requested import Requested
 from planner.solver.schedule_search import TIME_TIE, search_within
 from planner.solver.staged import search_staged
+from planner.target.confirm import MARGIN, checks_compiled, confirmed
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
 from redist.types import MeshShape
@@ -105,7 +105,7 @@ def plan(
     the stacked values put in circular order each step (:class:`planner.program.schedule.Stages`).
 
     ``check_memory``: ``"compiled"`` compiles the plan for ``mesh`` and, where its compiled
-    memory is over the limit, searches again (:mod:`planner.confirm`); ``"predicted"`` trusts the
+    memory is over the limit, searches again (:mod:`planner.target.confirm`); ``"predicted"`` trusts the
     memory model; ``"auto"`` (the default): compiled where the mesh's devices are TPUs (attached,
     or :func:`planner.topology_mesh`'s), whose compiler can count more than the model predicts,
     and the plan is predicted over half the limit.

@@ -21,8 +21,6 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.calls import ArgumentMismatch, Signature
-from planner.compiled import plan_compiled_report, program_structs
-from planner.confirm import MemoryCheck, describe_checks
 from planner.cost.simulator import Prediction
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.explanation import explain_rows, render
@@ -32,6 +30,8 @@ from planner.program.ir import Program
 from planner.program.remat import RematDecision
 from planner.program.schedule import Schedule, Spec
 from planner.summary import summarize
+from planner.target.compiled import plan_compiled_report, program_structs
+from planner.target.confirm import MemoryCheck, describe_checks
 from redist.calibration import Calibration
 from redist.meshes import translate
 from redist.specs import mesh_shape
@@ -295,7 +295,7 @@ class AutoPlan:
         """Compile :meth:`jit` for ``mesh`` (default: the plan's own; a plan made on an
         ``AbstractMesh`` or ``{name: size}`` is bound to a concrete mesh of the same axes, e.g.
         :func:`planner.topology_mesh`, without searching again) and return the compiler's
-        verdict (:class:`planner.compiled.CompiledReport`)."""
+        verdict (:class:`planner.target.compiled.CompiledReport`)."""
         return plan_compiled_report(self, mesh, moves)
 
     def explain_json(self) -> list[dict]:

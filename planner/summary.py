@@ -36,7 +36,6 @@ import os
 
 import jax
 
-from planner.confirm import describe_checks
 from planner.cost.pipeline import bubble
 from planner.cost.simulator import Prediction, replicated, simulate
 from planner.layout.dataflow import dataflow, input_spec, output_specs
@@ -56,6 +55,7 @@ from planner.program.schedule import (
 )
 from planner.solver import strategies
 from planner.solver.schedule_search import TIME_TIE
+from planner.target.confirm import describe_checks
 from redist.calibration import Calibration
 from redist.collectives import CollectiveKind, kind_label
 from redist.types import MeshShape

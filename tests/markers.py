@@ -2,7 +2,7 @@
 
 import pytest
 
-from planner.gpus import GPU_EXTRA, xla_gpu_missing
+from planner.target.gpus import GPU_EXTRA, xla_gpu_missing
 
 needs_xla_gpu = pytest.mark.skipif(
     xla_gpu_missing(), reason=f"XLA:GPU (JAX's CUDA plugin) is not installed: {GPU_EXTRA}"

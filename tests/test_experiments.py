@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from configs import smoke
+from configs.random_benchmark import smoke
 from experiments import paper_problems, random_benchmark
 
 
@@ -51,7 +51,7 @@ def test_paper_problems_side_by_side():
 
 
 def test_planner_benchmark_smoke(tmp_path):
-    from configs import planner_smoke
+    from configs.planner_benchmark import smoke as planner_smoke
     from experiments import planner_benchmark
 
     summary = planner_benchmark.run(planner_smoke.get_config(), str(tmp_path))
@@ -69,7 +69,7 @@ def test_planner_benchmark_smoke(tmp_path):
 
 
 def test_memory_check_smoke(tmp_path):
-    from configs import memory_check_smoke
+    from configs.memory_check import smoke as memory_check_smoke
     from experiments import memory_check
 
     config = memory_check_smoke.get_config()
@@ -104,7 +104,7 @@ def test_search_scaling_smoke(tmp_path):
 
 
 def test_weight_sync_smoke(tmp_path):
-    from configs import weight_sync as ws_config
+    from configs.weight_sync import default as ws_config
     from experiments import weight_sync
 
     config = ws_config.get_config()
@@ -117,7 +117,7 @@ def test_weight_sync_smoke(tmp_path):
 
 
 def test_synthesis_scaling_smoke(tmp_path):
-    from configs import synthesis_scaling as ss_config
+    from configs.synthesis_scaling import default as ss_config
     from experiments import synthesis_scaling
 
     config = ss_config.get_config()
@@ -129,7 +129,7 @@ def test_synthesis_scaling_smoke(tmp_path):
 
 
 def test_lowering_benchmark_smoke(tmp_path):
-    from configs import lowering
+    from configs.lowering_benchmark import default as lowering
     from experiments import lowering_benchmark
 
     config = lowering.get_config()
@@ -173,7 +173,7 @@ def test_random_benchmark_compiles_for_a_tpu_topology(tmp_path):
 def test_time_check_compiles_plans_and_ranks_them(tmp_path):
     """A tiny language model on v5p:2x2x1: the searched plan, replication and a random plan,
     compiled and ranked; a rerun compiles nothing new."""
-    from configs import time_check as time_check_config
+    from configs.time_check import default as time_check_config
     from experiments import time_check
 
     config = time_check_config.get_config()
@@ -197,7 +197,7 @@ def test_time_check_compiles_plans_and_ranks_them(tmp_path):
 def test_pod_plans_compares_the_plan_with_experts_on_a_topology(tmp_path):
     """A tiny language model on v5p:2x2x1: the searched plan and FSDP + tensor parallelism,
     compiled and compared; the plan kept; a rerun measures nothing new."""
-    from configs import pod_plans_smoke
+    from configs.pod_plans import smoke as pod_plans_smoke
     from experiments import pod_plans
 
     config = pod_plans_smoke.get_config()
@@ -232,7 +232,7 @@ def test_per_layer_estimate_extrapolates_to_a_deeper_model():
     import planner
     from experiments import pod_plans
     from planner.baselines import expert_plans
-    from planner.compiled import input_structs
+    from planner.target.compiled import input_structs
 
     mesh = planner.topology_mesh("v5p:2x2x1", {"data": 1, "fsdp": 2, "tensor": 2})
     step, args = pod_plans.build("lm_tiny", 3, unroll=True)
@@ -248,7 +248,7 @@ def test_pod_plans_measures_the_model_with_remat_where_nothing_fits(tmp_path, mo
     searched plan does not fit, ``remat_fallback`` measures that model on the topology too."""
     import jax
 
-    from configs import pod_plans_smoke
+    from configs.pod_plans import smoke as pod_plans_smoke
     from experiments import pod_plans
 
     def forward_outputs(model):  # the forward scan's carry and the residuals it stacks
@@ -283,7 +283,7 @@ def test_pipeline_search_smoke(tmp_path):
     """DistIR's grid on a small MLP, with planner.plan of the scanned model on every mesh: the
     planner's best plan is at least as fast as the best pure data, tensor and pipeline
     strategy the grid prices."""
-    from configs import pipeline_search as ps_config
+    from configs.pipeline_search import default as ps_config
     from experiments import pipeline_search
 
     config = ps_config.get_config()
@@ -342,7 +342,7 @@ def test_recipes_compiles_the_recipe_and_the_plans_on_its_topology(tmp_path):
     """A shrunken Llama 2 70B structure on v5p:2x2x1: MaxText's layout (GSPMD with its
     constraints), the same layout planned and the searched plan with the planner's choice of remat
     policy, compiled; a rerun adds nothing."""
-    from configs import recipes_smoke
+    from configs.recipes import smoke as recipes_smoke
     from experiments import recipes
 
     config = recipes_smoke.get_config()
@@ -371,7 +371,8 @@ def test_recipes_compiles_the_recipe_and_the_plans_on_its_topology(tmp_path):
 def test_gpu_check_measures_here_and_compares_with_the_recorded_h100(tmp_path):
     """The measuring path (what a GPU run takes) on this machine's device with its own
     calibration, and the H100 calibration against the figures recorded on an H100."""
-    from configs import gpu_check, gpu_check_smoke
+    from configs.gpu_check import default as gpu_check
+    from configs.gpu_check import smoke as gpu_check_smoke
     from experiments import gpu_check as check
 
     summary = check.run(gpu_check_smoke.get_config(), str(tmp_path / "here"))

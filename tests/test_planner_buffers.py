@@ -163,7 +163,7 @@ def test_donated_inputs_hold_the_outputs():
         planner.plan(step, *args, mesh=mesh, donate_argnums=5)
 
 
-# Workloads of the planner benchmark (configs/planner_default.py)
+# Workloads of the planner benchmark (configs/planner_benchmark/default.py)
 CPU_WORKLOADS = ["mlp:1024x64x2", "transformer:8x16x8x64x1", "moe:512x64x8x256",
                  "lm_scan:8x32x64x4x2x256"]  # fmt: skip
 

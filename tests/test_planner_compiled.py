@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import planner
-from planner import compiled as compiled_mod
+from planner.target import compiled as compiled_mod
 from redist.calibration import Calibration
 
 needs_libtpu = pytest.mark.skipif(
@@ -249,8 +249,8 @@ def test_a_plan_the_compiler_finds_over_the_limit_is_searched_again(monkeypatch)
 def test_nothing_that_compiles_within_the_limit_is_an_error(monkeypatch):
     """A compiler that counts a thousand times the prediction: after at most ``confirm.ROUNDS``
     searches under ever lower limits, an error that names each round's compiled memory."""
-    from planner import confirm
     from planner.autoplan import AutoPlan
+    from planner.target import confirm
 
     def report(plan, mesh=None, moves="auto"):
         return compiled_mod.CompiledReport("TPU v5", 4, False, 1000 * plan.prediction.peak_bytes,

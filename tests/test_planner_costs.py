@@ -1,5 +1,5 @@
 """Flops, transcendentals and bytes per op as the XLA compiler counts them (planner.cost.costs), the
-prediction's totals, and pricing a compiled program's collectives (planner.compiled_time).
+prediction's totals, and pricing a compiled program's collectives (planner.target.compiled_time).
 CPU only: the numbers in the table are what the TPU compiler's cost_analysis() reports for these
 ops (see tests/test_planner_time.py for the check against the compiler itself)."""
 
@@ -10,8 +10,8 @@ import pytest
 from jax import lax
 
 import planner
-from planner.compiled_time import collective_seconds
 from planner.cost.costs import fusion, op_flops
+from planner.target.compiled_time import collective_seconds
 from redist.calibration import Calibration
 from redist.hlo import Collective, CountedCollective, counted_collectives
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from markers import needs_xla_gpu
 
 import planner
-from planner import gpus
+from planner.target import gpus
 from redist.calibration import Calibration
 
 

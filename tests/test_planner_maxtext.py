@@ -216,7 +216,7 @@ def test_plans_on_explicit_axes_keep_their_layouts_inside():
     """On a mesh of Explicit axes (``jax.make_mesh``'s default) an FSDP plan compiles to what it
     does on the same mesh with Auto axes: its activations stay split as planned (left to the
     typing rules of Explicit axes, XLA held them whole: 3x the temporary memory on this step)."""
-    from planner.compiled import input_structs
+    from planner.target.compiled import input_structs
 
     model = dataclasses.replace(TINY, emb=128, heads=4, kv_heads=2, head_dim=32, mlp=256,
                                 layers=2, vocab=256)  # fmt: skip

@@ -88,7 +88,7 @@ def test_the_grid_finds_a_mix_where_memory_rules_out_every_pure_strategy(tmp_pat
     """DistIR's grid on a small MLP: with 80 GB, the best configuration is at least as fast as
     pure data, tensor and pipeline parallelism; with 75 MB per device none of those fits and the
     best is a mix of data and pipeline parallelism."""
-    from configs import pipeline_search as configs
+    from configs.pipeline_search import default as configs
     from experiments import pipeline_search
 
     config = configs.get_config()

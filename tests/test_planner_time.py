@@ -16,8 +16,8 @@ from markers import needs_xla_gpu
 from planner_programs import random_schedule
 
 import planner
-from planner.compiled_time import compiled_time
 from planner.program.schedule import make_schedule
+from planner.target.compiled_time import compiled_time
 from redist.calibration import Calibration
 from redist.hlo import counted_collectives, kernel_counts
 
@@ -41,7 +41,7 @@ def _compiled(p, sched, topo):
     """The plan ``p`` with schedule ``sched``, its prediction, and the compiler's count."""
     pred = planner.simulate(p.program, sched, CAL)
     bound = dataclasses.replace(p, schedule=sched, prediction=pred).bind(topo)
-    from planner.compiled import input_structs
+    from planner.target.compiled import input_structs
 
     compiled = bound.jit().lower(*input_structs(bound)).compile()
     return pred, compiled_time(compiled, CAL, topo.devices.size)
@@ -117,7 +117,7 @@ def test_a_collective_in_a_scan_counts_once_per_trip():
 
 
 def test_kernels_priced_by_the_roofline_where_the_compilers_estimate_is_not_positive():
-    from planner.compiled_time import kernel_seconds
+    from planner.target.compiled_time import kernel_seconds
 
     cost = {"optimal_seconds": 2e-3, "flops": 4e12, "bytes accessed": 1e9}
     assert kernel_seconds(cost, CAL) == (2e-3, "compiler")

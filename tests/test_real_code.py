@@ -30,7 +30,7 @@ def rows(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("real_code")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     done = subprocess.run(
-        [sys.executable, "-m", "experiments.real_code", "--config=configs/real_code_smoke.py",
+        [sys.executable, "-m", "experiments.real_code", "--config=configs/real_code/smoke.py",
          f"--workdir={workdir}"],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip

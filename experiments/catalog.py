@@ -1,0 +1,132 @@
+"""Every folder of ``results/``: the commands that make it, what they need and how long they take.
+
+``python -m experiments.results`` regenerates the folders that run on a CPU host from here and
+writes each folder's ``command.txt``; ``tests/experiments/test_catalog.py`` checks that every
+folder is listed and that its commands reproduce the ``config.json`` it stores.
+
+>>> FOLDERS["random_heldout"].commands()[0].split()[3:5]
+['--config=configs/random_benchmark/default.py', '--config.seed=1']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Needs(enum.StrEnum):
+    """What regenerating a folder takes beyond this project's ``test`` extra on a CPU host."""
+
+    HOST = "8 CPU devices"
+    TPU_HOURS = "the TPU compiler (libtpu, on this host), hours on 2 cores"
+    LIBRARIES = "Python >= 3.12 with the libraries extra (MaxText, keras-hub, gemma)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One command: ``python -m experiments.<runner> [--config=configs/<config>.py] --flag=value...
+    --workdir=results/<folder>[/<sub>]``."""
+
+    runner: str
+    config: str = ""
+    flags: tuple[tuple[str, str], ...] = ()
+    sub: str = ""
+
+    def command(self, folder: str, root: str = "results") -> str:
+        args = [f"python -m experiments.{self.runner}"]
+        if self.config:
+            args.append(f"--config=configs/{self.config}.py")
+        args += [f"--{k}={v}" for k, v in self.flags]
+        workdir = "/".join(p for p in (root, folder, self.sub) if p)
+        return " ".join([*args, f"--workdir={workdir}"])
+
+    def overrides(self) -> dict[str, str]:
+        """The ``--config.<field>`` flags, by field."""
+        return {k.removeprefix("config."): v for k, v in self.flags if k.startswith("config.")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Folder:
+    """A folder of ``results/``, the runs that make it (in order), what they need, and the
+    minutes they took on this project's 2-core host."""
+
+    name: str
+    runs: tuple[Run, ...]
+    needs: Needs
+    minutes: float
+    note: str = ""
+
+    def commands(self, root: str = "results") -> list[str]:
+        return [r.command(self.name, root) for r in self.runs]
+
+    def command_text(self) -> str:
+        """The folder's ``command.txt``."""
+        lines = [f"# {self.name}: needs {self.needs.value}; about {self.minutes:g} min on 2 cores"]
+        lines += [f"# {self.note}"] if self.note else []
+        return "\n".join([*lines, *self.commands()]) + "\n"
+
+
+def _rb(config: str = "random_benchmark/default", **flags: object) -> tuple[Run]:
+    return (
+        Run("random_benchmark", config, tuple((f"config.{k}", str(v)) for k, v in flags.items())),
+    )
+
+
+_FOLDERS = [
+    Folder("random_benchmark", _rb(cost_model="calibrated"), Needs.HOST, 3,
+           "made when the default cost model was 'calibrated'; on CPU devices 'auto' is the same"),
+    Folder("random_heldout", _rb(seed=1, min_mb=2.0, max_mb=16.0, figures=False), Needs.HOST, 2),
+    Folder("random_uneven", _rb("random_benchmark/uneven"), Needs.HOST, 4),
+    Folder("topology_paper", _rb("random_benchmark/topology"), Needs.HOST, 3),
+    Folder("topology_random", _rb(num_problems=20, figures=False, topology="v5p:2x2x2"),
+           Needs.HOST, 3),
+    Folder("topology_uneven", _rb("random_benchmark/uneven", num_problems=20,
+                                  topology="v5p:2x2x2"), Needs.HOST, 3),
+    Folder("topology_gpu_paper", _rb("random_benchmark/topology", topology="gpu:h100_sxm"),
+           Needs.HOST, 3),
+    Folder("topology_gpu_random", _rb(num_problems=20, figures=False, topology="gpu:h100_sxm"),
+           Needs.HOST, 3),
+    Folder("weight_sync", (Run("weight_sync", "weight_sync/default"),), Needs.HOST, 2),
+    Folder("synthesis_scaling", (Run("synthesis_scaling", "synthesis_scaling/default"),),
+           Needs.HOST, 5),
+    Folder("planner_search_scaling", (
+        Run("search_scaling", flags=(("workloads", "transformer:64x128x16x64"), ("depths", "2"),
+            ("meshes", '"a:2,b:2,c:2;a:4,b:4,c:4;data:16,fsdp:4,tensor:4;data:32,fsdp:16,tensor:8"'),
+            ("methods", "dp")), sub="mesh_size"),
+        Run("search_scaling", flags=(("workloads", "transformer:4x64x8x16"), ("depths", "24"),
+            ("meshes", "a:2,b:2,c:2"), ("methods", "dp")), sub="depth_24"),
+        Run("search_scaling", flags=(("workloads", "lm_scan:256x512x1024x16x32768"),
+            ("depths", "2"), ("meshes", '"data:16,fsdp:4,tensor:4;data:32,fsdp:16,tensor:8"'),
+            ("methods", "dp"), ("calibration", "tpu_v5p")), sub="lm_pod"),
+    ), Needs.HOST, 3),
+    Folder("lowering", (Run("lowering_benchmark", "lowering_benchmark/default"),), Needs.HOST, 6),
+    Folder("planner_spatial", (Run("planner_benchmark", "planner_benchmark/spatial"),),
+           Needs.HOST, 4),
+    Folder("planner_uneven", (Run("planner_benchmark", "planner_benchmark/uneven"),),
+           Needs.HOST, 4),
+    Folder("pipeline_search", (Run("pipeline_search", "pipeline_search/default"),), Needs.HOST, 3),
+    Folder("pipeline_search_multislice", (Run("pipeline_search", "pipeline_search/multislice"),),
+           Needs.HOST, 3),
+    Folder("transformations", (Run("transformations", "transformations/default"),), Needs.HOST, 7),
+    Folder("gpu_check", (Run("gpu_check", "gpu_check/default"),), Needs.HOST, 3,
+           "compiles for H100s with JAX's CUDA plugin and compares with figures recorded on one "
+           "H100 80GB HBM3; --config.recorded=False measures on a GPU"),
+    Folder("memory_check", (Run("memory_check", "memory_check/default",
+                                (("config.tpu", "True"),)),), Needs.TPU_HOURS, 120),
+    Folder("memory_check_gpu", (Run("memory_check", "memory_check/default",
+                                    (("config.cpu", "False"), ("config.gpu", "True"))),),
+           Needs.HOST, 10),
+    Folder("pod_plans", (Run("pod_plans", "pod_plans/default"),), Needs.TPU_HOURS, 300),
+    Folder("time_check", (Run("time_check", "time_check/default"),), Needs.TPU_HOURS, 180),
+    Folder("recipes", (
+        Run("recipes", "recipes/default"),
+        Run("recipes", "recipes/default", (("config.recipes", "llama3_1_8b_v6e_256"),
+                                           ("config.strategies", '""'),
+                                           ("config.depths", "1,2,8,32"))),
+    ), Needs.TPU_HOURS, 600, "the committed rows came from several runs of subsets of these "
+       "recipes and strategies; config.json lists them"),
+    Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 10,
+           "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
+]  # fmt: skip
+
+FOLDERS: dict[str, Folder] = {f.name: f for f in _FOLDERS}
