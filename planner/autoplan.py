@@ -21,6 +21,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from planner.calls import ArgumentMismatch, Signature
+from planner.cost.comparisons import Comparisons, compare
 from planner.cost.simulator import Prediction
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.explanation import explain_rows, render
@@ -29,6 +30,7 @@ from planner.persistence import mesh_differences, save
 from planner.program.ir import Program
 from planner.program.remat import RematDecision
 from planner.program.schedule import Schedule, Spec
+from planner.solver.strategies import experts
 from planner.summary import summarize
 from planner.target.compiled import plan_compiled_report, program_structs
 from planner.target.confirm import MemoryCheck, describe_checks
@@ -118,6 +120,21 @@ class AutoPlan:
         return cls(program, schedule, prediction, mesh, search_s, in_tree, out_tree, replicated,
                    calibration, signature, tuple(donate_argnums), remat, tuple(memory_checks),
                    asked)  # fmt: skip
+
+    @functools.cached_property
+    def comparisons(self) -> Comparisons:
+        """What this plan is compared with (full replication, the experts' strategies, the
+        program's own layout), priced once on its calibration and mesh; ``explain()`` reads it.
+
+        Example:
+            >>> dict(plan.comparisons.experts)["FSDP over data, fsdp"].time_s  # doctest: +SKIP
+            0.0123
+        """
+        cal = self.calibration or Calibration.default()
+        sizes = self.mesh_shape.sizes
+        return compare(
+            self.program, sizes, cal, experts(self.program, sizes).rows, self.asked, self.replicated
+        )
 
     @functools.cached_property
     def _signature(self) -> Signature:

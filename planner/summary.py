@@ -37,7 +37,7 @@ import os
 import jax
 
 from planner.cost.pipeline import bubble
-from planner.cost.simulator import Prediction, replicated, simulate
+from planner.cost.simulator import Prediction
 from planner.layout.dataflow import dataflow, input_spec, output_specs
 from planner.layout.staging import region_of
 from planner.program.constraints import requests
@@ -45,15 +45,13 @@ from planner.program.halo import split
 from planner.program.ir import Program
 from planner.program.memo import PerObject
 from planner.program.microbatch import microbatching
-from planner.program.ops import Op, is_key, itemsize
+from planner.program.ops import Op, is_key
 from planner.program.schedule import (
     Schedule,
     Spec,
-    local_shape,
     stage_factors,
     xla_splits,
 )
-from planner.solver import strategies
 from planner.solver.schedule_search import TIME_TIE
 from planner.target.confirm import describe_checks
 from redist.calibration import Calibration
@@ -448,14 +446,6 @@ def collectives(pred: Prediction) -> dict:
 # ---------------------------------------------------------------------------- the comparisons
 
 
-def _baselines(prog: Program, mesh: MeshShape, cal: Calibration) -> dict[str, object]:
-    """Label -> Prediction, or a short reason why the strategy does not apply: the expert
-    strategies the search seeds with (:func:`planner.solver.strategies.experts`: data parallelism
-    and FSDP over every axis; FSDP over the others with tensor parallelism over the last axis)."""
-    rows = strategies.experts(prog, mesh.sizes).rows
-    return {label: s if isinstance(s, str) else simulate(prog, s, cal) for label, s in rows.items()}
-
-
 # ---------------------------------------------------------------------------- the summary
 
 
@@ -591,18 +581,18 @@ def _summarize(plan) -> Summary:
     steps = dataflow(prog, sched)
 
     # 1. the prediction against the strategies people run
-    whole = plan.replicated or replicated(prog, mesh.sizes, cal)
+    compared = plan.comparisons
+    whole = compared.replicated
     rows = [{"name": "this plan", "time_s": pred.time_s, "peak_bytes": pred.peak_bytes}]
     rows.append({"name": "full replication (whole step each)", "time_s": whole.time_s,
                  "peak_bytes": whole.peak_bytes})  # fmt: skip
-    for label, result in _baselines(prog, mesh, cal).items():
+    for label, result in compared.experts:
         if isinstance(result, Prediction):
             rows.append({"name": label, "time_s": result.time_s, "peak_bytes": result.peak_bytes})
         else:
             rows.append({"name": label, "reason": result})
-    asked = None
-    if plan.asked is not None:
-        asked = simulate(prog, plan.asked, cal)
+    asked = compared.asked
+    if asked is not None:
         rows.append({"name": "your layout (constraints, inputs)", "time_s": asked.time_s,
                      "peak_bytes": asked.peak_bytes})  # fmt: skip
     func = getattr(getattr(prog.jaxpr, "jaxpr", None), "debug_info", None)
@@ -659,10 +649,8 @@ def _summarize(plan) -> Summary:
     # 5. memory
     mem: dict = {"peak_bytes": pred.peak_bytes}
     for leaf in leaves:
-        v = prog.inputs[leaf.index]
-        nbytes = math.prod(local_shape(v.shape, specs[leaf.index], sched.mesh)) * itemsize(v.dtype)
         key = "inputs" if leaf.kind == "input" else leaf.kind
-        mem[key] = mem.get(key, 0) + nbytes
+        mem[key] = mem.get(key, 0) + pred.input_bytes[leaf.index]
     held = sum(mem.get(k, 0) for k in ("parameters", "optimizer state", "batch", "inputs"))
     mem["rest_bytes"] = max(0, pred.peak_bytes - held)
     at = max((c for c in pred.ops if c.op in prog.index), key=lambda c: c.memory_bytes,

@@ -129,6 +129,7 @@ class Prediction:
     flops: float = 0.0  # per device, all ops and their trips (compiled.cost_analysis()'s count)
     bytes_accessed: float = 0.0  # per device, likewise ("bytes accessed")
     transcendentals: float = 0.0  # per device, likewise
+    input_bytes: tuple[int, ...] = ()  # per device, each program input in the layout it is given
 
     def __str__(self) -> str:
         return (
@@ -757,6 +758,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     if cal.step_s:
         costs.append(OpCost("program call (dispatch)", cal.step_s, 0.0, 0.0, 0))
     total = sum(c.compute_s + c.comm_s for c in costs)
+    given = tuple(_bytes(v.shape, input_spec(prog, sched, v), sizes, v.dtype) for v in prog.inputs)
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
                       sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),
-                      transcendentals)  # fmt: skip
+                      transcendentals, given)  # fmt: skip
