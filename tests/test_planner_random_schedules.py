@@ -73,7 +73,7 @@ def test_random_schedules_are_valid_and_split_something(program):
 
 def test_the_harness_catches_a_wrong_combiner(monkeypatch):
     """A lowering that combines partial maxima with psum (the bug this harness exists for)."""
-    from planner.lowering import spmd as lowering
+    from planner.lowering import kernels as lowering
 
     monkeypatch.setitem(lowering.COLLECTIVE, "max", "psum")
     fn, make = PROGRAMS["max_of_product"]
@@ -175,7 +175,7 @@ def _random_plans(program: str, count: int):
 
 def test_the_harness_catches_an_operand_added_per_part(monkeypatch):
     """A scatter-add split over its updates must add its operand once, not once per device."""
-    from planner.lowering import spmd as lowering
+    from planner.lowering import kernels as lowering
 
     monkeypatch.setattr(lowering, "SCATTER_ADD", frozenset())
     fn, make = PROGRAMS["scatter_add_onto_values"]
