@@ -138,7 +138,7 @@ def plan(
     sizes = shape.sizes
     requested = _requested(prog, values, positional, compare, constraints, shape, xla_only_splits)
     calibration = calibration or default_calibration(mesh)
-    limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
+    limit = resolve_memory_limit(memory_limit_bytes, calibration, shape.num_devices)
     choices, searching = choices_in(prog.jaxpr), [0.0]
     traces: dict[str, Program] = {}
     searches: dict[str | None, list] = {}  # candidate -> [(limit, result or MemoryLimitError)]
@@ -160,12 +160,12 @@ def plan(
             tried = searches.setdefault(name, [])
             fastest = next((r for b, r in tried if b == math.inf and isinstance(r, tuple)), None)
             return _remembered(tried, bound, lambda: _search(
-                p, sizes, calibration, given, pipeline_axis, (microbatches, pipeline_repeats),
+                p, shape, calibration, given, pipeline_axis, (microbatches, pipeline_repeats),
                 fastest, xla_only_splits, requested))  # fmt: skip
 
         def free_for(name, p):
             return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
-                p, sizes, calibration, None, pipeline_axis, (microbatches, pipeline_repeats),
+                p, shape, calibration, None, pipeline_axis, (microbatches, pipeline_repeats),
                 None, xla_only_splits, requested))  # fmt: skip
 
         try:
@@ -184,7 +184,7 @@ def plan(
                            signature=sig, out_tree=out_tree, search_s=searching[0],
                            replicated=replicated(prog, sizes, calibration),
                            donate_argnums=_argnums(donate_argnums, len(args)), remat=remat,
-                           asked=requested.asked(prog, sizes, xla_only_splits))  # fmt: skip
+                           asked=requested.asked(prog, shape, xla_only_splits))  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None
@@ -261,7 +261,7 @@ def _faster(a, b, tie: float = TIME_TIE) -> bool:
     return a.time_s < b.time_s
 
 
-def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, pipelining,
+def _search(prog, shape: MeshShape, calibration, memory_limit_bytes, pipeline_axis, pipelining,
             fastest=None, xla=True, requested=None):  # fmt: skip
     """The best schedule, with a pipeline over ``pipeline_axis`` where that is better
     (``pipelining``: the microbatch and repeat counts to try); ``fastest``: the search's result
@@ -274,16 +274,16 @@ def _search(prog, sizes, calibration, memory_limit_bytes, pipeline_axis, pipelin
             raise ValueError("microbatches needs a pipeline_axis to pipeline over")
         if repeats is not None:
             raise ValueError("pipeline_repeats needs a pipeline_axis to pipeline over")
-        return search_within(prog, sizes, calibration, memory_limit_bytes, fastest, xla, requested)
+        return search_within(prog, shape, calibration, memory_limit_bytes, fastest, xla, requested)
 
-    limit = resolve_memory_limit(memory_limit_bytes, calibration, math.prod(sizes.values()))
+    limit = resolve_memory_limit(memory_limit_bytes, calibration, shape.num_devices)
     flat, error = None, None
     try:
-        flat = search_within(prog, sizes, calibration, memory_limit_bytes, xla=xla,
+        flat = search_within(prog, shape, calibration, memory_limit_bytes, xla=xla,
                              requested=requested)  # fmt: skip
     except MemoryLimitError as e:
         error = e
-    piped = search_staged(prog, sizes, calibration, limit, pipeline_axis, microbatches, repeats)
+    piped = search_staged(prog, shape, calibration, limit, pipeline_axis, microbatches, repeats)
     if flat is None and piped is None:
         raise error
     if piped is None or (flat is not None and flat[1].time_s <= piped[1].time_s):
@@ -370,7 +370,7 @@ def price(
     calibration = calibration or default_calibration(mesh)
     requested = _requested(prog, values, positional, in_shardings, constraints, shape,
                            xla_only_splits)  # fmt: skip
-    sched = requested.schedule(prog, shape.sizes, xla_only_splits)
+    sched = requested.schedule(prog, shape, xla_only_splits)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan.of(prog, sched, mesh, prediction=simulate(prog, sched, calibration),
                        calibration=calibration, signature=sig, out_tree=out_tree,

@@ -321,7 +321,7 @@ def op_seconds(
     without walking the rest of the program: the chain DP prices the ops at a border this way."""
     cal = calibration or Calibration.default()
     sizes = sched.mesh
-    m = redist.MeshShape.of(sizes)
+    m = sched.factors
     memo = _memo(prog, cal, sizes)
     out = {}
     rolled = rolled_ops(prog)
@@ -448,7 +448,7 @@ def returned_evenly(prog: Program, sched: Schedule, made, returned, cal: Calibra
     """The moves of outputs ``made`` in uneven layouts to the even ones they are ``returned`` in
     (:func:`planner.layout.dataflow.made_specs`, :func:`~planner.layout.dataflow.output_specs`),
     one :class:`OpCost` each."""
-    m = redist.MeshShape.of(sched.mesh)
+    m = sched.factors
     out = []
     for v, src, dst in zip(prog.outputs, made, returned):
         if src != dst:
@@ -540,7 +540,7 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
 def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[tuple]:
     """Per pipeline of ``sched``: ``(ticks, seconds, bytes)`` of handing one microbatch's carry
     to the next stage each tick (a collective-permute over the stage axis, on its link)."""
-    m = redist.MeshShape.of(sched.mesh)
+    m = sched.factors
     out = []
     for st in sched.stages:
         r = region_of(prog, st)
@@ -577,7 +577,7 @@ class CircularOrder:
 def circular_orders(prog: Program, sched: Schedule, steps, cal: Calibration) -> list:
     """A :class:`CircularOrder` per circular pipeline of ``sched`` (values passed on in circular
     order, :func:`circular_passes`, are not reordered)."""
-    m = redist.MeshShape.of(sched.mesh)
+    m = sched.factors
     passes = circular_passes(prog, sched, steps)
     out = []
     for st in sched.stages:
@@ -660,7 +660,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     whenever the peak grows (first with what is held throughout, op None); ``others`` are moved
     copies and waiting partial sums as ``(name, shape, dtype, kind, bytes)``."""
     sizes = sched.mesh
-    m = redist.MeshShape.of(sizes)
+    m = sched.factors
     steps = dataflow(prog, sched)
     lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)

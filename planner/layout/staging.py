@@ -24,7 +24,6 @@ from planner.program.ir import Program
 from planner.program.microbatch import NotPipelinable, microbatching
 from planner.program.ops import Region
 from planner.program.schedule import Schedule, Stages, check_assignment, stage_factors
-from redist.types import MeshShape
 
 
 def region_of(prog: Program, st: Stages) -> Region:
@@ -174,7 +173,7 @@ def staged(prog: Program, sched: Schedule, axis: str, microbatches: int,
     if not regions:
         return None
     inside = {k for r in regions for k in range(r.start, r.stop)}
-    shape = MeshShape.of(sched.mesh)
+    shape = sched.factors
     assign = {name: dict(loops) for name, loops in sched.assign.items()}
     layer_dims: collections.deque = collections.deque()
     for r in regions:

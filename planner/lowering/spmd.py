@@ -81,6 +81,7 @@ class Lowered:
         # constraint then moves it (an FSDP step's activations held whole, then sliced).
         self.mesh = mesh = factored_mesh(mesh, auto=backend == "xla")
         self.sizes = dict(mesh.shape)
+        self.shape = redist.MeshShape.of(self.sizes)  # the mesh of prime factors, made once
         check_stages(prog, sched)
         only_xla = xla_splits(sched)
         if only_xla and backend in ("explicit", "per-op"):
@@ -92,7 +93,7 @@ class Lowered:
             )
         self.steps = dataflow(prog, sched)
         self.in_specs = tuple(input_spec(prog, sched, v) for v in prog.inputs)
-        self.events = events(self.steps, redist.MeshShape.of(self.sizes))
+        self.events = events(self.steps, self.shape)
         self.in_shardings = in_shardings = tuple(NamedSharding(mesh, pspec(s))
                                                  for s in self.in_specs)  # fmt: skip
         if sched.stages and backend not in ("explicit", "xla", "xla-inputs"):
@@ -170,7 +171,7 @@ class Lowered:
 
     # ----- introspection -----
     def explain_json(self) -> list[dict]:
-        return explain_rows(self.prog, self.sched, redist.MeshShape.of(self.sizes), self.events)
+        return explain_rows(self.prog, self.sched, self.shape, self.events)
 
     def explain(self) -> str:
         return render(self.explain_json())

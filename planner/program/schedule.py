@@ -209,6 +209,17 @@ class Schedule:
         return spec
 
     @functools.cached_property
+    def factors(self) -> MeshShape:
+        """The mesh this schedule splits over, its axes the prime factors of the user's
+        (``a#0``, ``a#1``; an axis of prime size keeps its name), made once per schedule.
+
+        Example:
+            >>> sched.factors.factor_size   # doctest: +SKIP
+            {'a#0': 2, 'a#1': 2, 'b': 2}
+        """
+        return MeshShape.of(self.mesh)
+
+    @functools.cached_property
     def staged(self) -> dict[str, Axes]:
         """Entry (``scan_xs``) and exit (``scan_ys``) op name -> the stage axis' factors, for the
         scans this schedule runs as pipelines (:class:`planner.program.schedule.Stages`)."""

@@ -158,6 +158,7 @@ class ChainDP:
     def __init__(self, prog: Program, groups: Sequence[Sequence[Op]], mesh, cal: Calibration,
                  xla: bool = False):  # fmt: skip
         self.prog, self.mesh, self.cal, self.xla = prog, dict(mesh), cal, xla
+        self.factor_size = MeshShape.of(self.mesh).factor_size  # the schedules' mesh, made once
         self._index = prog.index
         self.anchors = [g[0] for g in groups]
         self.siblings = [siblings(g) for g in groups]
@@ -296,7 +297,7 @@ class ChainDP:
                 self._borders[full] = both - alone if math.isfinite(both) else math.inf
             else:
                 named = {**self.grids(i, a), **self.grids(j, b)}
-                sched = Schedule(sub, MeshShape.of(self.mesh).factor_size, named)
+                sched = Schedule(sub, self.factor_size, named)
                 together = op_seconds(sub, sched, names, self.cal)
                 before = {**self._alone(i, a), **self._alone(j, b)}
                 self._borders[full] = sum(together.values()) - sum(before[n] for n in together)

@@ -30,6 +30,7 @@ from planner.program.schedule import (
     make_schedule,
     want_loops,
 )
+from redist.specs import mesh_shape
 from redist.types import MeshShape
 
 Assignment = dict[str, dict[str, tuple[str, ...]]]
@@ -91,26 +92,31 @@ class Requested:
         """Whether the program asks for any layout (a constraint that can hold, or an input's)."""
         return bool(self.assignment(prog, shape, xla) or self.stored_specs(prog))
 
-    def schedule(self, prog: Program, sizes: dict[str, int], xla: bool = True) -> Schedule:
+    def schedule(
+        self, prog: Program, mesh: MeshShape | dict[str, int], xla: bool = True
+    ) -> Schedule:
         """The user's layout as a whole schedule: the constrained ops as asked, the inputs stored
         as given, donated state returned as it was given (the op making each donated input's
         paired output lays it out as the input: ``jax.jit(out_shardings=in_shardings)``, as
         MaxText's and Keras' steps are jitted), every other op by propagation from them (as
         XLA's partitioner propagates). Raises ``ValueError`` where the inputs' layouts do not
         fit the mesh."""
-        shape = MeshShape.of(sizes)
+        shape = mesh_shape(mesh)
         stored = self.stored_specs(prog)
         assign = returned_as_given(prog, stored, shape, xla) | self.assignment(prog, shape, xla)
-        sched = make_schedule(prog, assign, sizes, stored=stored, xla=xla)
+        sched = make_schedule(prog, assign, shape.sizes, stored=stored, xla=xla)
         return keep_state_layouts(prog, sched)
 
-    def asked(self, prog: Program, sizes: dict[str, int], xla: bool = True) -> Schedule | None:
+    def asked(
+        self, prog: Program, mesh: MeshShape | dict[str, int], xla: bool = True
+    ) -> Schedule | None:
         """:meth:`schedule` where the program asks for a layout that fits the mesh, else ``None``
         (no constraint that holds and no input's layout, or inputs' layouts the mesh does not
         divide)."""
-        if not self.asks(prog, MeshShape.of(sizes), xla):
+        shape = mesh_shape(mesh)
+        if not self.asks(prog, shape, xla):
             return None
         try:
-            return self.schedule(prog, sizes, xla)
+            return self.schedule(prog, shape, xla)
         except ValueError:
             return None

@@ -47,6 +47,7 @@ from planner.solver import strategies
 from planner.solver.chain import ChainDP, with_siblings
 from planner.solver.requested import Requested
 from redist.calibration import Calibration
+from redist.specs import mesh_shape
 from redist.types import MeshShape
 
 Assignment = dict[str, dict[str, tuple[str, ...]]]
@@ -233,7 +234,7 @@ def search(
             ``memory_limit_bytes`` (the message gives the smallest peak seen and its largest
             buffers).
     """
-    shape = MeshShape.of(dict(getattr(mesh, "shape", mesh)))
+    shape = mesh_shape(mesh)
     sizes = shape.factor_size
     cal = calibration or Calibration.default()
     grouped = groups(prog)
@@ -515,7 +516,7 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
 
 def _asked(prog: Program, shape: MeshShape, requested: Requested, evaluate: _Evaluator) -> list:
     """The user's own layout scored, where the program asks for one that fits the mesh."""
-    sched = requested.asked(prog, shape.sizes, evaluate.xla)
+    sched = requested.asked(prog, shape, evaluate.xla)
     return [] if sched is None else [evaluate.schedule(sched)]
 
 
@@ -528,22 +529,23 @@ def _result(score, evaluate: _Evaluator, limit):
     return sched, pred
 
 
-def search_within(prog, mesh_sizes: dict, calibration: Calibration, memory_limit_bytes=AUTO,
+def search_within(prog, mesh: MeshShape | dict, calibration: Calibration, memory_limit_bytes=AUTO,
                   fastest: tuple | None = None, xla: bool = True,
                   requested: Requested | None = None):  # fmt: skip
     """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`);
     ``fastest``: the ``(schedule, prediction)`` of the search without a limit, where the caller
     has it already; ``xla``, ``requested``: as :func:`search`'s."""
-    num_devices = math.prod(mesh_sizes.values())
+    shape = mesh_shape(mesh)
+    num_devices = shape.num_devices
     limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
     if memory_limit_bytes != AUTO or limit is None:
-        return search(prog, mesh_sizes, calibration, limit, xla=xla, requested=requested)
-    sched, pred = fastest or search(prog, mesh_sizes, calibration, None, xla=xla,
+        return search(prog, shape, calibration, limit, xla=xla, requested=requested)
+    sched, pred = fastest or search(prog, shape, calibration, None, xla=xla,
                                     requested=requested)  # fmt: skip
     if pred.peak_bytes <= limit:
         return sched, pred
     try:
-        return search(prog, mesh_sizes, calibration, limit, xla=xla, requested=requested)
+        return search(prog, shape, calibration, limit, xla=xla, requested=requested)
     except MemoryLimitError as e:
         capacity = limit / (1 - MEMORY_RESERVE)
         note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "

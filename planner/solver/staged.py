@@ -20,10 +20,11 @@ from planner.layout.staging import microbatch_choices, repeat_choices, staged
 from planner.program.ir import Program
 from planner.program.schedule import Schedule
 from planner.solver.schedule_search import search
+from redist.specs import mesh_shape
 from redist.types import MeshShape
 
 
-def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limit_bytes,
+def search_staged(prog: Program, mesh: MeshShape | dict[str, int], calibration, memory_limit_bytes,
                   axis: str, microbatches=None, repeats=None):  # fmt: skip
     """The best pipelined schedule over mesh axis ``axis``, ``(schedule, prediction)``, or
     ``None`` when no scan can be pipelined or nothing fits ``memory_limit_bytes``.
@@ -35,10 +36,12 @@ def search_staged(prog: Program, sizes: dict[str, int], calibration, memory_limi
     runs again with every candidate priced as the pipeline of the best choice so far (the fastest
     layouts of a layer differ inside a pipeline, where a layer's weights and gradient sums travel
     on every tick), and the fastest that fits is kept."""
+    shape = mesh_shape(mesh)
+    sizes = shape.sizes
     if axis not in sizes:
         raise ValueError(f"pipeline_axis {axis!r} is not a mesh axis; the mesh has {list(sizes)}")
     others = {a: n for a, n in sizes.items() if a != axis}
-    factors = MeshShape.of(sizes).factor_size
+    factors = shape.factor_size
 
     def pipelined(sched: Schedule, k: int, reps: int) -> Schedule | None:
         full = Schedule(prog, factors, sched.assign, sched.stored)
