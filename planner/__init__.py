@@ -21,7 +21,7 @@ The stages, each a package importing only those before it:
 4. :mod:`planner.solver` (the search) and :mod:`planner.lowering` (running a schedule);
 5. here, the user's objects: :func:`plan`, :class:`AutoPlan` (:mod:`planner.autoplan`), calls
    (:mod:`planner.calls`), saved plans (:mod:`planner.persistence`), the summary
-   (:mod:`planner.summary`), compiled reports (:mod:`planner.target.compiled`,
+   (:mod:`planner.report`), compiled reports (:mod:`planner.target.compiled`,
    :mod:`planner.target.compiled_time`) and the experts' plans (:mod:`planner.baselines`).
 """
 

@@ -2,7 +2,7 @@
 
 It carries the program, the schedule, its prediction and the mesh; calling it runs the schedule
 under ``jax.jit`` with the planned shardings, ``plan.lowered`` is the explicit lowering,
-``plan.explain()`` the one-screen summary (:mod:`planner.summary`), ``plan.save(path)`` writes it to
+``plan.explain()`` the one-screen summary (:mod:`planner.report`), ``plan.save(path)`` writes it to
 a file (:mod:`planner.persistence`) and ``plan.bind(mesh)`` moves a plan made on an abstract mesh
 onto devices.
 
@@ -30,8 +30,8 @@ from planner.persistence import mesh_differences, save
 from planner.program.ir import Program
 from planner.program.remat import RematDecision
 from planner.program.schedule import Schedule, Spec
+from planner.report import summarize
 from planner.solver.strategies import experts
-from planner.summary import summarize
 from planner.target.compiled import plan_compiled_report, program_structs
 from planner.target.confirm import MemoryCheck, describe_checks
 from redist.calibration import Calibration
@@ -300,7 +300,7 @@ class AutoPlan:
         return "\n".join(lines)
 
     def explain(self, verbose: bool = False) -> str:
-        """One screen (:mod:`planner.summary`): the prediction against replication, data
+        """One screen (:mod:`planner.report`): the prediction against replication, data
         parallelism and FSDP, the inputs' layouts, the heavy ops and the user's lines that made
         them, collectives, memory, and what runs whole. ``verbose``: then every op."""
         text = summarize(self).text()

@@ -155,7 +155,7 @@ def test_a_step_that_discards_its_loss_is_predicted_as_compiled():
     """The loss the step computes and drops is dead code that XLA removes: the plan no longer
     prices its product (an all-to-all of 7 MiB to feed it, an all-reduce of the loss), and it
     predicts the collectives the compiled program has (none)."""
-    from planner.summary import collectives
+    from planner.report.summary import collectives
 
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     params, x = {"w1": f32(1024, 4096), "w2": f32(4096, 1024)}, f32(4096, 1024)

@@ -1,4 +1,4 @@
-"""The one-screen summary that ``AutoPlan.explain()`` opens with (planner/summary.py)."""
+"""The one-screen summary that ``AutoPlan.explain()`` opens with (planner/report/)."""
 
 import json
 import os
@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import AxisType
 
 import planner
-from planner.summary import classify, spec_text, split_words, summarize
+from planner.report import summarize
+from planner.report.leaves import classify
+from planner.report.words import spec_text, split_words
 from redist.types import MeshShape
 
 SECTIONS = ("Prediction per step", "Layouts of the inputs", "Heavy ops", "Collectives per step",
@@ -140,7 +142,7 @@ def test_a_strategy_that_does_not_apply_says_so():
 def test_a_batch_of_a_parameters_shape_is_not_state():
     """``sgd(params, x)`` returns ``params``; ``x`` has ``w2``'s shape but is not returned: two
     state arrays, not three."""
-    from planner.summary import state_pairs
+    from planner.report.leaves import state_pairs
 
     def sgd(params, x):
         def loss(p):
