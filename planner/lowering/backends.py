@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import redist
 from planner.layout.dataflow import OpStep, input_spec, output_specs
 from planner.lowering.kernels import bind, pspec, spatially_split
-from planner.lowering.walk import Micro, Walker
+from planner.lowering.pipelined import Micro
+from planner.lowering.walk import Walker
 from planner.lowering.xla_moves import MoveChoice, choose
 from planner.program.constraints import SHARDING_PARAM
 from planner.program.ir import Program

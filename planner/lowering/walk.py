@@ -10,46 +10,20 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from planner.layout.dataflow import OpStep
-from planner.layout.staging import circular_passes, circular_rounds, deferred_sums
-from planner.lowering.gpipe import (
-    from_circular,
-    get_microbatch,
-    merge_microbatches,
-    microbatch_buffer,
-    put_layer,
-    put_microbatch,
-    take_microbatch,
-    to_circular,
-)
+from planner.layout.staging import circular_passes, deferred_sums
 from planner.lowering.kernels import bind, spatially_split
+from planner.lowering.pipelined import Micro, PipelinedScan
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split, with_body
-from planner.program.microbatch import microbatching
 from planner.program.ops import Op, Region
-from planner.program.schedule import Schedule, Spec, local_shape, stage_factors
-
-
-@dataclasses.dataclass(frozen=True)
-class Micro:
-    """The state of a walk inside a pipelined scan's body, on one microbatch: each value's shape
-    there (``shapes``), the stage axis' factors (``axes``: the body's moves stay within one
-    stage's devices), and, under XLA, the values holding each device's partial sums on a leading
-    axis of their own, by the axes they are partial over (``parts``, filled as the body runs)."""
-
-    shapes: Mapping[str, tuple[int, ...]]
-    axes: tuple[str, ...]
-    parts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+from planner.program.schedule import Schedule, Spec, local_shape
 
 
 class Walker:
@@ -159,168 +133,8 @@ class Walker:
         env.update(zip(exits, [*final, *ys]))
 
     def _run_pipelined(self, r: Region, env, inside) -> None:
-        """Run scan ``r`` as a GPipe pipeline (:class:`planner.program.schedule.Stages`): stage
-        ``s`` of the stage axis runs layers ``[s L/P, (s+1) L/P)`` on microbatch ``t - s`` at tick
-        ``t`` and hands its carry to stage ``s + 1`` (``s - 1`` for a reversed scan, such as the
-        backward pass of a pipelined forward one) with ``ppermute``; stacked outputs are kept
-        per stage (split over the stage axis), weight gradients summed over microbatches.
-
-        A circular pipeline (``repeats`` ``R > 1``) puts the stacked inputs in circular order
-        (:func:`to_circular`), runs ``R K + P - 1`` ticks, item ``i = t - s`` being microbatch
-        ``i mod K`` in round ``i // K`` on the stage's chunk of that round, hands the carry round
-        a ring (the first stage keeps what comes back for the next round) and puts the stacked
-        outputs back in layer order (:func:`from_circular`)."""
-        st, p = self.stages[r.start], r.eqn.params
-        split, length, reverse = scan_split(r.eqn), p["length"], p["reverse"]
-        nc, nk = split.consts, split.carry
-        axes = stage_factors(st.axis, self.sizes)
-        stages, k_mb = math.prod(self.sizes[a] for a in axes), st.microbatches
-        mb = microbatching(self.prog, r)
-        self._check_stages(r, st, axes, mb)
-        later = {e: axes for e, (_, axes) in self.later.items()}
-        entered, exits = self._enter(r, env), self._exits(r)
-        n_ys = len(exits) - nk
-        parted = {} if self.holds_tiles else {  # stacked output -> axes its partial sums are over
-            k: later[e.name] for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop])
-            if e.name in later
-        }  # fmt: skip
-        shapes = {
-            v.value.name: mb.shape(v.value.name, v.value.shape, k_mb)
-            for o in self.prog.ops[r.start : r.stop]
-            for v in (*o.operands, *o.results)
-        }
-        consts_env = {v.name: c for v, c in self.prog.consts}
-        dims = [mb.dim.get(n) for n in entered]
-        rows = [mb.per_row.get(n, 1) for n in entered]
-        per = length // stages
-        reps = st.repeats
-        chunk, items = per // reps, reps * k_mb
-        rounds = circular_rounds(stages, reps)
-        passes = self.passes  # stacked values that stay in circular order between pipelines
-        ordered_in = [o.operands[0].value.name in passes for o in self.prog.ops[r.start : r.body]]
-        ordered_out = [e.results[0].value.name in passes
-                       for e in self.prog.ops[r.stop - n_ys : r.stop]]  # fmt: skip
-
-        def stage_index():
-            index = 0
-            for a in axes:
-                index = index * self.sizes[a] + lax.axis_index(a)
-            return index
-
-        def run_stage(values, s):
-            """This device's stage ``s`` on every tick; ``values`` as ``entered``, ``xs``
-            holding this stage's layers."""
-            pos = stages - 1 - s if reverse else s
-            consts, carry0, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
-            if reps > 1:  # this stage's chunk of each round, in order
-                xs = [x if done else to_circular(x, 0, s, axes, rounds, reps)
-                      for x, done in zip(xs, ordered_in[nc + nk :])]  # fmt: skip
-
-            def layers(carry, consts_m, bufs, mc, valid, micro_of, first):
-                """The stage's layers on microbatch ``mc``: each layer's stacked inputs taken,
-                and its stacked outputs written into their slots of the pipeline's buffers, as
-                it runs (in place; stacking a tick's outputs first would hold them twice)."""
-                micro = Micro(shapes, axes)
-
-                def body(state, layer):
-                    c, bs = state
-                    x = [micro_of(lax.dynamic_index_in_dim(x, layer, 0, keepdims=False), d, n)
-                         for x, d, n in zip(xs, dims[nc + nk :], rows[nc + nk :])]  # fmt: skip
-                    bound = {**dict(zip(entered[:nc], consts_m)),
-                             **dict(zip(entered[nc : nc + nk], c)),
-                             **dict(zip(entered[nc + nk :], x))}  # fmt: skip
-                    inner = self._run_inside(r.body, r.stop, consts_env, bound, inside, micro)
-                    ys = [inner[n] for n in exits[nk:]]
-                    bs = [put_microbatch(b, y, exit_dim(k), mc, where=valid, layer=layer)
-                          if mb.exits[k] == "batch" else
-                          jax.vmap(lambda b, y: put_layer(b, y, layer, where=valid, add=True))(b, y)
-                          if k in parted else
-                          put_layer(b, y, layer, where=valid, add=mb.exits[k] == "sum")
-                          for k, (b, y) in enumerate(zip(bs, ys))]  # fmt: skip
-                    return ([inner[n] for n in exits[:nk]], bs), None
-
-                (final, bufs), _ = lax.scan(body, (carry, bufs), first + jnp.arange(chunk),
-                                            reverse=reverse)  # fmt: skip
-                return final, bufs
-
-            def exit_dim(k):  # the batch dimension of stacked output k (layer axis first)
-                d = mb.dim.get(self.prog.ops[r.stop - n_ys + k].operands[0].value.name)
-                return None if d is None else d + 1
-
-            def exit_rows(k):
-                return mb.per_row.get(self.prog.ops[r.stop - n_ys + k].operands[0].value.name, 1)
-
-            def tick(state, t):
-                handed, looped, bufs, outs = state
-                i = t - pos  # the item in front of this stage: microbatch i % K, round i // K
-                valid = (i >= 0) & (i < items)
-                rnd, mc = jnp.clip(i, 0, items - 1) // k_mb, jnp.clip(i, 0, items - 1) % k_mb
-
-                def micro_of(x, d, n):
-                    return x if d is None else take_microbatch(x, d, n, k_mb, mc)
-
-                fresh = [micro_of(x, 0, 1) for x in carry0]
-                if reps > 1:  # the first stage keeps what the last hands back for its next round
-                    back = t - stages  # the item the last stage finished at tick t - 1
-                    keep = (pos == 0) & (back >= 0) & (back < items - k_mb)
-                    looped = [put_microbatch(b, h, 0, jnp.maximum(back, 0) % k_mb, where=keep)
-                              for b, h in zip(looped, handed)]  # fmt: skip
-                    fresh = [jnp.where(rnd == 0, f, get_microbatch(b, 0, mc))
-                             for f, b in zip(fresh, looped)]  # fmt: skip
-                inp = [jnp.where(pos == 0, f, h) for f, h in zip(fresh, handed)]
-                consts_m = [micro_of(x, d, n) for x, d, n in zip(consts, dims[:nc], rows[:nc])]
-                first = (reps - 1 - rnd if reverse else rnd) * chunk  # its chunk's local layers
-                final, bufs = layers(inp, consts_m, bufs, mc, valid, micro_of, first)
-                last = valid & (pos == stages - 1) & (rnd == reps - 1)
-                outs = [put_microbatch(o, f, 0, mc, where=last) for o, f in zip(outs, final)]
-                pairs = [(i + 1, i) if reverse else (i, i + 1) for i in range(stages - 1)]
-                if reps > 1:  # round the ring
-                    pairs.append((0, stages - 1) if reverse else (stages - 1, 0))
-                handed = [lax.ppermute(f, axes, pairs) for f in final]
-                return (handed, looped, bufs, outs), None
-
-            handed0 = [jnp.zeros_like(take_microbatch(x, 0, 1, k_mb, 0)) for x in carry0]
-            outs0 = [microbatch_buffer(x.shape, x.dtype, 0, 1, k_mb) for x in carry0]
-            looped0 = outs0 if reps > 1 else []
-            bufs0 = []
-            for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
-                v = e.results[0].value
-                local = (per, *self._tile(v.shape[1:], e))
-                if mb.exits[k] == "batch":
-                    bufs0.append(microbatch_buffer(local, v.dtype, exit_dim(k), exit_rows(k), k_mb))
-                elif k in parted:  # each device's partial sums, on a leading axis of parts
-                    parts = math.prod(self.sizes[a] for a in parted[k])
-                    bufs0.append(self.constrain(jnp.zeros((parts, *local), v.dtype),
-                                                (parted[k],), None))  # fmt: skip
-                else:
-                    bufs0.append(jnp.zeros(local, v.dtype))
-            (_, _, bufs, outs), _ = lax.scan(
-                tick, (handed0, looped0, bufs0, outs0), jnp.arange(items + stages - 1)
-            )
-            carry_out = [lax.psum(merge_microbatches(o, 0), axes) for o in outs]
-            ys_out = [merge_microbatches(b, exit_dim(k)) if mb.exits[k] == "batch" else b
-                      for k, b in enumerate(bufs)]  # fmt: skip
-            for k, e in enumerate(self.prog.ops[r.stop - n_ys : r.stop]):
-                if k in parted:  # the microbatches' partial sums, combined once (by XLA)
-                    ys_out[k] = jnp.sum(ys_out[k], axis=0)
-                elif e.name in later:  # the same on this device's tiles
-                    ys_out[k] = lax.psum(ys_out[k], later[e.name])
-                if reps > 1 and not ordered_out[k]:
-                    ys_out[k] = from_circular(ys_out[k], 0, s, axes, rounds, reps)
-            return carry_out, ys_out
-
-        values = [env[n] for n in entered]
-        if self.holds_tiles:  # inside the program's shard_map, stacked tiles are the stage's layers
-            carry_out, ys = run_stage(values, stage_index())
-        else:  # the stage index enters as data: axis_index in a shard_map manual over some
-            split = PartitionSpec(axes)  # axes lowers on the mesh jax.set_mesh sets (jax 0.10)
-            specs = [PartitionSpec()] * (nc + nk) + [split] * (len(values) - nc - nk + 1)
-            carry_out, ys = jax.shard_map(
-                lambda *v: run_stage(list(v[:-1]), v[-1][0]), mesh=self.mesh,
-                in_specs=tuple(specs), out_specs=([PartitionSpec()] * nk, [split] * n_ys),
-                axis_names=set(axes), check_vma=False,
-            )(*values, jnp.arange(stages, dtype=jnp.int32))  # fmt: skip
-        env.update(zip(exits, [*carry_out, *ys]))
+        """Run scan ``r`` as a GPipe pipeline (:mod:`planner.lowering.pipelined`)."""
+        PipelinedScan(self, r, env, inside).run(env)
 
     def _tile(self, shape, exit_op: Op) -> tuple[int, ...]:
         """The shape a stage holds of a stacked output's layer (``shape``): its tile inside the
