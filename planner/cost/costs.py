@@ -104,7 +104,7 @@ def elements(acc: Access, extents: Mapping[str, int]) -> int:
 PAD_MASK_FLOPS = 3.0
 """Per operand element of a reduction whose reduced loop is split unevenly: XLA's partitioner masks
 the padding (the element's global index: an add to an iota; below the extent: a compare; else the
-reduction's identity: a select), as XLA:CPU compiles it (tests/test_planner_uneven.py)."""
+reduction's identity: a select), as XLA:CPU compiles it (tests/planner/test_uneven_loops.py)."""
 
 
 def padding_mask_flops(op: Op, extents: Mapping[str, int], padded: Collection[str]) -> float:

@@ -73,8 +73,8 @@ def test_memory_check_smoke(tmp_path):
     from experiments import memory_check
 
     config = memory_check_smoke.get_config()
-    config.tpu = False  # the TPU case has its own test (tests/test_planner_buffers.py)
-    config.gpu = False  # and the GPU cases theirs (tests/test_planner_gpu.py)
+    config.tpu = False  # the TPU case has its own test (tests/planner/cost/test_buffers.py)
+    config.gpu = False  # and the GPU cases theirs (tests/planner/target/test_gpu.py)
     summary = memory_check.run(config, str(tmp_path))
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert [(r["workload"], r["strategy"]) for r in rows] == [

@@ -5,7 +5,7 @@ import socket
 import subprocess
 import sys
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "multihost.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "multihost.py")
 
 
 def _free_port() -> int:

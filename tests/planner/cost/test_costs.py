@@ -1,7 +1,7 @@
 """Flops, transcendentals and bytes per op as the XLA compiler counts them (planner.cost.costs), the
 prediction's totals, and pricing a compiled program's collectives (planner.target.compiled_time).
 CPU only: the numbers in the table are what the TPU compiler's cost_analysis() reports for these
-ops (see tests/test_planner_time.py for the check against the compiler itself)."""
+ops (see tests/planner/target/test_time.py for the check against the compiler itself)."""
 
 import jax
 import jax.numpy as jnp

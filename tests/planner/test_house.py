@@ -17,7 +17,7 @@ import pathlib
 import networkx as nx
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "planner"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "planner"
 STAGES = {"program": 0, "layout": 1, "cost": 2, "solver": 3, "lowering": 3, "": 4}
 """Stage -> rank; a module imports its own stage or a lower rank ("": the user's objects)."""
 PURE = frozenset({"layout", "cost", "solver"})

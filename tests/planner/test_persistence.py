@@ -18,7 +18,9 @@ import planner
 from planner import persistence
 from planner.solver import schedule_search
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "planner_persistence.py")
+WORKER = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "workers", "planner_persistence.py"
+)
 ABSTRACT = AbstractMesh((2, 2, 2), ("a", "b", "c"))
 
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
-from test_planner_lower import ALL, _mlp_args, matmul, rand, sgd_step
+from test_lower import ALL, _mlp_args, matmul, rand, sgd_step
 
 import planner
 from planner.cost.simulator import simulate

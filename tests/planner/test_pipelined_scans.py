@@ -103,10 +103,10 @@ def test_each_stage_keeps_its_layers_and_hands_activations_on():
 def test_the_language_model_step_pipelines_both_scans():
     """The flax LM's training step: its forward scan's residuals and its backward scan's weight
     gradients split into microbatches exactly (layer norms, attention, tied embedding; the
-    tolerances of ``test_planner_lm``, where the key bias' exact gradient is zero), replicated
+    tolerances of ``test_lm``, where the key bias' exact gradient is zero), replicated
     and with the batch split over another axis (weight gradients summed once after the ticks)
     on both backends."""
-    from test_planner_lm import LR, assert_step_equal
+    from test_lm import LR, assert_step_equal
 
     from experiments.language_model import lm_step
 

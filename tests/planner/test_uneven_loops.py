@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 from planner_programs import PROGRAMS, random_schedule
-from test_planner_random_schedules import assert_same
+from test_random_schedules import assert_same
 
 import planner
 from planner.layout.dataflow import dataflow, input_spec, output_specs
@@ -191,7 +191,7 @@ def test_a_searched_plan_splits_an_uneven_vocabulary_where_it_pays():
 
 
 def test_an_uneven_plan_under_jit_grad_vmap_and_set_mesh():
-    from test_planner_transformations import _args, _close, _loss, _transformed
+    from test_plan_transformations import _args, _close, _loss, _transformed
 
     mesh = jax.make_mesh((2, 4), ("a", "pipe"), axis_types=(AxisType.Auto,) * 2)
     args = _args(2, batch=12, d=8, hidden=12)  # 12 rows over 8 devices: tiles of 2, padded
@@ -231,7 +231,7 @@ def test_a_gpt2_shaped_step_splits_its_vocabulary_exactly():
     devices: the searched plan splits the vocabulary (the head's columns padded, the
     cross-entropy's lookup masked), predicted no slower than the plan searched without such
     splits, and the step equals ``jax.jit(step)``."""
-    from test_planner_lm import assert_step_equal
+    from test_lm import assert_step_equal
 
     from experiments.language_model import lm_step
 

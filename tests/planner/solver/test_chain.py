@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from test_planner_search import brute_force, chain, rand
+from test_schedule_search import brute_force, chain, rand
 
 import planner
 from experiments.workloads import workload

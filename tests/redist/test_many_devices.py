@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "many_devices.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "many_devices.py")
 
 
 @pytest.mark.parametrize("devices, expected", [(12, 40), (16, 8), (24, 1)])
