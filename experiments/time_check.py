@@ -8,11 +8,11 @@ Plans (all on one mesh over a TPU topology's devices, e.g. v5p:8x8x4 as data:16,
 the searched plan, hand baselines (replication; data parallelism over all axes, all but the last,
 the first; Megatron and data x model where the program has weights as direct inputs), random plans
 over the search's own space (each anchor product group's whole mesh axes on random loops, the rest
-propagated), and random plans of every op (as tests/planner/lowering/test_random_schedules.py makes them,
-whole axes). Each plan is simulated on the planned (scanned) program, then bound to the topology
-mesh, and ``plan.jit()`` is compiled by the TPU compiler on the argument shapes. The TPU compiler's
-``cost_analysis()`` counts a loop's body once, so the program compiled is the same one with its
-layer scan unrolled (``unroll=True``: the same ops and names, no loop; ``config.unroll``).
+propagated), and random plans of every op (as tests/planner/lowering/test_random_schedules.py makes
+them, whole axes). Each plan is simulated on the planned (scanned) program, then bound to the
+topology mesh, and ``plan.jit()`` is compiled by the TPU compiler on the argument shapes. The TPU
+compiler's ``cost_analysis()`` counts a loop's body once, so the program compiled is the same one
+with its layer scan unrolled (``unroll=True``: the same ops and names, no loop; ``config.unroll``).
 
 Per plan: predicted flops, bytes accessed and transcendentals per device against the compiler's;
 predicted step time against the compiled estimate (the compiler's ``optimal_seconds`` for the

@@ -1,4 +1,5 @@
-"""Small programs, one per construct, and random valid schedules: the planner's differential oracle.
+"""Small programs, one per construct, and random valid schedules: the planner's differential oracle;
+and the programs (with their arguments) that several planner test modules share.
 
 ``random_schedule`` draws an assignment for *every* op of a program, built generically from the IR
 (no knowledge of primitives): each prime factor of the mesh goes to a random loop the op allows
@@ -186,3 +187,81 @@ PROGRAMS: dict[str, tuple[Callable, Make]] = {
     "convpool_grad": (jax.value_and_grad(_convpool, argnums=(0, 1, 2)),
                       lambda r: (_f(r, 3, 3, 4, 6) / 3, _f(r, 3, 3, 1, 6) / 3, _f(r, 2, 12, 12, 4))),
 }  # fmt: skip
+
+
+# Programs several test modules share: a matmul, multi-head attention, an MLP training step, a
+# two-layer chain and scanned residual MLP layers, with the arrays they are tested on.
+
+ALL = ("a", "b", "c")
+"""The axis names of the tests' 2x2x2 mesh: ``{"m": ALL}`` splits a loop over all 8 devices."""
+
+RNG = np.random.default_rng(0)
+"""The generator behind :func:`rand`: one for every module that calls it, seeded once."""
+
+
+def rand(*shape):
+    """A standard-normal float32 array of ``shape``, drawn from :data:`RNG`."""
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def dots(prog: Program) -> list[str]:
+    """The names of ``prog``'s ``dot_general`` ops, in program order."""
+    return [o.name for o in prog.ops if o.primitive == "dot_general"]
+
+
+def matmul(x, w):
+    """``tanh(x @ w)``: one product whose loops are ``m``, ``n`` and ``k``."""
+    return jnp.tanh(x @ w)
+
+
+def attention(x, wq, wk, wv, wo):
+    """Multi-head attention: q, k and v projections, softmax of the scores, output projection."""
+    q = jnp.einsum("bsd,dhe->bshe", x, wq)
+    k = jnp.einsum("bsd,dhe->bshe", x, wk)
+    v = jnp.einsum("bsd,dhe->bshe", x, wv)
+    p = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k) / 2.0, axis=-1)
+    o = jnp.einsum("bhqk,bkhe->bqhe", p, v)
+    return jnp.einsum("bqhe,hed->bqd", o, wo)
+
+
+def mlp_loss(params, x, y):
+    """A two-layer ReLU MLP's squared error."""
+    w1, w2 = params
+    h = jax.nn.relu(x @ w1)
+    return jnp.mean((h @ w2 - y) ** 2)
+
+
+def sgd_step(params, x, y):
+    """One SGD step (learning rate 0.1) of :func:`mlp_loss`."""
+    grads = jax.grad(mlp_loss)(params, x, y)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def mlp_args():
+    """``(params, x, y)`` for :func:`sgd_step`: weights 16x32 and 32x8, a batch of 64."""
+    return (rand(16, 32), rand(32, 8)), rand(64, 16), rand(64, 8)
+
+
+def chain(x, w1, w2):
+    """Two products in a chain, ``tanh(x @ w1) @ w2``: small enough to search exhaustively."""
+    return jnp.tanh(x @ w1) @ w2
+
+
+def residual_layers_loss(ws, x, y):
+    """Four scanned residual MLP layers and a squared error."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w[0] + w[2]) @ w[1] + h, None
+
+    h, _ = lax.scan(layer, x, ws)
+    return jnp.mean((h - y) ** 2)
+
+
+def residual_layers_args(seed=0, layers=4, batch=16, d=8, hidden=16):
+    """``(ws, x, y)`` for :func:`residual_layers_loss`, drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    f = np.float32
+    ws = ((rng.standard_normal((layers, d, hidden)) / np.sqrt(d)).astype(f),
+          (rng.standard_normal((layers, hidden, d)) / np.sqrt(hidden)).astype(f),
+          rng.standard_normal((layers, hidden)).astype(f))  # fmt: skip
+    return ws, rng.standard_normal((batch, d)).astype(f), rng.standard_normal((batch, d)).astype(f)

@@ -3,7 +3,7 @@ them out) as plans, on real model code with scanned and unscanned layers: exact 
 unsharded program through ``plan.jit``, parameters stored as the strategy says, and compiled for
 a TPU topology.
 
-Tolerances as in test_lm (adam divides by the square root of the second moment: an
+Tolerances as in ``planner_checks.assert_step_equal`` (adam divides by the square root of the second moment: an
 element with a tiny one moves by a few percent of the learning rate when sums are reordered).
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from test_lm import LR, assert_step_equal
+from planner_checks import LR, assert_step_equal
 
 import planner
 from experiments.language_model import lm_step

@@ -13,11 +13,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from planner_checks import LR, assert_step_equal
 
 import planner
 from experiments.language_model import lm_step
-
-LR = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +28,6 @@ def device_bytes(compiled) -> int:
     m = compiled.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)  # fmt: skip
-
-
-def assert_step_equal(got, want, param_atol=1e-5):
-    (p_got, s_got, l_got), (p_want, s_want, l_want) = got, want
-    np.testing.assert_allclose(l_got, l_want, rtol=1e-5)
-    mu_got, mu_want = s_got[0].mu, s_want[0].mu
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-7),
-                 mu_got, mu_want)  # fmt: skip
-
-    def param(g, w, mu):
-        zero_gradient = np.max(np.abs(mu)) < 1e-8
-        np.testing.assert_allclose(g, w, rtol=0, atol=2 * LR if zero_gradient else param_atol)
-
-    jax.tree.map(param, p_got, p_want, mu_want)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-12),
-                 s_got[0].nu, s_want[0].nu)  # fmt: skip
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType, Mesh
+from planner_checks import LR, assert_step_equal
 from planner_programs import random_schedule
 
 import planner
@@ -103,11 +104,9 @@ def test_each_stage_keeps_its_layers_and_hands_activations_on():
 def test_the_language_model_step_pipelines_both_scans():
     """The flax LM's training step: its forward scan's residuals and its backward scan's weight
     gradients split into microbatches exactly (layer norms, attention, tied embedding; the
-    tolerances of ``test_lm``, where the key bias' exact gradient is zero), replicated
-    and with the batch split over another axis (weight gradients summed once after the ticks)
-    on both backends."""
-    from test_lm import LR, assert_step_equal
-
+    tolerances of ``planner_checks.assert_step_equal``, where the key bias' exact gradient is
+    zero), replicated and with the batch split over another axis (weight gradients summed once
+    after the ticks) on both backends."""
     from experiments.language_model import lm_step
 
     step, args = lm_step(8, 8, 16, 2, 4, 32, scan=True, rng=np.random.default_rng(2))

@@ -12,8 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
-from planner_programs import PROGRAMS, random_schedule
-from test_random_schedules import assert_same
+from planner_checks import assert_close, assert_same, assert_step_equal, transformed
+from planner_programs import (
+    PROGRAMS,
+    random_schedule,
+    residual_layers_args,
+    residual_layers_loss,
+)
 
 import planner
 from planner.layout.dataflow import dataflow, input_spec, output_specs
@@ -191,19 +196,18 @@ def test_a_searched_plan_splits_an_uneven_vocabulary_where_it_pays():
 
 
 def test_an_uneven_plan_under_jit_grad_vmap_and_set_mesh():
-    from test_plan_transformations import _args, _close, _loss, _transformed
-
     mesh = jax.make_mesh((2, 4), ("a", "pipe"), axis_types=(AxisType.Auto,) * 2)
-    args = _args(2, batch=12, d=8, hidden=12)  # 12 rows over 8 devices: tiles of 2, padded
-    prog = planner.analyze(_loss, *args)
+    # 12 rows over 8 devices: tiles of 2, padded
+    args = residual_layers_args(2, batch=12, d=8, hidden=12)
+    prog = planner.analyze(residual_layers_loss, *args)
     first = next(o for o in prog.ops if o.primitive == "dot_general")
     sched = make_schedule(prog, {first.name: {"m": ("a", "pipe")}}, dict(mesh.shape), xla=True)
     assert any("(12 over 8)" in s for s in xla_splits(sched))
     low = planner.lower(prog, sched, mesh, backend="xla")
-    got, want = _transformed(low, args, mesh), _transformed(_loss, args, mesh)
+    got, want = transformed(low, args, mesh), transformed(residual_layers_loss, args, mesh)
     assert set(got) == set(want)
     for name in want:
-        _close(got[name], want[name])
+        assert_close(got[name], want[name])
 
 
 @pytest.mark.parametrize(
@@ -231,8 +235,6 @@ def test_a_gpt2_shaped_step_splits_its_vocabulary_exactly():
     devices: the searched plan splits the vocabulary (the head's columns padded, the
     cross-entropy's lookup masked), predicted no slower than the plan searched without such
     splits, and the step equals ``jax.jit(step)``."""
-    from test_lm import assert_step_equal
-
     from experiments.language_model import lm_step
 
     step, args = lm_step(batch=8, seq=32, d=96, heads=12, layers=1, vocab=50257, scan=True)

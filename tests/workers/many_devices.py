@@ -13,7 +13,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# helpers from tests/, redist from the repository: with the repository on the path its package
+# is found before the folder tests/redist/, which would otherwise be imported as a namespace redist
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 from helpers import random_problem  # noqa: E402
 
 import redist  # noqa: E402

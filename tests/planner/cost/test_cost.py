@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
-from test_lower import ALL, attention, dots, matmul, rand
+from planner_programs import ALL, attention, dots, matmul, rand
 
 import planner
 from planner.cost.simulator import simulate

@@ -6,21 +6,15 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
+from planner_programs import ALL, attention, dots, matmul, mlp_args, rand, sgd_step
 
 import planner
 from experiments.measure import hlo_collectives
-
-ALL = ("a", "b", "c")
-RNG = np.random.default_rng(0)
 
 
 @pytest.fixture(scope="module")
 def mesh():
     return jax.make_mesh((2, 2, 2), ALL, axis_types=(AxisType.Auto,) * 3)
-
-
-def rand(*shape):
-    return RNG.standard_normal(shape).astype(np.float32)
 
 
 def collectives(lowered, *args):
@@ -42,14 +36,6 @@ def below_replicated(lowered, fn, *args):
     """The planned program needs less memory per device than the replicated one."""
     ours, replicated = device_bytes(lowered, *args), device_bytes(jax.jit(fn), *args)
     assert ours < replicated, (ours, replicated)
-
-
-def dots(prog):
-    return [o.name for o in prog.ops if o.primitive == "dot_general"]
-
-
-def matmul(x, w):
-    return jnp.tanh(x @ w)
 
 
 @pytest.mark.parametrize(
@@ -82,15 +68,6 @@ def test_softmax_partitioned_on_leading_dims_needs_no_communication(mesh):
     below_replicated(f, lambda v: jax.nn.softmax(v, axis=-1), x)
 
 
-def attention(x, wq, wk, wv, wo):
-    q = jnp.einsum("bsd,dhe->bshe", x, wq)
-    k = jnp.einsum("bsd,dhe->bshe", x, wk)
-    v = jnp.einsum("bsd,dhe->bshe", x, wv)
-    p = jax.nn.softmax(jnp.einsum("bqhe,bkhe->bhqk", q, k) / 2.0, axis=-1)
-    o = jnp.einsum("bhqk,bkhe->bqhe", p, v)
-    return jnp.einsum("bqhe,hed->bqd", o, wo)
-
-
 def test_megatron_attention_one_all_reduce(mesh):
     args = (rand(2, 8, 16), rand(16, 8, 4), rand(16, 8, 4), rand(16, 8, 4), rand(8, 4, 16))
     prog = planner.analyze(attention, *args)
@@ -105,23 +82,8 @@ def test_megatron_attention_one_all_reduce(mesh):
     below_replicated(f, attention, *args)
 
 
-def mlp_loss(params, x, y):
-    w1, w2 = params
-    h = jax.nn.relu(x @ w1)
-    return jnp.mean((h @ w2 - y) ** 2)
-
-
-def sgd_step(params, x, y):
-    grads = jax.grad(mlp_loss)(params, x, y)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-
-def _mlp_args():
-    return (rand(16, 32), rand(32, 8)), rand(64, 16), rand(64, 8)
-
-
 def test_mlp_training_step_data_parallel(mesh):
-    params, x, y = _mlp_args()
+    params, x, y = mlp_args()
     prog = planner.analyze(sgd_step, params, x, y)
     first = dots(prog)[0]
     f = planner.lower(prog, prog.schedule({first: {"m": ALL}}, mesh), mesh)
@@ -139,7 +101,7 @@ def test_mlp_training_step_data_parallel(mesh):
 
 
 def test_mlp_training_step_megatron(mesh):
-    params, x, y = _mlp_args()
+    params, x, y = mlp_args()
     prog = planner.analyze(sgd_step, params, x, y)
     d = dots(prog)
     # Column split of w1 (its output features), row split of w2 (the contraction).
@@ -267,7 +229,7 @@ def test_pending_sum_becomes_reduce_scatter_when_the_consumer_wants_it_split(mes
 def test_baseline_strategies_as_schedules(mesh, strategy):
     from planner import baselines
 
-    params, x, y = _mlp_args()
+    params, x, y = mlp_args()
     prog = planner.analyze(sgd_step, params, x, y)
     assign = {
         "data": baselines.data_parallel(prog, ALL),

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh
+from planner_checks import assert_same
 from planner_programs import PROGRAMS, random_schedule
 
 import planner
@@ -25,16 +26,6 @@ def make_mesh(name: str) -> Mesh:
     shape, names = MESHES[name]
     devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape))
-
-
-def assert_same(got, want):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.shape == w.shape and g.dtype == w.dtype
-        if np.issubdtype(w.dtype, np.floating):
-            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-        else:
-            np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))

@@ -6,7 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-from test_schedule_search import brute_force, chain, rand
+from planner_checks import brute_force
+from planner_programs import chain, rand
 
 import planner
 from experiments.workloads import workload

@@ -1,52 +1,21 @@
 """planner.search / plan / auto_shard: optimal on small chains, memory limits, end to end."""
 
-import itertools
-import math
-
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType
-from test_lower import ALL, _mlp_args, matmul, rand, sgd_step
+from planner_checks import brute_force
+from planner_programs import ALL, chain, matmul, mlp_args, rand, sgd_step
 
 import planner
 from planner.cost.simulator import simulate
 from planner.program.schedule import make_schedule
-from planner.solver.schedule_search import _options, anchors, search
+from planner.solver.schedule_search import search
 
 
 @pytest.fixture(scope="module")
 def mesh():
     return jax.make_mesh((2, 2, 2), ALL, axis_types=(AxisType.Auto,) * 3)
-
-
-def chain(x, w1, w2):
-    return jnp_tanh(x @ w1) @ w2
-
-
-def jnp_tanh(v):
-    return jax.numpy.tanh(v)
-
-
-def brute_force(prog, sizes):
-    """Every assignment of every mesh axis to a loop (or none) of every anchor, simulated."""
-    ops = anchors(prog)
-    best = math.inf
-    per_axis = [
-        list(itertools.product(*(_options(o, {}, n, sizes) for o in ops))) for n in sizes.values()
-    ]
-    for combo in itertools.product(*per_axis):
-        assign = {o.name: {} for o in ops}
-        for axis, choices in zip(sizes, combo):
-            for o, loop in zip(ops, choices):
-                if loop is not None:
-                    assign[o.name][loop] = assign[o.name].get(loop, ()) + (axis,)
-        try:
-            sched = make_schedule(prog, {k: v for k, v in assign.items() if v}, sizes)
-        except ValueError:
-            continue
-        best = min(best, simulate(prog, sched).time_s)
-    return best
 
 
 @pytest.mark.parametrize(
@@ -100,7 +69,7 @@ def test_memory_limit_is_respected_and_explained(mesh):
 
 
 def test_plan_and_auto_shard_end_to_end(mesh):
-    params, x, y = _mlp_args()
+    params, x, y = mlp_args()
     p = planner.plan(sgd_step, params, x, y, mesh=mesh)
     got = p(params, x, y)
     want = sgd_step(params, x, y)
@@ -171,7 +140,7 @@ def test_scanned_layers_split_at_least_as_well_as_by_hand(mesh):
 
 def _embedding_step(table, w, tokens, y):
     def loss(table, w):
-        return jax.numpy.mean((jnp_tanh(table[tokens] @ w) - y) ** 2)
+        return jax.numpy.mean((jax.numpy.tanh(table[tokens] @ w) - y) ** 2)
 
     value, (g_table, g_w) = jax.value_and_grad(loss, argnums=(0, 1))(table, w)
     return table - 0.1 * g_table, w - 0.1 * g_w, value
