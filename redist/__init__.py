@@ -3,12 +3,21 @@
 ``plan`` and the types are pure (no JAX import); ``redistribute`` imports JAX on first use.
 """
 
-from redist.simulate import simulate
+from redist.reference import run_reference
 from redist.specs import plan
 from redist.steps import Plan, Step
 from redist.types import DistDim, DistType, MeshShape
 
-__all__ = ["DistDim", "DistType", "MeshShape", "Plan", "Step", "plan", "redistribute", "simulate"]
+__all__ = [
+    "DistDim",
+    "DistType",
+    "MeshShape",
+    "Plan",
+    "Step",
+    "plan",
+    "redistribute",
+    "run_reference",
+]
 
 
 def __getattr__(name: str):

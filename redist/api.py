@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from redist.calibration import backend_calibration, device_kind_calibration
 from redist.cost import AUTO
-from redist.linear import Move, device_ids, is_explicit, redistribute_p, same_mesh
+from redist.linear import Reshard, device_ids, is_explicit, redistribute_p, same_mesh
 from redist.specs import SpecLike, check_options, dist_type, mesh_shape, movable_dtype
 from redist.synthesis import FOLD_MIN_BYTES
 
@@ -203,7 +203,7 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
                   argname="dst", padded=True)  # fmt: skip
     del d  # validated: errors name dst, its dimension and axis
     target = dst if isinstance(dst, NamedSharding) else NamedSharding(mesh, dst_spec)
-    move = Move(mesh, src_spec, target, shape, name, itemsize, options)
+    move = Reshard(mesh, src_spec, target, shape, name, itemsize, options)
     _ = move.plan  # synthesize now: bad layouts raise here, naming the argument
     if isinstance(x, jax.core.Tracer):
         move.check_traceable()

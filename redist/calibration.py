@@ -79,7 +79,7 @@ class Calibration:
     memory_source: str = ""  # where memory_bytes comes from
     host_memory: bool = False  # memory_bytes is the host's, shared by its devices (cpu)
     # The largest chunk for which folding a final permutation into the all-to-all before it
-    # (rounds of collective-permute, redist.lower) pays; None: any size. TPU: 4 MiB, from
+    # (rounds of collective-permute, redist.concrete) pays; None: any size. TPU: 4 MiB, from
     # compiling 10 folded and unfolded plans for v5p:2x2x2, where its compiler stages every
     # round: folded, Fig. 13's P1 (10 MB chunks) needs 115 MB of temporaries, unfolded 59
     # (XLA's program 58); below 2 MB chunks folding needs less or within 4 %.

@@ -15,8 +15,8 @@ size. A redistribution only moves numbers, so ``redistribute_p`` carries its own
 | ``jit`` / eager       | one ``shard_map`` of collectives on the mesh's prime factors      |
 
 Example:
-    >>> move = Move(mesh, P("a"), NamedSharding(mesh, P(None, "a")), (8, 8), "float32", 4,
-    ...             ("bytes", 0))                                      # doctest: +SKIP
+    >>> move = Reshard(mesh, P("a"), NamedSharding(mesh, P(None, "a")), (8, 8), "float32", 4,
+    ...                ("bytes", 0))                                   # doctest: +SKIP
     >>> y = redistribute_p.bind(x, move=move)                          # doctest: +SKIP
 """
 
@@ -90,7 +90,7 @@ def _axes_of(entry) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Move:
+class Reshard:
     """One redistribution as JAX sees it: an array of ``shape`` on ``mesh``, laid out as ``src``
     (``unreduced`` axes are a pending sum), goes to the placement ``dst`` (on ``mesh`` or on
     another mesh). Hashable: it is the primitive's parameter, and caches key on it."""
@@ -223,16 +223,16 @@ class Move:
         return NamedSharding(_factored(run_mesh, self.explicit), _factor_pspec(plan.src))
 
     @functools.cached_property
-    def reverse(self) -> Move:
+    def reverse(self) -> Reshard:
         """The transpose: ``dst`` back to ``src`` with its pending axes replicated (each partial
         receives the whole cotangent; JAX types such a cotangent ``reduced``), within the same
         memory bound."""
         pending = frozenset(getattr(self.src, "unreduced", ()) or ())
         back = PartitionSpec(*_entries(self.src, len(self.shape)), reduced=pending)
-        return Move(self.dst.mesh, self.dst.spec, NamedSharding(self.mesh, back), self.shape,
+        return Reshard(self.dst.mesh, self.dst.spec, NamedSharding(self.mesh, back), self.shape,
                     self.dtype, self.itemsize, self.options)  # fmt: skip
 
-    def batched(self, size: int, entry) -> Move:
+    def batched(self, size: int, entry) -> Reshard:
         """The move of a stack of ``size`` such arrays (batch dimension first) whose batch
         dimension is split as ``entry``; it stays split where ``dst`` leaves its axes free."""
         src = _entries(self.src, len(self.shape))
@@ -240,7 +240,7 @@ class Move:
         taken = {a for e in dst for a in _axes_of(e)}
         keep = entry if same_mesh(self.mesh, self.dst.mesh) and not taken & set(_axes_of(entry)) \
             else None  # fmt: skip
-        return Move(
+        return Reshard(
             self.mesh,
             PartitionSpec(entry, *src, unreduced=self.src.unreduced),
             NamedSharding(self.dst.mesh, PartitionSpec(keep, *dst)),
@@ -263,22 +263,22 @@ class Move:
 redistribute_p = Primitive("redistribute")
 
 
-def _impl(x, *, move: Move):
+def _impl(x, *, move: Reshard):
     return move.eager(x)
 
 
-def _transpose(ct, x, *, move: Move):
+def _transpose(ct, x, *, move: Reshard):
     del x
     return [redistribute_p.bind(ct, move=move.reverse)]
 
 
-def _batch(args, dims, *, move: Move):
+def _batch(args, dims, *, move: Reshard):
     (x,), (d,) = args, dims
     x = jax.numpy.moveaxis(x, d, 0)
     return redistribute_p.bind(x, move=move.batched(x.shape[0], _leading_entry(x, move))), 0
 
 
-def _leading_entry(x, move: Move):
+def _leading_entry(x, move: Reshard):
     """How ``x``'s first dimension is split on ``move.mesh``, where its sharding says so."""
     if isinstance(x, jax.core.Tracer):
         sharding = getattr(jax.typeof(x), "sharding", None)

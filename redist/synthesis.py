@@ -6,8 +6,8 @@ import dataclasses
 import functools
 import math
 
+from redist.concrete import make_plan, reduce_pending
 from redist.cost import COST_MODELS, cost_model_ok, is_calibrated, model_calibration, plan_cost
-from redist.lower import make_plan, reduce_pending
 from redist.search import weak_paths
 from redist.steps import Plan
 from redist.types import DistType, MeshShape, padded_size

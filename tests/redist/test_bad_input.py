@@ -229,7 +229,7 @@ def test_what_jax_accepts_is_accepted(change):
     p = redist.plan(**args)
     assert p.global_shape == (8, 8) and all(type(n) is int for n in p.global_shape)
     assert all(type(s) is int for _, s in p.mesh.axes)
-    redist.simulate(p, np.arange(64).reshape(8, 8))
+    redist.run_reference(p, np.arange(64).reshape(8, 8))
 
 
 def test_jax_objects_are_accepted():
@@ -288,13 +288,13 @@ def test_zero_size_plan_carries_its_destination(unreduced):
     p = redist.plan((0, 8), P("a", unreduced=set(unreduced)), P(None, "a"), MESH)
     assert p.steps == ()
     assert p.dst == DistType.from_spec((None, "a"), (0, 8), MeshShape.of(MESH))
-    tiles = redist.simulate(p, np.zeros((0, 8), np.float32))
+    tiles = redist.run_reference(p, np.zeros((0, 8), np.float32))
     assert len(tiles) == 8 and all(t.shape == (0, 4) for t in tiles)
 
 
-def test_simulate_checks_its_arguments():
+def test_run_reference_checks_its_arguments():
     p = redist.plan((0, 8), ("a",), (None, "a"), MESH)
     with pytest.raises(ValueError, match="array shape"):
-        redist.simulate(p, np.zeros((8, 8)))
+        redist.run_reference(p, np.zeros((8, 8)))
     with pytest.raises(TypeError, match="plan must be a redist.Plan"):
-        redist.simulate("plan", np.zeros((0, 8)))
+        redist.run_reference("plan", np.zeros((0, 8)))

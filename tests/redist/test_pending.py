@@ -32,7 +32,7 @@ def test_random_pending_sums_are_reduced_exactly_within_the_bound(mesh):
         p = synthesize(ms, s, d, "int32", 4)
         assert p.steps[0].kind in ("reducescatter", "allreduce"), p
         assert p.peak_bytes <= p.bound_bytes, p
-        redist.simulate(p, np.arange(int(np.prod(shape))).reshape(shape))
+        redist.run_reference(p, np.arange(int(np.prod(shape))).reshape(shape))
 
 
 def test_reduce_scatter_goes_where_the_destination_splits():
@@ -50,7 +50,7 @@ def test_simulator_catches_a_pending_sum_left_unreduced():
     wrong = dataclasses.replace(p, steps=(dataclasses.replace(p.steps[0], groups=tuple(
         (d,) for g in p.steps[0].groups for d in g)),))  # fmt: skip
     with pytest.raises(AssertionError):
-        redist.simulate(wrong, np.arange(128).reshape(16, 8))
+        redist.run_reference(wrong, np.arange(128).reshape(16, 8))
 
 
 def test_errors_name_the_axis():

@@ -16,7 +16,7 @@ MESHES_ALL = MESHES + ({"a": 2, "b": 2, "c": 3},)
 
 
 def _simulate(p):
-    return redist.simulate(p, np.arange(int(np.prod(p.global_shape))).reshape(p.global_shape))
+    return redist.run_reference(p, np.arange(int(np.prod(p.global_shape))).reshape(p.global_shape))
 
 
 @pytest.mark.parametrize("problem", PAPER_PROBLEMS, ids=lambda p: p.name)

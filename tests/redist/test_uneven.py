@@ -43,7 +43,7 @@ def test_random_uneven_plans_are_exact_within_the_bound(mesh):
         reblocked = [s.dim for s in p.steps if s.kind == "reblock"]
         most = 1 if all(n & (n - 1) == 0 for n in mesh.values()) else 2
         assert all(reblocked.count(i) <= most for i in range(len(shape))), p
-        tiles = redist.simulate(p, _elements(shape))
+        tiles = redist.run_reference(p, _elements(shape))
         assert all(t.shape == p.dst.local_shape for t in tiles)
     assert uneven >= 40  # the generator does make uneven problems
 
@@ -63,7 +63,7 @@ def test_uneven_pending_sums_are_reduced_exactly(mesh):
         d = DistType.from_spec(dst, shape, ms, padded=True)
         p = synthesize_uneven(ms, s, d, shape, "int32", 4)
         assert p.peak_bytes <= p.bound_bytes, p
-        redist.simulate(p, _elements(shape))
+        redist.run_reference(p, _elements(shape))
         checked += 1
     assert checked >= 30
 
@@ -76,7 +76,7 @@ def test_the_simulator_catches_a_wrong_reblock():
     wrong = tuple((a, (b + 2) % 8) for a, b in pairs)  # rows sent one group too far
     bad = dataclasses.replace(step, rounds=(*step.rounds[:-1], (wrong, table)))
     with pytest.raises(AssertionError):
-        redist.simulate(dataclasses.replace(p, steps=(p.steps[0], bad)), np.arange(12))
+        redist.run_reference(dataclasses.replace(p, steps=(p.steps[0], bad)), np.arange(12))
 
 
 def test_rows_that_change_hands():

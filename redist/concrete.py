@@ -258,7 +258,7 @@ def _pregather_target(state: _State, gathers: Sequence[WeakStep], dst: DistType)
     return DistType(tuple(dims))
 
 
-def lower(
+def concretize(
     mesh: MeshShape,
     src: DistType,
     dst: DistType,
@@ -330,7 +330,7 @@ def make_plan(
     """Lower each candidate path (all of equal weak cost) and keep the best concrete plan."""
     best = None
     for path in paths:
-        steps = lower(mesh, src, dst, path, itemsize, fold_min_bytes, fold_max_bytes)
+        steps = concretize(mesh, src, dst, path, itemsize, fold_min_bytes, fold_max_bytes)
         plan = Plan(mesh, src, dst, dtype, itemsize, steps)
         permute = sum(
             search_weight("allpermute", s.before.local_shape, s.after.local_shape, 0, itemsize,

@@ -4,7 +4,7 @@ It reads only what execution reads (groups, slice offsets, permutation pairs) an
 compares every device's tile with the tile the step's type and device map promise (Fig. 7a).
 
 Example:
-    >>> tiles = simulate(plan, np.arange(64).reshape(8, 8))   # doctest: +SKIP
+    >>> tiles = run_reference(plan, np.arange(64).reshape(8, 8))   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _alltoall_receive(moves, tiles: list[np.ndarray], rank: int) -> np.ndarray:
     return out
 
 
-def simulate(plan: Plan, array: np.ndarray) -> list[np.ndarray]:
+def run_reference(plan: Plan, array: np.ndarray) -> list[np.ndarray]:
     """Run ``plan`` on ``array`` tile by tile; raise ``AssertionError`` if any step goes wrong.
 
     A zero-size array has nothing to move: its (empty) plan is right when every device ends with
