@@ -758,7 +758,10 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     if cal.step_s:
         costs.append(OpCost("program call (dispatch)", cal.step_s, 0.0, 0.0, 0))
     total = sum(c.compute_s + c.comm_s for c in costs)
-    given = tuple(_bytes(v.shape, input_spec(prog, sched, v), sizes, v.dtype) for v in prog.inputs)
+    # the inputs held throughout are sized already (_fixed); an input no op reads is sized here
+    given = tuple(fixed[v.name] if v.name in fixed else
+                  _bytes(v.shape, input_spec(prog, sched, v), sizes, v.dtype)
+                  for v in prog.inputs)  # fmt: skip
     return Prediction(total, sum(c.comm_bytes for c in costs), peak, tuple(costs),
                       sum(c.flops for c in costs), sum(c.bytes_accessed for c in costs),
                       transcendentals, given)  # fmt: skip

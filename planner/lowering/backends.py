@@ -35,12 +35,15 @@ from redist.calibration import Calibration
 from redist.execute import tile_kernel
 
 
+def _result_tiles(walker: Walker, op: Op, step: OpStep) -> list[tuple[int, ...]]:
+    """The shapes of each device's tiles of ``op``'s results, laid out as ``step`` makes them."""
+    return [local_shape(r.value.shape, s, walker.sizes) for r, s in zip(op.results, step.out_specs)]
+
+
 def _shard_map_op(walker: Walker, op: Op, step: OpStep, args: list) -> tuple:
     """``op`` in a ``shard_map`` of its own, on the tiles ``step`` gives it."""
-    local_out = [local_shape(r.value.shape, s, walker.sizes)
-                 for r, s in zip(op.results, step.out_specs)]  # fmt: skip
     return jax.shard_map(
-        functools.partial(bind, op, local_out=local_out, step=step),
+        functools.partial(bind, op, local_out=_result_tiles(walker, op, step), step=step),
         mesh=walker.mesh,
         in_specs=tuple(pspec(s) for s in step.in_specs),
         out_specs=tuple(pspec(s) for s in step.out_specs),
@@ -69,9 +72,7 @@ class Explicit(Walker):
         return tile_kernel(plan, tuple(sizes.items()))(x)
 
     def run_partitioned(self, op: Op, step: OpStep, args: list) -> tuple:
-        local_out = [local_shape(r.value.shape, s, self.sizes)
-                     for r, s in zip(op.results, step.out_specs)]  # fmt: skip
-        return bind(op, *args, local_out=local_out, step=step)
+        return bind(op, *args, local_out=_result_tiles(self, op, step), step=step)
 
     def run_microbatched(self, op: Op, step: OpStep, args: list, micro: Micro) -> tuple:
         shapes = [micro.shapes.get(r.value.name, r.value.shape) for r in op.results]
