@@ -200,9 +200,8 @@ def tpu_sections(workdir: str) -> list[str]:
     ``time_check/``): they take hours on 2 cores and are run on their own (their modules say
     how), so this reads their summaries rather than running them."""
     lines = []
-    path = os.path.join(workdir, "pod_plans", "summary.json")
-    if os.path.exists(path):
-        summary = json.load(open(path))
+    summary = _read(workdir, "pod_plans", "summary.json")
+    if summary:
         lines += ["", "## Planning TPU pods (`pod_plans/`)", "",
                   "Searched plan against the best expert strategy that fits, both compiled by the "
                   "TPU compiler for the pod (`python -m experiments.pod_plans`); estimate: "
@@ -224,9 +223,8 @@ def tpu_sections(workdir: str) -> list[str]:
                 f"{'-' if ratio is None else f'{ratio:.3f}'} | {c.get('best_expert') or 'none fits'}"
                 f" | {'-' if mem is None else f'{mem:.2f}'} |"
             )
-    path = os.path.join(workdir, "time_check", "summary.json")
-    if os.path.exists(path):
-        s = json.load(open(path))
+    s = _read(workdir, "time_check", "summary.json")
+    if s:
         lines += ["", "## Time against the TPU compiler (`time_check/`)", "",
                   f"{s['plans']} plans of the flax LM on 256 v5p chips "
                   "(`python -m experiments.time_check`): Spearman of predicted and compiled step "
@@ -284,10 +282,9 @@ def _benchmark_section(workdir: str, name: str, title: str, intro: str, digits: 
     """A planner-benchmark run's rows under ``workdir/name`` as a markdown table (none if the run
     is absent): measured and predicted ms and compiled MiB with ``digits`` decimals, and with
     ``error`` each plan's largest difference from the unsharded program."""
-    path = os.path.join(workdir, name, "results.jsonl")
-    if not os.path.exists(path):
+    rows = _read(workdir, name, "results.jsonl")
+    if not rows:
         return []
-    rows = [json.loads(line) for line in open(path)]
     head = "| workload | strategy | measured ms | predicted ms | device MiB |"
     lines = ["", f"## {title} (`{name}/`)", "", intro, "",
              head + (" max error |" if error else ""),
