@@ -46,8 +46,9 @@ from planner.persistence import (
     saved_schedule,
 )
 from planner.program.analysis import analyze
-from planner.program.constraints import requested_assignment
+from planner.program.constraints import requested_assignment, where
 from planner.program.ir import Program
+from planner.program.manual import check_mesh
 from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
 from planner.solver.requested import Requested
 from planner.solver.schedule_search import TIME_TIE, search_within
@@ -135,6 +136,7 @@ def plan(
     positional = [() if a.static else x for a, x in zip(sig.args, args)]  # static: no inputs
     prog = donating(analyze(traced, *values), positional, donate_argnums)
     shape = mesh_shape(mesh)
+    check_mesh(prog.ops, shape.sizes, where)
     sizes = shape.sizes
     requested = _requested(prog, values, positional, compare, constraints, shape, xla_only_splits)
     calibration = calibration or default_calibration(mesh)
@@ -367,6 +369,7 @@ def price(
     positional = [() if a.static else x for a, x in zip(sig.args, args)]
     prog = donating(analyze(traced, *values), positional, donate_argnums)
     shape = mesh_shape(mesh)
+    check_mesh(prog.ops, shape.sizes, where)
     calibration = calibration or default_calibration(mesh)
     requested = _requested(prog, values, positional, in_shardings, constraints, shape,
                            xla_only_splits)  # fmt: skip

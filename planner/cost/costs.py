@@ -54,10 +54,12 @@ MOVEMENT = (
     frozenset(
         """broadcast_in_dim reshape squeeze expand_dims transpose iota stop_gradient copy copy_p
     slice dynamic_slice concatenate pad gather rev split sharding_constraint device_put
-    optimization_barrier bitcast_convert_type random_wrap random_unwrap real imag conj""".split()
+    optimization_barrier bitcast_convert_type random_wrap random_unwrap real imag conj
+    get swap addupdate program_id num_programs""".split()
     )
     | IDENTITIES
-)  # layout requests and checkpoint names: no kernel of their own
+)  # layout requests, checkpoint names and a Pallas kernel's reads and writes of its blocks:
+# no arithmetic
 # Elementwise ops the compiler counts as transcendentals, not flops (HloCostAnalysis).
 TRANSCENDENTAL = frozenset(
     "exp log tanh sqrt rsqrt cbrt pow erf sin cos tan log1p expm1 atan2".split()
@@ -150,6 +152,8 @@ def dense_kind(op: Op) -> tuple[str, str]:
 def op_flops(op: Op, extents: Mapping[str, int] | None = None) -> tuple[float, float]:
     """``(flops, transcendentals)`` of one run of ``op`` on one device, as XLA counts them (see
     the module's table); ``extents``: each loop's local extent (default: the whole op)."""
+    if op.body:  # an opaque op: what its body does on each device, whatever the extents
+        return body_flops(op)
     if extents is None:
         extents = {lp.name: lp.extent for lp in op.loops}
     if op.how == "region":
@@ -181,6 +185,16 @@ def op_flops(op: Op, extents: Mapping[str, int] | None = None) -> tuple[float, f
     if p in CUMULATIVE or p in ELEMENTWISE:
         return out, 0.0
     return out, 0.0  # an unknown primitive: one per result element
+
+
+def body_flops(op: Op) -> tuple[float, float]:
+    """``(flops, transcendentals)`` of one run of an opaque op on one device: its
+    :attr:`~planner.program.ops.Op.body`'s ops, each as often as it runs."""
+    flops = trans = 0.0
+    for b in op.body:
+        f, t = op_flops(b)
+        flops, trans = flops + f * b.trips, trans + t * b.trips
+    return flops, trans
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,6 +74,13 @@ class Explicit(Walker):
     def run_partitioned(self, op: Op, step: OpStep, args: list) -> tuple:
         return bind(op, *args, local_out=_result_tiles(self, op, step), step=step)
 
+    def run_manual(self, op: Op, step: OpStep, args: list, micro: Micro | None) -> tuple:
+        raise NotImplementedError(
+            f"{op.name}: the 'explicit' backend does not run the program's own shard_map (its "
+            "body's collectives name the mesh's whole axes, the program's shard_map their prime "
+            "factors); use backend 'xla' (plan.jit's) or 'per-op'"
+        )
+
     def run_microbatched(self, op: Op, step: OpStep, args: list, micro: Micro) -> tuple:
         shapes = [micro.shapes.get(r.value.name, r.value.shape) for r in op.results]
         shapes = [local_shape(sh, sp, self.sizes) for sh, sp in zip(shapes, step.out_specs)]
@@ -87,8 +94,11 @@ class PerOp(Walker):
     ``redist.redistribute`` call (the plan the simulator priced: ``redist``'s bytes model)."""
 
     def move(self, x, mv, micro: Micro | None):
-        return redist.redistribute(x, pspec(mv.src), pspec(mv.dst), mesh=self.mesh,
-                                   cost_model="bytes")  # fmt: skip
+        try:
+            return redist.redistribute(x, pspec(mv.src), pspec(mv.dst), mesh=self.mesh,
+                                       cost_model="bytes")  # fmt: skip
+        except ValueError:  # typed on the user's mesh (made by its shard_map): XLA moves it
+            return lax.with_sharding_constraint(x, NamedSharding(self.mesh, pspec(mv.dst)))
 
     def run_partitioned(self, op: Op, step: OpStep, args: list) -> tuple:
         return _shard_map_op(self, op, step, args)

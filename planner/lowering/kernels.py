@@ -52,6 +52,10 @@ def _first_device(axes):
 def bind(op: Op, *args, local_out=None, step: OpStep | None = None):
     """Run ``op``'s primitive on ``args`` (local blocks when ``local_out`` is given)."""
     eqn = op.eqn
+    if op.how == "manual":  # the user's shard_map, bound with its own body and layouts
+        it = iter(args)
+        full = [v.val if isinstance(v, jcore.Literal) else next(it) for v in eqn.invars]
+        return tuple(eqn.primitive.bind(*full, **eqn.primitive.get_bind_params(eqn.params)))
     if eqn.primitive.name in SHARDING_PARAM:  # the plan lays the result out (program.constraints)
         it = iter(args)
         return tuple(jnp.asarray(v.val, v.aval.dtype) if isinstance(v, jcore.Literal) else next(it)

@@ -64,6 +64,18 @@ class Walker:
             f"pipelined scans run under the 'explicit' and 'xla' backends, not {type(self).__name__}"
         )
 
+    def run_manual(self, op: Op, step: OpStep, args: list, micro: Micro | None) -> tuple:
+        """The user's ``shard_map`` (:mod:`planner.program.manual`) on whole arrays laid out as
+        its ``in_specs`` say: bound as it is, it runs its body on each device's tiles."""
+        if micro is not None:
+            raise NotImplementedError(
+                f"{op.name}: a shard_map inside a pipelined scan (its mesh axes would include "
+                "the stage axis the pipeline runs over manually)"
+            )
+        mesh = op.eqn.params["mesh"]
+        with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+            return bind(op, *args)  # under its own mesh, whatever mesh the plan runs under
+
     def settle(self, op: Op, step: OpStep, outs, micro: Micro | None):
         """``op``'s results as the backend holds them (under XLA: constrained)."""
         return outs
@@ -238,6 +250,8 @@ class Walker:
             args.append(x if mv is None else self.move(x, mv, micro))
         if op.how == "region":  # a boundary op: the value passes into or out of a region
             outs = args
+        elif op.how == "manual":  # the user's shard_map, its operands in its own layouts
+            outs = self.run_manual(op, step, args, micro)
         elif micro is not None:  # a pipelined layer on one microbatch
             outs = self.run_microbatched(op, step, args, micro)
         elif not step.partitioned:

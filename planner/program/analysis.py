@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -28,7 +29,7 @@ from jax._src import source_info_util
 from jax.extend import core as jcore
 
 from planner.program import discover as discovery
-from planner.program import rules
+from planner.program import manual, rules
 from planner.program.ir import Program
 from planner.program.jaxpr_params import inner_jaxpr, live, scan_split
 from planner.program.ops import Access, Loop, Op, Region, Value, is_key
@@ -121,7 +122,8 @@ def _identity(name: str, kind: str, srcs: list[Value], dst: Value, trips: int) -
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, discover: bool = True):
+        self.discover = discover  # off for opaque bodies, which are only priced
         self.ops: list[Op] = []
         self.consts: list[tuple[Value, object]] = []
         self.regions: list[Region] = []
@@ -266,16 +268,35 @@ class _Builder:
 
     def describe(self, eqn, ins, outs, trips: int) -> Op:
         name = f"{eqn.primitive.name}_{len(self.ops)}"
-        if any(is_key(v.dtype) for v in [*ins, *outs] if v is not None):
+        if eqn.primitive.name == "shard_map":
+            op = manual.shard_map_op(name, eqn, ins, outs, body_ops(eqn.params["jaxpr"]))
+        elif eqn.primitive.name == "pallas_call":  # opaque: its kernel's body, once per grid point
+            grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
+            runs = math.prod(n for n in grid if isinstance(n, int))
+            op = dataclasses.replace(_replicated(name, eqn, ins, outs),
+                                     body=body_ops(eqn.params["jaxpr"], runs))  # fmt: skip
+        elif any(is_key(v.dtype) for v in [*ins, *outs] if v is not None):
             op = rules.read_whole(name, eqn, ins, outs)  # PRNG keys: random ops run whole
         else:
             rule = rules.rule_for(eqn.primitive.name)
             op = rule(name, eqn, ins, outs) if rule is not None else None
-            if op is None:
+            if op is None and self.discover:
                 op = discovery.discover(name, eqn, ins, outs)
             if op is None:
                 op = _replicated(name, eqn, ins, outs)
         return dataclasses.replace(op, eqn=eqn, trips=trips, source=self.where)
+
+
+def body_ops(closed, trips: int = 1) -> tuple[Op, ...]:
+    """The ops of a nested body (a ``shard_map``'s on its tiles, a Pallas kernel's on its
+    blocks), each run ``trips`` times per run of its owner; ops no rule understands are counted
+    as running whole (no discovery: the body is only priced)."""
+    jaxpr, consts = inner_jaxpr(closed)
+    b = _Builder(discover=False)
+    env = {var: b.const(var, c) for var, c in zip(jaxpr.constvars, consts)}
+    env.update((var, b.value(var, "in")) for var in jaxpr.invars)
+    b.walk(jaxpr, env, trips)
+    return tuple(b.ops)
 
 
 def _replicated(name, eqn, ins, outs) -> Op:

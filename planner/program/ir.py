@@ -44,6 +44,12 @@ class Program:
         return make_schedule(self, assign, dict(getattr(mesh, "shape", mesh)), default, stored)
 
     @functools.cached_property
+    def manual_assignment(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """Each of the user's ``shard_map`` ops (:mod:`planner.program.manual`) -> its loops and
+        the mesh factors it splits them over, which every schedule keeps."""
+        return {o.name: dict(o.manual) for o in self.ops if o.manual}
+
+    @functools.cached_property
     def index(self) -> dict[str, int]:
         """Op name -> position in ``ops``."""
         return {o.name: k for k, o in enumerate(self.ops)}

@@ -111,6 +111,12 @@ class Op:
             of the equation's traceback outside JAX and installed packages; ``library`` names
             the package (e.g. ``"optax"``) whose code the user's line called, or is ``None``.
             ``None`` when the trace kept no traceback.
+        manual: for ``how == "manual"`` (a ``shard_map`` of the user's, :mod:`planner.program.
+            manual`): each loop and the mesh factors the ``shard_map`` splits it over, which
+            every schedule keeps.
+        body: the ops one run of an opaque op performs on each device, analysed at the shapes
+            they see (a ``shard_map``'s body on its tiles, a Pallas kernel's body times its
+            grid), which price it; ``()`` for every other op.
     """
 
     name: str
@@ -124,6 +130,8 @@ class Op:
     trips: int = 1
     source: tuple[str, int, str | None] | None = dataclasses.field(default=None, compare=False)
     windows: tuple[Window, ...] = ()
+    manual: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    body: tuple[Op, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def loop(self) -> dict[str, Loop]:
@@ -143,12 +151,17 @@ class Op:
 
         return (self.primitive, self.how, self.loops, self.reductions,
                 tuple(map(access, self.operands)), tuple(map(access, self.results)),
-                self.windows)  # fmt: skip
+                self.windows, self.manual,
+                tuple((b.signature, b.trips) for b in self.body))  # fmt: skip
 
     @property
     def flops(self) -> int:
         """Arithmetic of one run of the whole op: 2 per loop point for products, else 1 (a looked-up
-        dimension, :attr:`Loop.masked`, adds none)."""
+        dimension, :attr:`Loop.masked`, adds none); an opaque op's, its :attr:`body`'s on every
+        device of its mesh (``devices``: the product of its :attr:`manual` loops)."""
+        if self.body:
+            devices = math.prod(self.loop[lp].extent for lp, _ in self.manual)
+            return devices * sum(b.flops * b.trips for b in self.body)
         return (2 if self.dense else 1) * math.prod(lp.extent for lp in self.loops if not lp.masked)
 
     def __str__(self) -> str:

@@ -195,6 +195,13 @@ class Schedule:
     )  # input name -> at-rest layout
     stages: tuple = ()  # planner.program.schedule.Stages: scans run as pipelines
 
+    def __post_init__(self):
+        # the user's shard_maps keep their layouts in every schedule (in place: a schedule
+        # being propagated shares its assignment dict with the propagation)
+        pinned = self.program.manual_assignment
+        if pinned and any(self.assign.get(name) != loops for name, loops in pinned.items()):
+            self.assign.update(pinned)
+
     def axes_of(self, op: Op, loop: str) -> Axes:
         return self.assign.get(op.name, {}).get(loop, ())
 
@@ -371,8 +378,9 @@ def make_schedule(
     fixed = {
         o.name: check_assignment(shape, o, assign[o.name], xla)
         for o in prog.ops
-        if o.name in assign
+        if o.name in assign and not o.manual
     }
+    fixed.update(prog.manual_assignment)
     at_rest = _stored_specs(prog, shape, stored or {})
     result = dict(fixed)
     if default == "propagate":

@@ -158,6 +158,10 @@ def operation_text(op: Op) -> str:
 
 
 def how_split(op: Op, step, sched: Schedule, mesh: MeshShape, batch: set[str]) -> str:
+    if op.how == "manual":  # the user's shard_map: its own layouts
+        ins = ", ".join(spec_text(s, mesh) for s in step.in_specs)
+        outs = ", ".join(spec_text(s, mesh) for s in step.out_specs)
+        return f"the program's shard_map, as it lays itself out: in {ins}; out {outs}"
     parts = []
     halos = {w.owner: w for w in op.windows}
     for lp in op.loops:

@@ -1,0 +1,166 @@
+"""The program's own ``shard_map`` regions and Pallas kernels: kept in their layouts by every
+schedule, priced by their bodies, and run exactly under every backend that can run them."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+from planner_checks import assert_close
+from planner_programs import random_schedule
+
+import planner
+from planner.cost.costs import op_flops
+from planner.layout.dataflow import dataflow
+from planner.program.schedule import make_schedule
+
+
+def _mesh(shape=(4, 2), names=("fsdp", "tensor")) -> Mesh:
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+MESH = _mesh()
+
+
+def _attend(q, k):
+    """Attention of each device's heads of ``q`` against all of ``k`` (one device's tiles)."""
+    s = jnp.einsum("bhd,bgd->bhg", q, k)
+    return jax.nn.softmax(s, -1) @ k
+
+
+def _step(w, x):
+    """A projection, a shard_map over the batch and heads, a shard_map summing over the batch
+    with its own collective, and a loss."""
+    h = x @ w
+    q = h.reshape(h.shape[0], 4, -1)
+    o = jax.shard_map(_attend, mesh=MESH, in_specs=(P("fsdp", "tensor"), P("fsdp")),
+                      out_specs=P("fsdp", "tensor"))(q, q)  # fmt: skip
+    total = jax.shard_map(lambda a: jax.lax.psum(a.sum(0), "fsdp"), mesh=MESH,
+                          in_specs=P("fsdp"), out_specs=P())(o)  # fmt: skip
+    return jnp.tanh(o.reshape(h.shape) @ w.T).sum() + total.sum()
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    return (jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32),
+            jnp.asarray(rng.normal(size=(16, 64)), jnp.float32))  # fmt: skip
+
+
+def test_a_shard_map_is_one_op_its_layouts_pinned_in_every_schedule():
+    prog = planner.analyze(_step, *_args())
+    manual = [o for o in prog.ops if o.how == "manual"]
+    assert [o.primitive for o in manual] == ["shard_map", "shard_map"]
+    sizes = dict(MESH.shape)
+    for seed in range(5):  # whatever the other ops do, the shard_maps keep their layouts
+        assign = random_schedule(prog, sizes, random.Random(seed))
+        sched = make_schedule(prog, assign, sizes, default="replicate")
+        steps = {st.op.name: st for st in dataflow(prog, sched)}
+        first, second = (steps[o.name] for o in manual)
+        fsdp = ("fsdp#0", "fsdp#1")
+        assert first.in_specs == ((fsdp, ("tensor",), ()), (fsdp, (), ()))
+        assert first.out_specs == ((fsdp, ("tensor",), ()),)
+        assert second.in_specs == ((fsdp, (), ()),) and second.out_specs == (((), ()),)
+        assert not first.pending and not second.pending
+
+
+def test_a_shard_map_is_priced_by_its_body_on_the_tiles():
+    prog = planner.analyze(_step, *_args())
+    first = next(o for o in prog.ops if o.how == "manual")
+    # per device: q (4, 2, 16) against k (4, 4, 16): two products of 2 * 4*2*4*16 flops each,
+    # an exponential per score
+    flops, transcendentals = op_flops(first)
+    assert flops >= 2 * (2 * 4 * 2 * 4 * 16)
+    assert transcendentals == 4 * 2 * 4
+    assert first.flops == 8 * sum(b.flops * b.trips for b in first.body)  # on 8 devices
+
+
+@pytest.mark.parametrize("backend", ["xla", "per-op"])
+def test_random_schedules_around_a_shard_map_compute_the_program(backend):
+    args = _args()
+    prog = planner.analyze(_step, *args)
+    want = jax.jit(_step)(*args)
+    sizes = dict(MESH.shape)
+    for seed in range(3):
+        assign = random_schedule(prog, sizes, random.Random(seed), xla=backend == "xla")
+        sched = make_schedule(prog, assign, sizes, default="replicate", xla=backend == "xla")
+        got = planner.lower(prog, sched, MESH, backend=backend)(*args)
+        assert_close(got, want)
+
+
+def test_plans_keep_the_shard_map_exact_under_jit_grad_and_vmap():
+    w, x = _args()
+    for name, fn, args in [
+        ("jit", _step, (w, x)),
+        ("grad", jax.grad(_step), (w, x)),
+        ("vmap", jax.vmap(_step, in_axes=(None, 0)), (w, jnp.stack([x, 2 * x]))),
+    ]:
+        want = jax.jit(fn)(*args)
+        for context in (lambda: jax.set_mesh(MESH), _no_context):
+            with context():
+                got = planner.plan(fn, *args, mesh=MESH).jit()(*args)
+            assert_close(got, want), name
+    plan = planner.plan(_step, w, x, mesh=MESH)
+    assert "the program's shard_map, as it lays itself out: in P('fsdp', 'tensor')" in (
+        plan.explain()
+    )
+    assert "no rule understands it" not in plan.explain()
+
+
+class _no_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_mesh_without_the_shard_maps_axes_is_refused_naming_them():
+    with pytest.raises(
+        ValueError, match=r"test_shard_map.py:\d+\) is a shard_map over mesh axis 'tensor'"
+    ):
+        planner.plan(_step, *_args(), mesh={"fsdp": 4, "model": 2})
+    with pytest.raises(ValueError, match=r"shard_map over mesh axis 'fsdp' \(factor 'fsdp#0'"):
+        planner.plan(_step, *_args(), mesh={"fsdp": 2, "tensor": 2})
+
+
+def test_the_explicit_backend_says_it_cannot_run_a_shard_map():
+    args = _args()
+    prog = planner.analyze(_step, *args)
+    sched = make_schedule(prog, {}, dict(MESH.shape), default="replicate")
+    with pytest.raises(NotImplementedError, match="shard_map.*backend 'xla'"):
+        planner.lower(prog, sched, MESH, backend="explicit")(*args)
+
+
+def _blocked_matmul(x, w):
+    """A Pallas kernel (interpreted here): each grid point multiplies one block of rows."""
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] @ w_ref[...]
+
+    return pl.pallas_call(
+        kernel, grid=(4,), in_specs=[pl.BlockSpec((8, 64), lambda i: (i, 0)),
+                                     pl.BlockSpec((64, 32), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((8, 32), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((32, 32), jnp.float32), interpret=True,
+    )(x, w)  # fmt: skip
+
+
+def test_a_pallas_kernel_is_priced_by_its_body_times_its_grid_and_runs_whole():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+
+    def fn(x, w):
+        return jnp.tanh(_blocked_matmul(x * 2, w)).sum()
+
+    prog = planner.analyze(fn, x, w)
+    kernel = next(o for o in prog.ops if o.primitive == "pallas_call")
+    assert kernel.how == "replicated"
+    assert op_flops(kernel)[0] == 4 * 2 * 8 * 64 * 32  # the grid's 4 blocks of rows
+    plan = planner.plan(fn, x, w, mesh=MESH)
+    assert_close(plan.jit()(x, w), jax.jit(fn)(x, w))
