@@ -55,6 +55,7 @@ from planner.layout.staging import (
 from planner.program.halo import halo_bytes
 from planner.program.ir import Program
 from planner.program.jaxpr_params import scan_split
+from planner.program.manual import axis_factors, collective_axes
 from planner.program.memo import PerObject
 from planner.program.ops import Op, is_key, itemsize
 from planner.program.schedule import (
@@ -221,6 +222,34 @@ def _plan_traffic(plan, cal: Calibration) -> list[Traffic]:
     return [Traffic(kind, 1, sent, seconds) for kind, seconds, sent in step_costs(plan, cal)]
 
 
+BODY_COLLECTIVES = {
+    **dict.fromkeys(("psum", "psum2", "psum_invariant", "pmax", "pmin"), CollectiveKind.ALL_REDUCE),
+    **dict.fromkeys(("all_gather", "all_gather_invariant"), CollectiveKind.ALL_GATHER),
+    **dict.fromkeys(("reduce_scatter", "psum_scatter"), CollectiveKind.REDUCE_SCATTER),
+    **dict.fromkeys(("all_to_all", "ragged_all_to_all"), CollectiveKind.ALL_TO_ALL),
+    "ppermute": CollectiveKind.PERMUTE,
+}
+"""The collectives a ``shard_map``'s body may call, by primitive name, as the calibration
+prices them."""
+
+
+def body_traffic(op: Op, sizes, m, cal: Calibration) -> list[Traffic]:
+    """The collectives the body of the user's ``shard_map`` ``op`` calls, one :class:`Traffic`
+    each (times its trips), over the mesh factors its axes are (``sizes``: factor -> size)."""
+    out = []
+    for b in op.body:
+        kind = BODY_COLLECTIVES.get(b.primitive)
+        factors = tuple(f for a in collective_axes(b) for f in axis_factors(op, a))
+        n = math.prod(sizes[f] for f in factors)
+        if kind is None or n <= 1:
+            continue
+        named = b.results if kind == CollectiveKind.ALL_GATHER else b.operands
+        nbytes = sum(math.prod(a.value.shape) * itemsize(a.value.dtype) for a in named)
+        seconds = cal.collective_time(kind, nbytes, n, cal.crosses(m, factors))
+        out.append(Traffic(kind, 1, wire_bytes(kind, nbytes, n), seconds).times(b.trips))
+    return out
+
+
 def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
     operand in its new layout, bytes of each result, bytes its kernel holds while it runs,
@@ -229,6 +258,8 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     moved = []
     traffic: list[Traffic] = []
     accessed = 0.0  # bytes the collectives read and write
+    if op.manual:  # the collectives the user's shard_map calls
+        traffic += body_traffic(op, sizes, m, cal)
     for mv in st.moves:
         plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
         traffic += _plan_traffic(plan, cal)

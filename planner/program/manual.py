@@ -70,9 +70,28 @@ def shard_map_op(name: str, eqn, ins: Sequence[Value | None], outs: Sequence[Val
                      in enumerate(zip(ins, eqn.params["in_specs"])) if v is not None)  # fmt: skip
     results = tuple(Access(v, dims(v, spec, f"out{k}."))
                     for k, (v, spec) in enumerate(zip(outs, eqn.params["out_specs"])))  # fmt: skip
+    for a in sorted(eqn.params.get("newly_manual_axes") or ()):  # manual, splitting nothing
+        for f in shape.axis_factors(a) if sizes.get(a, 1) > 1 else ():
+            loops.setdefault(f"@{f}", Loop(f"@{f}", shape.factor_size[f], False))
+            manual[f"@{f}"] = (f,)
     ordered = sorted(loops.values(), key=lambda lp: (not lp.name.startswith("@"), lp.name))
     return Op(name, eqn.primitive.name, tuple(ordered), operands, results, how="manual",
               manual=tuple(sorted(manual.items())), body=body)  # fmt: skip
+
+
+def axis_factors(op: Op, axis: str) -> tuple[str, ...]:
+    """The mesh factors of ``axis`` (a whole axis name, as the body's collectives name it) that
+    the manual ``op`` runs over, major first (none for an axis of size 1)."""
+    return tuple(f for _, (f,) in op.manual if f == axis or f.startswith(axis + "#"))
+
+
+def collective_axes(body_op: Op) -> tuple[str, ...]:
+    """The mesh axes a collective of a ``shard_map``'s body runs over (``psum``'s ``axes``,
+    the others' ``axis_name``); none for any other op."""
+    params = getattr(body_op.eqn, "params", None) or {}
+    names = params.get("axes", params.get("axis_name", ()))
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    return tuple(a for a in names if isinstance(a, str))
 
 
 def check_mesh(ops: Sequence[Op], sizes: Mapping[str, int], where) -> None:

@@ -164,3 +164,19 @@ def test_a_pallas_kernel_is_priced_by_its_body_times_its_grid_and_runs_whole():
     assert op_flops(kernel)[0] == 4 * 2 * 8 * 64 * 32  # the grid's 4 blocks of rows
     plan = planner.plan(fn, x, w, mesh=MESH)
     assert_close(plan.jit()(x, w), jax.jit(fn)(x, w))
+
+
+def test_the_collectives_a_shard_map_calls_are_priced_over_its_axes():
+    from planner.cost.simulator import body_traffic
+    from redist.calibration import Calibration
+    from redist.types import MeshShape
+
+    prog = planner.analyze(_step, *_args())
+    second = [o for o in prog.ops if o.how == "manual"][1]
+    mesh = MeshShape.of(dict(MESH.shape))
+    cal = Calibration.default()
+    (traffic,) = body_traffic(second, mesh.factor_size, mesh, cal)
+    tile = 4 * 16 * 4  # its psum over fsdp's 4 devices of a (4, 16) float32 tile
+    assert traffic.kind == "all-reduce" and traffic.count == 1
+    assert traffic.bytes == 2 * tile * 3 / 4
+    assert traffic.seconds == cal.collective_time("all-reduce", tile, 4)
