@@ -53,6 +53,7 @@ from planner.program.remat import RematDecision, candidate_names, choices_in, ch
 from planner.solver.requested import Requested
 from planner.solver.schedule_search import TIME_TIE, search_within
 from planner.solver.staged import search_staged
+from planner.target.compiled import on_context_devices
 from planner.target.confirm import MARGIN, checks_compiled, confirmed
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
@@ -131,6 +132,7 @@ def plan(
     ``None``. ``plan.explain()`` has its row ("your layout") and says which constraints the plan
     departs from; :func:`price` prices it alone (:mod:`planner.solver.requested`).
     """
+    mesh = on_context_devices(mesh)  # the context's device objects, where they are the same
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
     positional = [() if a.static else x for a, x in zip(sig.args, args)]  # static: no inputs
@@ -364,6 +366,7 @@ def price(
     """
     if constraints not in ("keep", "drop"):
         raise ValueError(f"price: constraints must be 'keep' or 'drop', got {constraints!r}")
+    mesh = on_context_devices(mesh)
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
     positional = [() if a.static else x for a, x in zip(sig.args, args)]

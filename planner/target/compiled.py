@@ -117,6 +117,34 @@ def topology_mesh(
     return Mesh(grid, tuple(axes), axis_types=(axis_types,) * len(axes))
 
 
+def on_context_devices(mesh):
+    """``mesh`` over the device objects of the context's mesh (``jax.set_mesh``) where the two
+    name the same devices (platform and ids) as other objects: compile-only TPU devices made by
+    two topology descriptions (:func:`topology_mesh`'s and MaxText's ``train_compile``), which
+    one ``jax.jit`` refuses to mix ("Received incompatible devices"). Any other ``mesh`` is
+    returned as it is.
+
+    Example:
+        >>> with jax.set_mesh(maxtext_mesh):                         # doctest: +SKIP
+        ...     on_context_devices(planner.topology_mesh("v5p:4x4x4")).devices.flat[0] is \
+        ...         maxtext_mesh.devices.flat[0]
+        True
+    """
+    ambient = jax.sharding.get_mesh()
+    if not isinstance(mesh, Mesh) or ambient.empty:
+        return mesh
+    theirs = {(d.platform, d.id): d for d in ambient.devices.flat}
+    ours = list(mesh.devices.flat)
+    if all(theirs.get((d.platform, d.id)) is d for d in ours) or {
+        (d.platform, d.id) for d in ours
+    } != set(theirs):
+        return mesh
+    devices = np.empty(mesh.devices.shape, dtype=object)
+    for index, d in np.ndenumerate(mesh.devices):
+        devices[index] = theirs[(d.platform, d.id)]
+    return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveCount:
     """The collectives of one kind in the optimized HLO: how many instructions, their result

@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import planner
 from planner.target import compiled as compiled_mod
+from planner.target.compiled import on_context_devices
 from redist.calibration import Calibration
 
 needs_libtpu = pytest.mark.skipif(
@@ -324,3 +325,24 @@ def test_under_the_default_limit_a_compiled_plan_may_use_the_whole_device(monkey
     assert "within" in p.summary()
     with pytest.raises(planner.MemoryLimitError, match="over"):
         planner.plan(step, *args, mesh=mesh, check_memory="compiled", memory_limit_bytes=limit)
+
+
+@needs_libtpu
+def test_a_topology_mesh_of_other_device_objects_runs_on_the_contexts():
+    """MaxText's train_compile makes its own compile-only devices; a plan for planner's
+    topology_mesh of the same chips, made inside jax.set_mesh(MaxText's mesh), compiles under it."""
+    from jax.experimental import topologies
+
+    ours = planner.topology_mesh("v5p:2x2x1", {"fsdp": 4})
+    theirs_devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+    assert theirs_devices[0] is not ours.devices.flat[0]
+    by_id = {d.id: d for d in theirs_devices}  # in our order, as MaxText's mesh of the chips
+    theirs = Mesh(np.array([by_id[d.id] for d in ours.devices.flat]), ("fsdp",),
+                  axis_types=(AxisType.Auto,))  # fmt: skip
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    with jax.set_mesh(theirs):
+        plan = planner.plan(lambda x: jnp.tanh(x) @ x.T, x, mesh=ours, check_memory="compiled")
+        assert plan.mesh.devices.flat[0] is theirs.devices.flat[0]
+        assert plan.memory_checks and plan.memory_checks[0].compiled_bytes
+        plan.jit().lower(x).compile()
+    assert on_context_devices(ours) is ours  # outside any context: unchanged
