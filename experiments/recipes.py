@@ -438,19 +438,30 @@ def _append_rows(path: str, rows: list[dict]) -> None:
 
 
 def run(config, workdir: str) -> list[dict]:
+    """Measure ``config.recipes`` (``config.source``: ``"model"``, :data:`RECIPES` on the
+    step written here; ``"maxtext_code"``, :data:`experiments.maxtext_code.CODE_RECIPES` on
+    MaxText's own step) into ``workdir``; a rerun measures only the missing rows."""
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "results.jsonl")
+    source = config.get("source", "model")
+    code = source == "maxtext_code"
+    if code:
+        from experiments.maxtext_code import CODE_RECIPES, measure_code, report_code
+    elif source != "model":
+        raise ValueError(f"config.source must be 'model' or 'maxtext_code', not {source!r}")
+    known = CODE_RECIPES if code else RECIPES
+    path = os.path.join(workdir, "code_results.jsonl" if code else "results.jsonl")
     rows = _read_rows(path)
     done = {(r["recipe"], r["strategy"]) for r in rows}
     names = [s for s in config.recipes.split(",") if s]
     for name in names:
-        if name not in RECIPES:
-            raise ValueError(f"recipe {name!r} is unknown; known: {sorted(RECIPES)}")
-        new = measure(name, [s for s in config.strategies.split(",") if s], done, config)
+        if name not in known:
+            raise ValueError(f"recipe {name!r} is unknown; known: {sorted(known)}")
+        strategies = [s for s in config.strategies.split(",") if s]
+        new = (measure_code if code else measure)(name, strategies, done, config)
         _append_rows(path, new)
         rows += new
-    with open(os.path.join(workdir, "report.md"), "w") as f:
-        f.write(report(rows))
+    with open(os.path.join(workdir, "code_report.md" if code else "report.md"), "w") as f:
+        f.write(report_code(rows) if code else report(rows))
     depths = [int(d) for d in config.get("depths", "").split(",") if d]
     if depths:
         path = os.path.join(workdir, "depths.jsonl")
@@ -461,7 +472,7 @@ def run(config, workdir: str) -> list[dict]:
             swept += new
         with open(os.path.join(workdir, "depths.md"), "w") as f:
             f.write(depth_report(swept))
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    with open(os.path.join(workdir, "code_config.json" if code else "config.json"), "w") as f:
         f.write(config.to_json())
     print(f"recipes: {len(rows)} rows; see {workdir}/report.md")
     return rows

@@ -1,0 +1,17 @@
+"""MaxText's own training step at its recipes' full size (``experiments.maxtext_code``): MaxText's
+ahead-of-time compile of each recipe against the planner's plan of the same step, both compiled
+by the TPU compiler for the recipe's topology (minutes to an hour per recipe on 2 cores; a rerun
+measures only missing rows). Needs Python >= 3.12 with MaxText and libtpu."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.source = "maxtext_code"
+    # experiments/maxtext_code.py CODE_RECIPES
+    c.recipes = "llama2_7b_v5p_128,llama2_70b_v5p_512"
+    c.strategies = "recipe,searched"
+    c.depths = ""
+    c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
+    return c

@@ -1,0 +1,242 @@
+"""The ``maxtext_code`` source of :mod:`experiments.recipes`: MaxText's own training step at its
+recipes' full size, planned by :func:`planner.plan` and judged against MaxText's own
+ahead-of-time compile of the recipe, both by the TPU compiler for the recipe's topology.
+
+For each recipe of :data:`CODE_RECIPES` (MaxText's ``benchmarks/maxtext_v5p_model_configs.py``
+tuning, less what only a cluster run reads: datasets, profilers, tokenizers, GCS metrics; the
+recipe's ``LIBTPU_INIT_ARGS`` are left out, as some exist only on TPU hardware):
+
+- ``recipe``: MaxText's layout (its ``ici_*`` parallelism, logical axis rules and remat policy)
+  compiled by ``train_compile.jit_and_compile`` (:mod:`experiments.libraries.maxtext_aot`);
+- ``searched``: the same step (the same ``jax.ShapeDtypeStruct``s, traced under the same mesh and
+  rules) planned with the planner's defaults (memory limit from the chip's HBM, confirmed by
+  compiling), its ``plan.jit()`` compiled.
+
+Each row: the compiler's peak per chip and whether it fits, the planner's prediction, the
+compiled estimate (the kernels' seconds of the layout at 1 and 2 layers, unrolled, extended to
+the recipe's depth, plus the full step's collectives as often as they run, priced by the
+calibration: :mod:`experiments.recipes`' estimate), the MFU that estimate implies by MaxText's own
+count of a step's model flops (``calculate_tflops_training_per_device``) against the chip's
+peak, next to the MFU MaxText publishes for the recipe, and the search seconds.
+
+Example:
+    >>> rows = measure_code("llama2_7b_v5p_128", ("recipe", "searched"), set(), config)
+    ...                                                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from absl import logging
+
+from experiments.pod_plans import extrapolated
+
+CODE_STRATEGIES = ("recipe", "searched")
+
+PEAK_TFLOPS = {"v5p": 459.0, "v6e": 918.0, "v5e": 197.0, "v4": 275.0}
+"""Published bf16 peak TFLOP/s per chip (Google Cloud's TPU pages)."""
+
+CODE_RECIPES = {
+    # MaxText benchmarks/maxtext_v5p_model_configs.py llama2_7b_v5p_128 (64 chips)
+    "llama2_7b_v5p_128": dict(model="llama2-7b", topology="v5p-128", overrides=dict(
+        ici_fsdp_parallelism=-1, per_device_batch_size=4, remat_policy="minimal",
+        max_target_length=4096, use_iota_embed=True)),
+    # the same file's llama2_70b_v5p_128
+    "llama2_70b_v5p_128": dict(model="llama2-70b", topology="v5p-128", overrides=dict(
+        ici_fsdp_parallelism=-1, per_device_batch_size=2, remat_policy="save_dot_except_mlpwi",
+        max_target_length=4096, use_iota_embed=True)),
+    # MaxText configs/tpu/v5p/llama2_70b.sh: v5p-512 (256 chips), published 65.4 % MFU
+    "llama2_70b_v5p_512": dict(model="llama2-70b", topology="v5p-512", overrides=dict(
+        ici_fsdp_parallelism=-1, per_device_batch_size=4, remat_policy="save_dot_except_mlpwi",
+        max_target_length=4096, use_iota_embed=True), published_mfu=0.654),
+    # llama3_1_405b_8192_v5p_1024 (512 chips): 314.5 TFLOP/s per chip published
+    "llama3_1_405b_v5p_1024": dict(model="llama3.1-405b", topology="v5p-1024", overrides=dict(
+        per_device_batch_size=2, ici_fsdp_parallelism=-1, max_target_length=8192,
+        attention="flash", use_iota_embed=True, remat_policy="custom", context="offload",
+        mlpwo="offload", num_vocab_tiling=4, sa_block_q=2048, sa_block_kv=2048,
+        sa_block_kv_compute=2048, sa_block_q_dkv=2048, sa_block_kv_dkv=2048,
+        sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048),
+        published_mfu=314.5 / 459.0),
+    # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published
+    "deepseek3_671b_v5p_1024": dict(model="deepseek3-671b", topology="v5p-1024", overrides=dict(
+        ici_fsdp_parallelism=-1, ici_tensor_parallelism=1, per_device_batch_size=6,
+        max_target_length=8192, dtype="bfloat16", weight_dtype="float32", megablox=True,
+        sparse_matmul=True, scan_layers=True, use_custom_sort_vjp=True, sa_block_q=2048,
+        sa_block_kv=2048, sa_block_kv_compute=2048, sa_block_q_dkv=2048, sa_block_kv_dkv=2048,
+        sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048,
+        remat_policy="custom", decoder_layer_input="offload", out_proj="offload",
+        tile_batch_seq=512, tile_embed_dim=1024, tile_mlp_dim=1024,
+        sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0),
+}  # fmt: skip
+
+
+def chip(topology: str) -> str:
+    """``"v5p-128"`` -> ``"v5p"``."""
+    return topology.split("-")[0]
+
+
+def build(name: str, layers: int | None = None, scan: bool = True):
+    """Recipe ``name``'s step (:func:`experiments.libraries.maxtext_aot.build`); ``layers``
+    overrides the depth, ``scan=False`` unrolls the layers (MaxText's ``scan_layers``)."""
+    from experiments.libraries import maxtext_aot
+
+    recipe = CODE_RECIPES[name]
+    overrides = dict(recipe["overrides"])
+    if layers is not None:
+        overrides.update(base_num_decoder_layers=layers, override_model_config=True)
+    if not scan:
+        overrides["scan_layers"] = False
+    return maxtext_aot.build(recipe["model"], recipe["topology"], **overrides)
+
+
+def model_tflops(built) -> float:
+    """MaxText's own count of one step's model TFLOPs per device (no recomputation)."""
+    from maxtext.utils import maxtext_utils
+
+    return float(maxtext_utils.calculate_tflops_training_per_device(built.config, log=False)[0])
+
+
+def _unrolled(prog):
+    """``prog`` with its scans run unrolled (so that the compiler's cost analysis counts every
+    layer); the same ops, so a schedule of ``prog`` carries over."""
+    regions = tuple(
+        dataclasses.replace(r, eqn=r.eqn.replace(params={**r.eqn.params, "unroll": True}))
+        if r.kind == "scan" else r for r in prog.regions
+    )  # fmt: skip
+    return dataclasses.replace(prog, regions=regions)
+
+
+def _authors_kernels(name: str, layers: int, cal) -> float:
+    """The kernels' seconds of MaxText's layout at ``layers``: its 1- and 2-layer steps
+    compiled unrolled by MaxText, extended."""
+    from planner.target.compiled_time import compiled_time
+
+    times = []
+    for depth in (1, 2):
+        small = build(name, depth, scan=False)
+        times.append(compiled_time(small.authors_compile(), cal).optimal_seconds)
+    return extrapolated(times, layers)
+
+
+def _plan_kernels(name: str, plan, layers: int, cal) -> float | None:
+    """The kernels' seconds of ``plan`` at ``layers``: its schedule carried onto the same step
+    at 1 and 2 layers, the layers unrolled, compiled, extended; None where it does not carry."""
+    import jax
+
+    from planner.autoplan import AutoPlan
+    from planner.calls import Signature
+    from planner.program.analysis import analyze
+    from planner.program.schedule import Schedule
+    from planner.target.compiled import input_structs
+    from planner.target.compiled_time import compiled_time
+
+    times = []
+    for depth in (1, 2):
+        small = build(name, depth)
+        with small.context():
+            sig = Signature.of(small.args, {})
+            traced, values = sig.traced(small.step, small.args, {})
+            prog = analyze(traced, *values)
+            if [o.name for o in prog.ops] != [o.name for o in plan.program.ops]:
+                logging.warning("%s at %d layers: other ops than the plan's", name, depth)
+                return None
+            out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
+            sched = plan.schedule
+            prog = _unrolled(prog)
+            target = Schedule(prog, sched.mesh, sched.assign, sched.stored)
+            # on the small step's own mesh: its shard_maps name that mesh's devices
+            carried = AutoPlan.of(prog, target, small.mesh, calibration=cal, signature=sig,
+                                  out_tree=out_tree, donate_argnums=plan.donate_argnums)  # fmt: skip
+            compiled = carried.jit().lower(*input_structs(carried)).compile()
+        times.append(compiled_time(compiled, cal).optimal_seconds)
+    return extrapolated(times, layers)
+
+
+def measure_code(name: str, strategies, done: set, config) -> list[dict]:
+    """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``."""
+    import planner
+    from experiments.recipes import _row_of
+    from planner.cost.memory import MemoryLimitError, default_calibration
+    from planner.target.compiled import compile_and_report, input_structs
+
+    recipe = CODE_RECIPES[name]
+    todo = [s for s in strategies if (name, s) not in done]
+    if not todo:
+        return []
+    built = build(name)
+    mesh, layers = built.mesh, built.config.num_decoder_layers
+    cal = default_calibration(mesh)
+    peak = PEAK_TFLOPS[chip(recipe["topology"])]
+    base = {"recipe": name, "source": "maxtext_code", "model": recipe["model"],
+            "topology": recipe["topology"], "devices": mesh.size,
+            "remat": built.config.remat_policy, "model_tflops": model_tflops(built),
+            "published_mfu": recipe.get("published_mfu")}  # fmt: skip
+    rows = []
+
+    def finish(row: dict, kernels: float | None) -> dict:
+        if kernels is not None and "compiled_collective_s" in row:
+            row["estimate_s"] = kernels + row["compiled_collective_s"]
+            row["mfu"] = base["model_tflops"] / row["estimate_s"] / peak
+        logging.warning("%s", row)
+        return row
+
+    if "recipe" in todo:
+        start = time.perf_counter()
+        compiled, report = compile_and_report(built.authors_compile())
+        row = {**base, "strategy": "recipe", "search_s": 0.0,
+               "compile_s": time.perf_counter() - start,
+               **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
+        kernels = _authors_kernels(name, layers, cal) if config.layer_estimate else None
+        rows.append(finish(row, kernels))
+    if "searched" in todo:
+        start = time.perf_counter()
+        try:
+            with built.context():
+                p = planner.plan(built.step, *built.args, mesh=mesh,
+                                 donate_argnums=built.donate_argnums,
+                                 compare=built.in_shardings)  # fmt: skip
+        except MemoryLimitError as e:
+            rows.append({**base, "strategy": "searched", "fits": False, "error": str(e)[:800],
+                         "planning_s": time.perf_counter() - start})  # fmt: skip
+            return rows
+        start = time.perf_counter()
+        with built.context():
+            compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
+        row = {**base, "strategy": "searched", "search_s": p.search_s,
+               "predicted_peak_bytes": p.prediction.peak_bytes, "predicted_s": p.prediction.time_s,
+               "compile_s": time.perf_counter() - start,
+               "memory_checks": [dataclasses.asdict(c) for c in p.memory_checks],
+               "not_understood": sorted({o.primitive for o in p.program.ops
+                                         if o.how == "replicated"}),
+               **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
+        kernels = _plan_kernels(name, p, layers, cal) if config.layer_estimate else None
+        rows.append(finish(row, kernels))
+    return rows
+
+
+def report_code(rows: list[dict]) -> str:
+    """The table of the ``maxtext_code`` rows: per recipe, MaxText's compile against the plan."""
+    from experiments.recipes import _checks, _gb, _seconds
+
+    recipe_s = {r["recipe"]: r.get("estimate_s") for r in rows if r["strategy"] == "recipe"}
+    lines = [
+        "| recipe | strategy | compiled GB / chip | fits | predicted GB | predicted / compiled "
+        "| estimate s | / recipe | MFU implied | MFU published | search s | compile checks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        pred, comp = r.get("predicted_peak_bytes"), r.get("compiled_bytes")
+        ratio = f"{pred / comp:.2f}" if pred and comp else "n/a"
+        est, ref = r.get("estimate_s"), recipe_s.get(r["recipe"])
+        vs = f"{est / ref:.2f}x" if est and ref else "n/a"
+        mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "n/a"
+        pub = f"{100 * r['published_mfu']:.1f} %" if r.get("published_mfu") else "n/a"
+        lines.append(
+            f"| {r['recipe']} | {r['strategy']} | {_gb(comp)} | "
+            f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | "
+            f"{f'{est:.3g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {_seconds(r)} | "
+            f"{_checks(r.get('memory_checks'))} |"
+        )
+    return "\n".join(lines) + "\n"
