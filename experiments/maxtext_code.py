@@ -59,7 +59,9 @@ CODE_RECIPES = {
         sa_block_kv_compute=2048, sa_block_q_dkv=2048, sa_block_kv_dkv=2048,
         sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048),
         published_mfu=314.5 / 459.0),
-    # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published
+    # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
+    # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
+    # MaxText 0.2.5, which tiles by its own defaults
     "deepseek3_671b_v5p_1024": dict(model="deepseek3-671b", topology="v5p-1024", overrides=dict(
         ici_fsdp_parallelism=-1, ici_tensor_parallelism=1, per_device_batch_size=6,
         max_target_length=8192, dtype="bfloat16", weight_dtype="float32", megablox=True,
@@ -67,7 +69,6 @@ CODE_RECIPES = {
         sa_block_kv=2048, sa_block_kv_compute=2048, sa_block_q_dkv=2048, sa_block_kv_dkv=2048,
         sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048,
         remat_policy="custom", decoder_layer_input="offload", out_proj="offload",
-        tile_batch_seq=512, tile_embed_dim=1024, tile_mlp_dim=1024,
         sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0),
 }  # fmt: skip
 

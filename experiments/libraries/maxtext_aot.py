@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -65,6 +66,10 @@ def _prng_as_train_compile() -> None:
     import jax
 
     jax.config.update("jax_default_prng_impl", "unsafe_rbg")
+    # no TPU attached: libtpu only compiles here, and need not hold the host-wide lock that keeps
+    # two processes off one TPU (as planner.topology_mesh does)
+    if not glob.glob("/dev/accel*") and not os.path.isdir("/dev/vfio"):
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     flag = "--xla_tpu_spmd_rng_bit_generator_unsafe=true"
     if flag not in os.environ.get("LIBTPU_INIT_ARGS", ""):
         os.environ["LIBTPU_INIT_ARGS"] = (

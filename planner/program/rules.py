@@ -45,7 +45,8 @@ from planner.program.halo import Window
 from planner.program.ops import Access, Loop, Op, Value
 
 ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type
+    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
+    convert_element_type
     copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag add_any
     bitcast_convert_type threefry2x32 polygamma igamma igammac igamma_grad_a random_gamma_grad
     bessel_i0e bessel_i1e zeta regularized_incomplete_beta clz square one_minus_square
@@ -619,6 +620,7 @@ def rule_for(primitive: str) -> Rule | None:
         "unstack": unstack,
         "stack": stack,
         "optimization_barrier": optimization_barrier,
+        "device_put": optimization_barrier,  # each value as it is, in another memory or place
         "rev": rev,
         "pad": pad,
         "slice": slice_,
