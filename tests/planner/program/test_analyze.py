@@ -238,3 +238,20 @@ def test_dead_code_is_not_planned():
         assert any(r.value.name in prog.uses or r.value.name in outputs for r in o.results), o
     assert [o.primitive for o in prog.ops].count("dot_general") == 4  # of five traced
     assert [v.shape for v in prog.inputs] == [(16, 64), (64, 16), (64, 16)]  # all kept
+
+
+def test_device_put_is_an_identity_on_each_value_and_complex_is_elementwise():
+    """MaxText's DeepSeek-V3 offloads its layers' inputs (device_put to host memory, several
+    values at once) and builds rotary embeddings with complex numbers."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def fn(x, y):
+        a, b = jax.device_put((x, y), sharding)
+        return lax.complex(a, b)
+
+    prog = only(fn, (4, 6), (4, 6))
+    put, cplx = op_of(prog, "device_put"), op_of(prog, "complex")
+    assert put.how == "rule" and cplx.how == "rule"
+    assert [dims(a) for a in put.operands] == [dims(r) for r in put.results]
+    assert len({lp for a in put.operands for d in a.dims for lp in d}) == 4  # two per value
+    assert dims(cplx.operands[0]) == dims(cplx.operands[1]) == dims(cplx.results[0])
