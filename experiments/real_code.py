@@ -56,12 +56,13 @@ class Case:
 
 
 def build_case(library: str, dtype: str, mesh: str) -> Case:
-    """The case of ``library`` (``maxtext``, ``keras`` or ``gemma``) in ``dtype`` on ``mesh``
-    (``maxtext``: MaxText's own 12-axis mesh; ``2axis``: a plain fsdp 4 x tensor 2 one)."""
-    if library == "maxtext":
+    """The case of ``library`` (``maxtext``, ``maxtext_deepseek3``, ``keras`` or ``gemma``) in
+    ``dtype`` on ``mesh`` (``maxtext``: MaxText's own 12-axis mesh; ``2axis``: a plain fsdp 4 x
+    tensor 2 one)."""
+    if library in ("maxtext", "maxtext_deepseek3"):  # llama2-style or DeepSeek-V3, tiny
         from experiments.libraries import maxtext_step
 
-        b = maxtext_step.build(dtype, mesh)
+        b = maxtext_step.build(dtype, mesh, library.partition("_")[2] or "llama2")
         return Case(b.step, b.state, b.batch, b.mesh, (b.state_shardings, b.batch_shardings),
                     b.authors_jit, b.context, (0,))  # fmt: skip
     if mesh != "2axis":

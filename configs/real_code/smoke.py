@@ -6,6 +6,9 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.cases = "maxtext:float32:maxtext,keras:float32:2axis,gemma:float32:2axis"
+    c.cases = (
+        "maxtext:float32:maxtext,maxtext_deepseek3:float32:maxtext,keras:float32:2axis,"
+        "gemma:float32:2axis"
+    )
     c.repeats = 0
     return c

@@ -71,6 +71,33 @@ TINY_LLAMA = dict(
     warmup_steps_fraction=0.0,  # so that the first step's learning rate is not 0
 )
 
+#: MaxText's DeepSeek-V3 shrunk (``deepseek3-tiny.yml``: multi-head latent attention, 16 routed
+#: experts of which 8 per token, a shared expert, a dense first layer) to 4 layers and a small
+#: vocabulary; its experts run as dense matmuls (``sparse_matmul=False``: megablox's Pallas
+#: kernels are TPU kernels).
+TINY_DEEPSEEK = dict(
+    TINY_LLAMA,
+    model_name="deepseek3-tiny",
+    override_model_config=True,
+    base_num_decoder_layers=4,
+    first_num_dense_layers=1,
+    vocab_size=1024,
+    sparse_matmul=False,
+    megablox=False,
+    capacity_factor=-1.0,
+)
+for _key in (
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "base_mlp_dim",
+):
+    TINY_DEEPSEEK.pop(_key)
+
+#: The tiny models :func:`build` makes, by name.
+TINY = {"llama2": TINY_LLAMA, "deepseek3": TINY_DEEPSEEK}
+
 #: Overrides that keep MaxText off the disk and the network.
 QUIET = dict(
     run_name="tiny",
@@ -138,11 +165,11 @@ def _two_axis_rules(rules: Any, kept: tuple[str, ...]) -> list[list[Any]]:
     return out
 
 
-def _config(dtype: str, mesh_axes: str, output_dir: str) -> Any:
+def _config(dtype: str, mesh_axes: str, output_dir: str, tiny: str = "llama2") -> Any:
     from maxtext.configs import pyconfig
 
     base = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
-    overrides: dict[str, Any] = {**TINY_LLAMA, **QUIET, "dtype": dtype}
+    overrides: dict[str, Any] = {**TINY[tiny], **QUIET, "dtype": dtype}
     overrides["base_output_directory"] = output_dir
     if mesh_axes == "2axis":
         full = pyconfig.initialize(["", base], **overrides)
@@ -176,7 +203,7 @@ def _batch(config: Any, sharding: Any) -> dict[str, Any]:
     return {k: jax.device_put(np.asarray(v, np.int32), sharding) for k, v in host.items()}
 
 
-def build(dtype: str = "float32", mesh_axes: str = "maxtext") -> MaxTextStep:
+def build(dtype: str = "float32", mesh_axes: str = "maxtext", tiny: str = "llama2") -> MaxTextStep:
     """MaxText's tiny llama2 training step on 8 devices, as its ``train_loop`` builds it.
 
     ``dtype``: the activations' dtype (``"float32"`` or ``"bfloat16"``, MaxText's default); the
@@ -184,7 +211,8 @@ def build(dtype: str = "float32", mesh_axes: str = "maxtext") -> MaxTextStep:
     mesh, fsdp 4 and tensor 2, the rest of size 1) or ``"2axis"`` (a mesh of ``fsdp`` 4 and
     ``tensor`` 2 only: ``base.yml``'s logical axis rules with the other axes dropped). The
     learning rate follows MaxText's cosine schedule over ``steps=10`` without warmup (MaxText's
-    warmup would make the first step's learning rate 0).
+    warmup would make the first step's learning rate 0). ``tiny``: the model, a key of
+    :data:`TINY` (``"llama2"``, ``"deepseek3"``).
 
     Example:
         >>> built = build("bfloat16", "2axis")  # doctest: +SKIP
@@ -193,6 +221,8 @@ def build(dtype: str = "float32", mesh_axes: str = "maxtext") -> MaxTextStep:
     """
     if mesh_axes not in MESH_AXES:
         raise ValueError(f"mesh_axes: one of {MESH_AXES}, not {mesh_axes!r}")
+    if tiny not in TINY:
+        raise ValueError(f"tiny: one of {sorted(TINY)}, not {tiny!r}")
     train = _import_maxtext()
     import jax
     from flax import nnx
@@ -201,7 +231,7 @@ def build(dtype: str = "float32", mesh_axes: str = "maxtext") -> MaxTextStep:
     from maxtext.utils import maxtext_utils, model_creation_utils, sharding, train_utils
 
     with tempfile.TemporaryDirectory(prefix="maxtext_step_") as output_dir:  # left empty
-        config = _config(dtype, mesh_axes, output_dir)
+        config = _config(dtype, mesh_axes, output_dir, tiny)
     # train_utils.setup_train_loop, without its checkpoint manager and data pipeline.
     mesh = maxtext_utils.get_mesh_from_config(config)
     create_model, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
