@@ -31,8 +31,6 @@ import time
 
 from absl import logging
 
-from experiments.pod_plans import extrapolated
-
 CODE_STRATEGIES = ("recipe", "searched")
 
 PEAK_TFLOPS = {"v5p": 459.0, "v6e": 918.0, "v5e": 197.0, "v4": 275.0}
@@ -78,17 +76,15 @@ def chip(topology: str) -> str:
     return topology.split("-")[0]
 
 
-def build(name: str, layers: int | None = None, scan: bool = True):
+def build(name: str, layers: int | None = None):
     """Recipe ``name``'s step (:func:`experiments.libraries.maxtext_aot.build`); ``layers``
-    overrides the depth, ``scan=False`` unrolls the layers (MaxText's ``scan_layers``)."""
+    overrides the depth."""
     from experiments.libraries import maxtext_aot
 
     recipe = CODE_RECIPES[name]
     overrides = dict(recipe["overrides"])
     if layers is not None:
         overrides.update(base_num_decoder_layers=layers, override_model_config=True)
-    if not scan:
-        overrides["scan_layers"] = False
     return maxtext_aot.build(recipe["model"], recipe["topology"], **overrides)
 
 
@@ -109,21 +105,70 @@ def _unrolled(prog):
     return dataclasses.replace(prog, regions=regions)
 
 
-def _authors_kernels(name: str, layers: int, cal) -> float:
-    """The kernels' seconds of MaxText's layout at ``layers``: its 1- and 2-layer steps
-    compiled unrolled by MaxText, extended."""
+def unroll_scans(jaxpr):
+    """``jaxpr`` (JAX 0.12's ``Jaxpr``, which holds its constants) with every scan, nested ones
+    too, unrolled: the same program, which the compiler's cost analysis counts layer by layer."""
+    from jax._src import core
+
+    def nested(v):
+        if isinstance(v, core.Jaxpr):
+            return unroll_scans(v)
+        if isinstance(v, tuple) and v and all(isinstance(b, core.Jaxpr) for b in v):
+            return tuple(map(unroll_scans, v))
+        return v
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = {k: nested(v) for k, v in eqn.params.items()}
+        if eqn.primitive.name == "scan":
+            params["unroll"] = max(1, params["length"])
+        eqns.append(eqn.replace(params=params))
+    return jaxpr.replace(eqns=eqns)
+
+
+def depths(config) -> tuple[int, int]:
+    """The two depths whose compiles extend to the whole model: 1 and 2 layers, or for a model
+    whose first layers are dense (DeepSeek-V3's 3), those and 1 and 2 of the others."""
+    dense = config.first_num_dense_layers if config.num_experts > 1 else 0
+    return dense + 1, dense + 2
+
+
+def _extended(times: list[float], at: tuple[int, int], layers: int) -> float:
+    """Seconds at ``layers`` from ``times`` at depths ``at`` (``d, d + 1``): each further layer
+    costs the difference."""
+    return times[0] + (layers - at[0]) * (times[1] - times[0])
+
+
+def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int]) -> float:
+    """The kernels' seconds of MaxText's layout at ``layers``: its own step at the depths ``at``
+    (:func:`depths`), its scans unrolled (as the plan's are, :func:`_plan_kernels`), jitted with its own
+    shardings, compiled, extended."""
+    import jax
+
     from planner.target.compiled_time import compiled_time
 
     times = []
-    for depth in (1, 2):
-        small = build(name, depth, scan=False)
-        times.append(compiled_time(small.authors_compile(), cal).optimal_seconds)
-    return extrapolated(times, layers)
+    for depth in at:
+        small = build(name, depth)
+        with small.context():
+            jaxpr = unroll_scans(jax.make_jaxpr(small.step)(*small.args))
+            out_tree = jax.tree.structure(jax.eval_shape(small.step, *small.args))
+
+            def unrolled(*args, j=jaxpr, tree=out_tree):
+                flat = jax.core.eval_jaxpr(j, getattr(j, "consts", ()), *jax.tree.leaves(args))
+                return jax.tree.unflatten(tree, flat)
+
+            fn = jax.jit(unrolled, in_shardings=small.in_shardings,
+                         out_shardings=small.out_shardings, donate_argnums=small.donate_argnums)  # fmt: skip
+            compiled = fn.lower(*small.args).compile()
+        times.append(compiled_time(compiled, cal).optimal_seconds)
+    return _extended(times, at, layers)
 
 
-def _plan_kernels(name: str, plan, layers: int, cal) -> float | None:
+def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int]) -> float | None:
     """The kernels' seconds of ``plan`` at ``layers``: its schedule carried onto the same step
-    at 1 and 2 layers, the layers unrolled, compiled, extended; None where it does not carry."""
+    at the depths ``at``, the layers unrolled, compiled, extended; None where it does not
+    carry."""
     import jax
 
     from planner.autoplan import AutoPlan
@@ -134,7 +179,7 @@ def _plan_kernels(name: str, plan, layers: int, cal) -> float | None:
     from planner.target.compiled_time import compiled_time
 
     times = []
-    for depth in (1, 2):
+    for depth in at:
         small = build(name, depth)
         with small.context():
             sig = Signature.of(small.args, {})
@@ -152,7 +197,7 @@ def _plan_kernels(name: str, plan, layers: int, cal) -> float | None:
                                   out_tree=out_tree, donate_argnums=plan.donate_argnums)  # fmt: skip
             compiled = carried.jit().lower(*input_structs(carried)).compile()
         times.append(compiled_time(compiled, cal).optimal_seconds)
-    return extrapolated(times, layers)
+    return _extended(times, at, layers)
 
 
 def measure_code(name: str, strategies, done: set, config) -> list[dict]:
@@ -167,7 +212,7 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
     if not todo:
         return []
     built = build(name)
-    mesh, layers = built.mesh, built.config.num_decoder_layers
+    mesh, layers, at = built.mesh, built.config.num_decoder_layers, depths(built.config)
     cal = default_calibration(mesh)
     peak = PEAK_TFLOPS[chip(recipe["topology"])]
     base = {"recipe": name, "source": "maxtext_code", "model": recipe["model"],
@@ -189,7 +234,7 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
         row = {**base, "strategy": "recipe", "search_s": 0.0,
                "compile_s": time.perf_counter() - start,
                **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = _authors_kernels(name, layers, cal) if config.layer_estimate else None
+        kernels = _authors_kernels(name, layers, cal, at) if config.layer_estimate else None
         rows.append(finish(row, kernels))
     if "searched" in todo:
         start = time.perf_counter()
@@ -212,7 +257,7 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
                "not_understood": sorted({o.primitive for o in p.program.ops
                                          if o.how == "replicated"}),
                **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = _plan_kernels(name, p, layers, cal) if config.layer_estimate else None
+        kernels = _plan_kernels(name, p, layers, cal, at) if config.layer_estimate else None
         rows.append(finish(row, kernels))
     return rows
 

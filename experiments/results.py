@@ -245,6 +245,15 @@ def tpu_sections(workdir: str) -> list[str]:
     if os.path.exists(path):
         lines += ["", "The searched plan with its layers cut (`--config.depths`): predicted and "
                   "compiled peak per chip by depth:", "", open(path).read().rstrip()]  # fmt: skip
+    path = os.path.join(workdir, "recipes", "code_report.md")
+    if os.path.exists(path):
+        lines += ["", "MaxText's own training step (`maxtext` 0.2.5) at its recipes' size, built "
+                  "from shapes as its `train_compile` builds it: MaxText's own compile of its "
+                  "layout (`recipe`) against the planner's plan of the same step (`searched`); "
+                  "the estimate is each layout's kernels at 1 and 2 layers, unrolled, extended, "
+                  "plus the step's collectives; MFU by MaxText's own count of a step's flops "
+                  "(`configs/recipes/maxtext_code.py`):", "",
+                  open(path).read().rstrip()]  # fmt: skip
     return lines
 
 

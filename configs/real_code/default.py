@@ -1,6 +1,5 @@
 """The planner on the code people run (experiments/real_code.py): MaxText 0.2.5's own llama2-style
-step (tiny) in float32 and bfloat16 on MaxText's 12-axis mesh and on a 2-axis one, its DeepSeek-V3
-(tiny: latent attention, 16 experts) on its 12-axis mesh, keras-hub's
+step (tiny) in float32 and bfloat16 on MaxText's 12-axis mesh and on a 2-axis one, keras-hub's
 Llama and gemma's Gemma 3 (tiny) on the 2-axis one, each against its authors' layout."""
 
 import ml_collections
@@ -11,7 +10,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.cases = ",".join([
         "maxtext:float32:maxtext", "maxtext:float32:2axis",
         "maxtext:bfloat16:maxtext", "maxtext:bfloat16:2axis",
-        "maxtext_deepseek3:float32:maxtext", "maxtext_deepseek3:bfloat16:maxtext",
         "keras:float32:2axis", "keras:bfloat16:2axis",
         "gemma:float32:2axis", "gemma:bfloat16:2axis",
     ])  # fmt: skip
