@@ -106,14 +106,22 @@ def _unrolled(prog):
 
 
 def unroll_scans(jaxpr):
-    """``jaxpr`` (JAX 0.12's ``Jaxpr``, which holds its constants) with every scan, nested ones
-    too, unrolled: the same program, which the compiler's cost analysis counts layer by layer."""
+    """``jaxpr`` (a ``Jaxpr``, or a ``ClosedJaxpr`` of JAX <= 0.11) with every scan, nested ones
+    too, unrolled: the same program, which the compiler's cost analysis counts layer by layer.
+
+    Example:
+        >>> unrolled = unroll_scans(jax.make_jaxpr(step)(*args))           # doctest: +SKIP
+    """
     from jax._src import core
 
+    jaxprs = (core.Jaxpr, *((core.ClosedJaxpr,) if hasattr(core, "ClosedJaxpr") else ()))
+    if not isinstance(jaxpr, core.Jaxpr):  # a ClosedJaxpr: its constants apart
+        return jaxpr.replace(jaxpr=unroll_scans(jaxpr.jaxpr))
+
     def nested(v):
-        if isinstance(v, core.Jaxpr):
+        if isinstance(v, jaxprs):
             return unroll_scans(v)
-        if isinstance(v, tuple) and v and all(isinstance(b, core.Jaxpr) for b in v):
+        if isinstance(v, tuple) and v and all(isinstance(b, jaxprs) for b in v):
             return tuple(map(unroll_scans, v))
         return v
 
@@ -124,6 +132,14 @@ def unroll_scans(jaxpr):
             params["unroll"] = max(1, params["length"])
         eqns.append(eqn.replace(params=params))
     return jaxpr.replace(eqns=eqns)
+
+
+def evaluate(jaxpr, *args) -> list:
+    """``jaxpr`` (as :func:`unroll_scans` gives it) applied to ``args``."""
+    import jax
+
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    return jax.core.eval_jaxpr(inner, getattr(jaxpr, "consts", ()), *args)
 
 
 def depths(config) -> tuple[int, int]:
@@ -155,7 +171,7 @@ def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int]) -> float:
             out_tree = jax.tree.structure(jax.eval_shape(small.step, *small.args))
 
             def unrolled(*args, j=jaxpr, tree=out_tree):
-                flat = jax.core.eval_jaxpr(j, getattr(j, "consts", ()), *jax.tree.leaves(args))
+                flat = evaluate(j, *jax.tree.leaves(args))
                 return jax.tree.unflatten(tree, flat)
 
             fn = jax.jit(unrolled, in_shardings=small.in_shardings,

@@ -1,0 +1,60 @@
+"""experiments.maxtext_code's pieces that need neither MaxText nor the TPU compiler: the unrolled
+program it estimates kernels from, the depths it extends from, and its table."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.maxtext_code import depths, evaluate, report_code, unroll_scans
+
+
+def _layers(ws, x):
+    """Scanned layers inside a jit, a remat and a cond: every scan must unroll."""
+
+    def layer(h, w):
+        return jax.checkpoint(lambda h: jnp.tanh(h @ w))(h), h.sum()
+
+    def body(x):
+        h, sums = jax.lax.scan(layer, x, ws)
+        return jax.lax.cond(sums.sum() > 0, lambda: h, lambda: -h)
+
+    return jax.jit(body)(x)
+
+
+def _scans(jaxpr, found):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["unroll"])
+        for sub in jax._src.core.jaxprs_in_params(eqn.params):
+            _scans(sub, found)
+    return found
+
+
+def test_unrolled_scans_compute_the_same():
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(3, 8, 8)) / 3, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+    traced = jax.make_jaxpr(_layers)(ws, x)
+    unrolled = unroll_scans(traced)
+    assert _scans(getattr(traced, "jaxpr", traced), []) == [1]
+    assert _scans(getattr(unrolled, "jaxpr", unrolled), []) == [3]
+    np.testing.assert_allclose(evaluate(unrolled, ws, x)[0], _layers(ws, x), rtol=1e-6)
+
+
+def test_depths_skip_the_dense_first_layers_of_a_mixture_of_experts():
+    assert depths(types.SimpleNamespace(num_experts=1, first_num_dense_layers=0)) == (1, 2)
+    assert depths(types.SimpleNamespace(num_experts=256, first_num_dense_layers=3)) == (4, 5)
+
+
+def test_the_table_compares_each_plan_with_its_recipe():
+    rows = [
+        {"recipe": "r", "strategy": "recipe", "compiled_bytes": 50e9, "fits": True,
+         "estimate_s": 2.0, "mfu": 0.64, "published_mfu": 0.65, "search_s": 0.0},
+        {"recipe": "r", "strategy": "searched", "compiled_bytes": 40e9, "fits": True,
+         "predicted_peak_bytes": 38e9, "estimate_s": 1.8, "mfu": 0.71, "search_s": 12.0},
+    ]  # fmt: skip
+    table = report_code(rows).splitlines()
+    assert table[2].startswith("| r | recipe | 50 | yes | n/a | n/a | 2 | 1.00x | 64.0 % | 65.0 %")
+    assert table[3].startswith("| r | searched | 40 | yes | 38 | 0.95 | 1.8 | 0.90x | 71.0 % | n/a")
