@@ -67,7 +67,9 @@ CODE_RECIPES = {
         sa_block_kv=2048, sa_block_kv_compute=2048, sa_block_q_dkv=2048, sa_block_kv_dkv=2048,
         sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048,
         remat_policy="custom", decoder_layer_input="offload", out_proj="offload",
-        sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0),
+        sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0,
+        # the recipe's MOE_VMEM_LIMIT_FLAG: without it the splash kernel runs out of scoped VMEM
+        libtpu_flags=("--xla_tpu_scoped_vmem_limit_kib=81920",)),
 }  # fmt: skip
 
 
@@ -85,7 +87,8 @@ def build(name: str, layers: int | None = None):
     overrides = dict(recipe["overrides"])
     if layers is not None:
         overrides.update(base_num_decoder_layers=layers, override_model_config=True)
-    return maxtext_aot.build(recipe["model"], recipe["topology"], **overrides)
+    return maxtext_aot.build(recipe["model"], recipe["topology"],
+                             recipe.get("libtpu_flags", ()), **overrides)  # fmt: skip
 
 
 def model_tflops(built) -> float:

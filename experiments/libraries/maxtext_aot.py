@@ -61,6 +61,26 @@ class AotStep:
         )  # fmt: skip
 
 
+_LIBTPU_FLAGS: list[tuple[str, ...]] = []  # the flags libtpu was given in this process
+
+
+def libtpu_flags(flags: tuple[str, ...]) -> None:
+    """Give libtpu ``flags`` (``LIBTPU_INIT_ARGS``, which it reads once per process, so that
+    every compile of it, MaxText's and the plan's, runs with them): a recipe's flags that change
+    what compiles (MaxText's ``--xla_tpu_scoped_vmem_limit_kib`` for its MoE recipes, without
+    which the splash kernel runs out of scoped VMEM). Raises ``ValueError`` where this process
+    gave libtpu other flags already."""
+    if _LIBTPU_FLAGS and _LIBTPU_FLAGS[0] != tuple(flags):
+        raise ValueError(
+            f"libtpu reads its flags once per process: this one has {_LIBTPU_FLAGS[0]}, the "
+            f"recipe needs {tuple(flags)}; run it in a process of its own (--config.recipes=...)"
+        )
+    if not _LIBTPU_FLAGS:
+        _LIBTPU_FLAGS.append(tuple(flags))
+        given = os.environ.get("LIBTPU_INIT_ARGS", "")
+        os.environ["LIBTPU_INIT_ARGS"] = " ".join([given, *flags]).strip()
+
+
 def _prng_as_train_compile() -> None:
     """``train_compile.main``'s PRNG settings: ``unsafe_rbg`` keys, partitionable by libtpu."""
     import jax
@@ -77,10 +97,11 @@ def _prng_as_train_compile() -> None:
         ).strip()
 
 
-def build(model_name: str, topology: str, **overrides: Any) -> AotStep:
+def build(model_name: str, topology: str, flags: tuple[str, ...] = (), **overrides: Any) -> AotStep:
     """MaxText's step for ``model_name`` (a file of ``configs/models/``) compiled for
     ``topology`` (MaxText's name: ``"v5p-128"``, ``"v6e-256"``), with ``overrides`` of
-    ``base.yml`` (``per_device_batch_size``, ``remat_policy``, ``ici_fsdp_parallelism``, ...).
+    ``base.yml`` (``per_device_batch_size``, ``remat_policy``, ``ici_fsdp_parallelism``, ...)
+    and libtpu's ``flags`` (:func:`libtpu_flags`).
 
     Example:
         >>> built = build("llama2-7b", "v5p-128", remat_policy="minimal")  # doctest: +SKIP
@@ -90,6 +111,7 @@ def build(model_name: str, topology: str, **overrides: Any) -> AotStep:
     from experiments.libraries.maxtext_step import _import_maxtext
 
     train = _import_maxtext()
+    libtpu_flags(flags)
     _prng_as_train_compile()
     import jax
     from flax.core.spmd import logical_axis_rules

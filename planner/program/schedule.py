@@ -413,17 +413,25 @@ def _stored_specs(prog: Program, shape: MeshShape, stored: Mapping) -> dict[str,
     return out
 
 
+def _largest_first(accesses) -> list[Access]:
+    """Operands by size, largest first (stable): where two want one mesh axis, the larger keeps
+    its layout and the smaller moves, as XLA's propagation does (a norm's scale split as the
+    weights are gathered, not the activations it scales)."""
+    return sorted(accesses, key=lambda a: -math.prod(a.value.shape))
+
+
 def _try(op: Op, mesh, wanted: dict[str, Axes], xla: bool = False) -> dict[str, Axes]:
-    """Keep the wanted loop assignments that are valid for ``op`` (greedy, in loop order)."""
+    """Keep the wanted loop assignments that are valid for ``op`` (greedy, in the order they are
+    wanted: the first operand's layout before a later one's where both want an axis, as XLA
+    keeps an activation's batch split and gathers the weight whose contraction it splits)."""
     out: dict[str, Axes] = {}
     used: set[str] = set()
-    for lp in op.loops:
-        axes = wanted.get(lp.name, ())
-        if not axes or used & set(axes):
+    for loop, axes in wanted.items():
+        if not axes or used & set(axes) or loop not in op.loop:
             continue
-        if not splits(op, lp.name, math.prod(mesh[a] for a in axes), xla):
+        if not splits(op, loop, math.prod(mesh[a] for a in axes), xla):
             continue
-        out[lp.name] = axes
+        out[loop] = axes
         used.update(axes)
     for acc in op.operands + op.results:
         for d in acc.dims:
@@ -496,7 +504,7 @@ def _propagate(
                 result[o.name] = result.get(tied[o.name], {})
             elif o.name not in fixed and (k == 0 or not result.get(o.name)):
                 wanted: dict[str, Axes] = {}
-                for acc in o.operands:
+                for acc in _largest_first(o.operands):
                     if acc.value.name in layout:
                         want_loops(acc, layout[acc.value.name], wanted)
                 new = _try(o, mesh, wanted, xla)
