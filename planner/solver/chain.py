@@ -132,16 +132,17 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     return sub
 
 
-def structure(prog: Program) -> tuple:
+def structure(prog: Program, backends: Sequence[str] = FUSION_MODELS) -> tuple:
     """A key equal for programs that differ only in names (and so cost the same): their ops'
-    kernels included (:func:`planner.cost.costs.fusion`)."""
+    kernels under the fusion models of ``backends`` included (:func:`planner.cost.costs.fusion`;
+    a calibration prices with its own backend's alone)."""
     ids: dict[str, int] = {}
 
     def vid(v: Value) -> tuple:
         return (ids.setdefault(v.name, len(ids)), v.shape, v.dtype)
 
     ins = tuple(vid(v) for v in prog.inputs)
-    fused = [fusion(prog, b) for b in FUSION_MODELS]
+    fused = [fusion(prog, b) for b in backends]
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
@@ -187,7 +188,7 @@ class ChainDP:
             heads = tuple(
                 tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs
             )
-            key = self._ids.setdefault((structure(sub), heads), len(self._ids))
+            key = self._ids.setdefault((structure(sub, (self.cal.backend,)), heads), len(self._ids))
             self._programs[segs] = (sub, key)
         return self._programs[segs]
 
