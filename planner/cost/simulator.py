@@ -43,7 +43,15 @@ import math
 
 import redist
 from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, inlined_scans, kernel_copies, lifetimes
-from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops, padding_mask_flops
+from planner.cost.costs import (
+    DENSE,
+    Fusion,
+    dense_kind,
+    fusion,
+    op_bytes,
+    op_flops,
+    padding_mask_flops,
+)
 from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
 from planner.layout.staging import (
     circular_passes,
@@ -302,12 +310,14 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             tuple(traffic))  # fmt: skip
 
 
-def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
-    """:func:`_price` of one step, memoized by everything it depends on."""
+def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: Fusion) -> tuple:
+    """:func:`_price` of one step, memoized by everything it depends on (``fused``: the
+    program's kernels under ``cal``'s backend)."""
     op = st.op
-    key = (op.signature, tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves),
-           tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
-           st.pending, st.scatter, fusion(sched.program, cal.backend).key(op))  # fmt: skip
+    loops = sched.assign.get(op.name) or {}
+    moves = tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves)
+    key = (op.signature_id, moves, tuple(loops.get(lp.name, ()) for lp in op.loops), st.in_specs,
+           st.out_specs, st.pending, st.scatter, fused.key(op))  # fmt: skip
     priced = memo.get(key)
     if priced is None:
         priced = memo[key] = _price(op, st, sched, sizes, m, cal)
@@ -323,10 +333,11 @@ def op_seconds(
     sizes = sched.mesh
     m = sched.factors
     memo = _memo(prog, cal, sizes)
+    fused = fusion(sched.program, cal.backend)
     out = {}
     rolled = rolled_ops(prog)
     for st in dataflow(prog, sched, only=names):
-        compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo)
+        compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo, fused)
         slower = cal.loop_body_factor if st.op.name in rolled else 1.0
         out[st.op.name] = (compute * slower + comm_t) * st.op.trips
     return out
@@ -664,7 +675,8 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     steps = dataflow(prog, sched)
     lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)
-    priced = [_priced(st, sched, sizes, m, cal, memo) for st in steps]
+    fused = fusion(sched.program, cal.backend)
+    priced = [_priced(st, sched, sizes, m, cal, memo, fused) for st in steps]
     made = made_specs(prog, sched, steps)
     returned = output_specs(prog, sched, steps, made)
     fixed, outputs = _fixed(prog, sched, steps, priced, sizes, lt, returned)
