@@ -52,7 +52,7 @@ from planner.cost.costs import (
     op_flops,
     padding_mask_flops,
 )
-from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
+from planner.layout.dataflow import OpStep, dataflow, input_spec, made_specs, output_specs
 from planner.layout.staging import (
     circular_passes,
     circular_rounds,
@@ -310,36 +310,57 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             tuple(traffic))  # fmt: skip
 
 
-def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: Fusion) -> tuple:
-    """:func:`_price` of one step, memoized by everything it depends on (``fused``: the
-    program's kernels under ``cal``'s backend)."""
+def step_key(st: OpStep, sched: Schedule) -> tuple:
+    """What the price of step ``st`` depends on besides its op's kernels (:meth:`Fusion.key`):
+    its op's signature and its layouts, equal for the like op of another window of a program
+    laid out alike (another layer's), whatever the names."""
     op = st.op
     loops = sched.assign.get(op.name) or {}
     moves = tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves)
-    key = (op.signature_id, moves, tuple(loops.get(lp.name, ()) for lp in op.loops), st.in_specs,
-           st.out_specs, st.pending, st.scatter, fused.key(op))  # fmt: skip
+    return (op.signature_id, moves, tuple(loops.get(lp.name, ()) for lp in op.loops), st.in_specs,
+            st.out_specs, st.pending, st.scatter)  # fmt: skip
+
+
+def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: Fusion) -> tuple:
+    """:func:`_price` of one step, memoized by everything it depends on (``fused``: the
+    program's kernels under ``cal``'s backend)."""
+    key = (step_key(st, sched), fused.key(st.op))
     priced = memo.get(key)
     if priced is None:
-        priced = memo[key] = _price(op, st, sched, sizes, m, cal)
+        priced = memo[key] = _price(st.op, st, sched, sizes, m, cal)
     return priced
 
 
-def op_seconds(
-    prog: Program, sched: Schedule, names, calibration: Calibration | None = None
-) -> dict[str, float]:
+def op_steps(prog: Program, sched: Schedule, names) -> tuple[tuple[int, tuple], ...]:
+    """The ops ``names`` of ``prog`` under ``sched`` as ``(index in prog, step_key)``, in
+    program order: what :func:`op_seconds` prices them by, the same for a program of the same
+    structure under the same layouts (the chain DP's window of another layer)."""
+    index = prog.index
+    return tuple((index[st.op.name], step_key(st, sched))
+                 for st in dataflow(prog, sched, only=names))  # fmt: skip
+
+
+def op_seconds(prog: Program, sched: Schedule, names, calibration: Calibration | None = None,
+               steps: tuple[tuple[int, tuple], ...] | None = None) -> dict[str, float]:  # fmt: skip
     """Predicted seconds of the ops ``names`` alone (kernel and communication, times their trips),
-    without walking the rest of the program: the chain DP prices the ops at a border this way."""
+    without walking the rest of the program: the chain DP prices the ops at a border this way.
+    ``steps``: :func:`op_steps` of ``names``, made for ``prog`` or a program of the same structure
+    under the same layouts; the data flow is walked only for an op whose price is not memoized."""
     cal = calibration or Calibration.default()
     sizes = sched.mesh
-    m = sched.factors
     memo = _memo(prog, cal, sizes)
     fused = fusion(sched.program, cal.backend)
-    out = {}
     rolled = rolled_ops(prog)
-    for st in dataflow(prog, sched, only=names):
-        compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo, fused)
-        slower = cal.loop_body_factor if st.op.name in rolled else 1.0
-        out[st.op.name] = (compute * slower + comm_t) * st.op.trips
+    out = {}
+    for k, key in op_steps(prog, sched, names) if steps is None else steps:
+        op = prog.ops[k]
+        priced = memo.get((key, fused.key(op)))
+        if priced is None:
+            (st,) = dataflow(prog, sched, only=(op.name,))
+            priced = _priced(st, sched, sizes, sched.factors, cal, memo, fused)
+        compute, comm_t, *_ = priced
+        slower = cal.loop_body_factor if op.name in rolled else 1.0
+        out[op.name] = (compute * slower + comm_t) * op.trips
     return out
 
 

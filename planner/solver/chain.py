@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 
 from planner.cost.costs import FUSION_MODELS, KERNELS, fusion
-from planner.cost.simulator import PRICES, op_seconds, simulate
+from planner.cost.simulator import PRICES, op_seconds, op_steps, simulate
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
 from planner.program.schedule import Schedule, make_schedule
@@ -175,11 +175,16 @@ class ChainDP:
         self._op_times: dict = {}
         self._borders: dict = {}
         self._border_ops: dict = {}
+        self._layouts: dict[tuple[int, ...], int] = {}
+        self._layout_ids: dict = {}
+        self._steps: dict = {}
+        self._alone_times: dict = {}
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
         """The window's program and an integer naming its structure (with where its segments'
-        anchors and siblings sit): windows with equal integers cost the same."""
+        anchors and siblings sit): windows with equal integers cost the same. Its layouts are
+        named by :meth:`_layout`."""
         if segs not in self._programs:
             ops = sorted((o for s in segs for o in self.segments[s]),
                          key=lambda o: self._index[o.name])  # fmt: skip
@@ -190,14 +195,24 @@ class ChainDP:
             )
             key = self._ids.setdefault((structure(sub, (self.cal.backend,)), heads), len(self._ids))
             self._programs[segs] = (sub, key)
+            seg = {o.name: k for k, g in enumerate(segs) for o in self.segments[g]}
+            shape = (structure(sub, ()), heads, tuple(seg[o.name] for o in sub.ops))
+            self._layouts[segs] = self._layout_ids.setdefault(shape, len(self._layout_ids))
         return self._programs[segs]
+
+    def _layout(self, segs: tuple[int, ...]) -> int:
+        """An integer naming the window's structure without its kernels (and which segment each
+        op is in): windows with equal integers are laid out alike under equal choices (the
+        windows of the layers of a deep network, whose kernels may differ)."""
+        self._window(segs)
+        return self._layouts[segs]
 
     def grids(self, g: int, anchor: dict) -> dict[str, dict] | None:
         """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
         propagated inside the segment only, so that a segment's layouts do not depend on its
         neighbours' choices and the cost decomposes."""
-        sub, key = self._window((g,))
-        frozen = (key, tuple(sorted(anchor.items())))
+        sub, _ = self._window((g,))
+        frozen = (self._layout((g,)), tuple(sorted(anchor.items())))
         if frozen not in self._grids:
             try:
                 named = (
@@ -252,11 +267,15 @@ class ChainDP:
 
     def _alone(self, g: int, assign: dict) -> dict[str, float]:
         """Per op of segment ``g``, its predicted seconds when the segment is simulated alone."""
-        if not math.isfinite(self.cost((g,), (assign,))):
-            return {}
-        sub, key = self._window((g,))
-        times = self._op_times[(key, (tuple(sorted(assign.items())),))]
-        return {o.name: t for o, t in zip(sub.ops, times)}
+        frozen = (g, tuple(sorted(assign.items())))
+        if frozen not in self._alone_times:
+            times: dict[str, float] = {}
+            if math.isfinite(self.cost((g,), (assign,))):
+                sub, key = self._window((g,))
+                ops = zip(sub.ops, self._op_times[(key, (frozen[1],))])
+                times = {o.name: t for o, t in ops}
+            self._alone_times[frozen] = times
+        return self._alone_times[frozen]
 
     def crossing(self, i: int, j: int) -> frozenset[str] | None:
         """The ops of segments ``i`` and ``j`` whose price can change when the two are simulated
@@ -299,7 +318,11 @@ class ChainDP:
             else:
                 named = {**self.grids(i, a), **self.grids(j, b)}
                 sched = Schedule(sub, self.factor_size, named)
-                together = op_seconds(sub, sched, names, self.cal)
+                # the border ops' layouts, walked once for all the windows laid out alike
+                laid = (self._layout((i, j)), *full[1:])
+                if laid not in self._steps:
+                    self._steps[laid] = op_steps(sub, sched, names)
+                together = op_seconds(sub, sched, names, self.cal, self._steps[laid])
                 before = {**self._alone(i, a), **self._alone(j, b)}
                 self._borders[full] = sum(together.values()) - sum(before[n] for n in together)
         return self._borders[full]
