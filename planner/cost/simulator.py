@@ -52,7 +52,7 @@ from planner.cost.costs import (
     op_flops,
     padding_mask_flops,
 )
-from planner.layout.dataflow import OpStep, dataflow, input_spec, made_specs, output_specs
+from planner.layout.dataflow import Move, OpStep, dataflow, input_spec, made_specs, output_specs
 from planner.layout.staging import (
     circular_passes,
     circular_rounds,
@@ -229,7 +229,19 @@ def _plan_traffic(plan, cal: Calibration) -> list[Traffic]:
     return [Traffic(kind, 1, sent, seconds) for kind, seconds, sent in step_costs(plan, cal)]
 
 
-def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
+def _move(mv: Move, m, cal: Calibration, memo: dict) -> tuple[list[Traffic], int, int]:
+    """A move's ``redist`` plan as (its collectives, its peak bytes, the bytes its steps read and
+    write), memoized in ``memo`` (:func:`_memo`'s) by the value's shape and dtype and the layouts:
+    the ops of every layer move alike."""
+    key = ("move", mv.value.shape, mv.value.dtype, mv.src, mv.dst)
+    if key not in memo:
+        plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
+        steps = sum(s.before.local_size + s.after.local_size for s in plan.steps)
+        memo[key] = (_plan_traffic(plan, cal), plan.peak_bytes, steps * plan.itemsize)
+    return memo[key]
+
+
+def _price(op, st, sched: Schedule, sizes, m, cal: Calibration, memo: dict):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
     operand in its new layout, bytes of each result, bytes its kernel holds while it runs,
     (flops, transcendentals, bytes accessed), its collectives), per trip."""
@@ -238,13 +250,11 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     traffic: list[Traffic] = []
     accessed = 0.0  # bytes the collectives read and write
     for mv in st.moves:
-        plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
-        traffic += _plan_traffic(plan, cal)
-        transient = max(transient, plan.peak_bytes)
+        collectives, peak, steps = _move(mv, m, cal, memo)
+        traffic += collectives
+        transient = max(transient, peak)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
-        accessed += sum(s.before.local_size + s.after.local_size for s in plan.steps) * (
-            plan.itemsize
-        )
+        accessed += steps
     outs = [
         _bytes(r.value.shape, sp, sizes, r.value.dtype) for r, sp in zip(op.results, st.out_specs)
     ]
@@ -327,7 +337,7 @@ def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: 
     key = (step_key(st, sched), fused.key(st.op))
     priced = memo.get(key)
     if priced is None:
-        priced = memo[key] = _price(st.op, st, sched, sizes, m, cal)
+        priced = memo[key] = _price(st.op, st, sched, sizes, m, cal, memo)
     return priced
 
 
