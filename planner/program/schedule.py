@@ -206,10 +206,12 @@ class Schedule:
             spec: Spec = ((),) * len(access.dims)
         else:
             spec = tuple(
-                loops.get(d[0], ())
-                if len(d) == 1
-                else tuple(a for lp in d for a in loops.get(lp, ()))
-                for d in access.dims
+                [
+                    loops.get(d[0], ())
+                    if len(d) == 1
+                    else tuple([a for lp in d for a in loops.get(lp, ())])
+                    for d in access.dims
+                ]
             )
         staged = self.staged.get(op.name) if self.stages else None
         if staged and access is (op.operands[0] if op.primitive == "scan_xs" else op.results[0]):
