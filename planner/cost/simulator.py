@@ -374,6 +374,42 @@ def op_seconds(prog: Program, sched: Schedule, names, calibration: Calibration |
     return out
 
 
+def _trips(op: Op, priced: tuple, cal: Calibration, rolled: frozenset[str]) -> tuple[float, float]:
+    """An op's kernel and communication seconds over its trips (the kernels of loops the
+    compiler keeps rolled at the calibration's ``loop_body_factor``)."""
+    compute, comm_t = priced[0], priced[1]
+    if op.name in rolled:
+        compute *= cal.loop_body_factor
+    return compute * op.trips, comm_t * op.trips
+
+
+def seconds(
+    prog: Program, sched: Schedule, calibration: Calibration | None = None
+) -> tuple[float, tuple[float, ...]]:
+    """:func:`simulate`'s predicted time and the seconds of each of its costs (each op's kernel
+    and communication, the even returns, the program's call), without its memory: what the
+    chain DP needs of a window."""
+    cal = calibration or Calibration.default()
+    if sched.stages:  # pipelines are priced as the whole simulation prices them
+        pred = _simulate(prog, sched, cal)
+        return pred.time_s, tuple(c.compute_s + c.comm_s for c in pred.ops)
+    steps = dataflow(prog, sched)
+    memo = _memo(prog, cal, sched.mesh)
+    fused = fusion(sched.program, cal.backend)
+    rolled = rolled_ops(prog)
+    out = []
+    for st in steps:
+        priced = _priced(st, sched, sched.mesh, sched.factors, cal, memo, fused)
+        kernel, comm = _trips(st.op, priced, cal, rolled)
+        out.append(kernel + comm)
+    made = made_specs(prog, sched, steps)
+    evenly = returned_evenly(prog, sched, made, output_specs(prog, sched, steps, made), cal)
+    out += [c.compute_s + c.comm_s for c in evenly]
+    if cal.step_s:
+        out.append(cal.step_s + 0.0)
+    return sum(out), tuple(out)
+
+
 def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
     """Predicted time, wire bytes and peak memory per device of ``prog`` under ``sched``."""
     return _simulate(prog, sched, calibration or Calibration.default())
@@ -767,7 +803,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         names: dict = {}  # (live buffer (value name, or other), last op) -> bytes
     rolled = rolled_ops(prog)
     for k, st in enumerate(steps):
-        compute, comm_t, wire, transient, moved, outs, kernel, counts, traffic = priced[k]
+        _, _, wire, transient, moved, outs, kernel, counts, traffic = priced[k]
         live += grow[k]
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
@@ -786,11 +822,10 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
                 on_peak(st.op.name, fixed, values, others, scratch)
             names = {(key, end): b for (key, end), b in names.items() if end > k}
         peak = max(peak, now)
-        if st.op.name in rolled:  # a kernel of a loop the compiler keeps rolled
-            compute *= cal.loop_body_factor
         trips, op = st.op.trips, st.op
+        kernel_s, comm_s = _trips(op, priced[k], cal, rolled)
         split = op.how == "region" or any(sched.assign.get(op.name, {}).values()) or st.pending
-        costs.append(OpCost(op.name, compute * trips, comm_t * trips, wire * trips, now,
+        costs.append(OpCost(op.name, kernel_s, comm_s, wire * trips, now,
                             counts[0] * trips, counts[2] * trips,
                             tuple(t.times(trips) for t in traffic),
                             None if split else whole_reason(op, sizes)))  # fmt: skip

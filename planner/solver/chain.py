@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 
 from planner.cost.costs import FUSION_MODELS, KERNELS, fusion
-from planner.cost.simulator import PRICES, op_seconds, op_steps, simulate
+from planner.cost.simulator import PRICES, op_seconds, op_steps, seconds
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
 from planner.program.schedule import Schedule, make_schedule
@@ -259,10 +259,9 @@ class ChainDP:
                 self._costs[full] = math.inf
             else:
                 sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
-                pred = simulate(sub, sched, self.cal)
+                time_s, self._op_times[full] = seconds(sub, sched, self.cal)
                 # the program's call is priced once, in total(), not once per window
-                self._costs[full] = pred.time_s - self.cal.step_s
-                self._op_times[full] = tuple(c.compute_s + c.comm_s for c in pred.ops)
+                self._costs[full] = time_s - self.cal.step_s
         return self._costs[full]
 
     def _alone(self, g: int, assign: dict) -> dict[str, float]:
