@@ -224,6 +224,14 @@ def whole_reason(op: Op, factor_sizes: dict[str, int]) -> str:
     return "not worth splitting (it would cost more than it saves)"
 
 
+def _whole(op: Op, factor_sizes: dict[str, int], memo: dict) -> str:
+    """:func:`whole_reason`, memoized in ``memo`` (:func:`_memo`'s) by the op's signature."""
+    key = ("whole", op.signature_id)
+    if key not in memo:
+        memo[key] = whole_reason(op, factor_sizes)
+    return memo[key]
+
+
 def _plan_traffic(plan, cal: Calibration) -> list[Traffic]:
     """The collectives of a ``redist`` plan's steps, one :class:`Traffic` each."""
     return [Traffic(kind, 1, sent, seconds) for kind, seconds, sent in step_costs(plan, cal)]
@@ -325,10 +333,10 @@ def step_key(st: OpStep, sched: Schedule) -> tuple:
     its op's signature and its layouts, equal for the like op of another window of a program
     laid out alike (another layer's), whatever the names."""
     op = st.op
-    loops = sched.assign.get(op.name) or {}
-    moves = tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves)
-    return (op.signature_id, moves, tuple(loops.get(lp.name, ()) for lp in op.loops), st.in_specs,
-            st.out_specs, st.pending, st.scatter)  # fmt: skip
+    loops = sched.assign.get(op.name)
+    split = tuple([loops.get(lp.name, ()) for lp in op.loops]) if loops else ((),) * len(op.loops)
+    moves = tuple([(mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves])
+    return (op.signature_id, moves, split, st.in_specs, st.out_specs, st.pending, st.scatter)
 
 
 def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: Fusion) -> tuple:
@@ -808,7 +816,9 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
         scratch += 0 if k in members else partial
-        scratch //= max((micro.get(r.value.name, 1) for r in st.op.results), default=1)
+        scratch //= (
+            max((micro.get(r.value.name, 1) for r in st.op.results), default=1) if micro else 1
+        )
         now = base + live + scratch
         if on_peak is not None:
             for key, size, end in starts.get(k, ()):
@@ -827,8 +837,8 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         split = op.how == "region" or any(sched.assign.get(op.name, {}).values()) or st.pending
         costs.append(OpCost(op.name, kernel_s, comm_s, wire * trips, now,
                             counts[0] * trips, counts[2] * trips,
-                            tuple(t.times(trips) for t in traffic),
-                            None if split else whole_reason(op, sizes)))  # fmt: skip
+                            tuple([t.times(trips) for t in traffic]),
+                            None if split else _whole(op, sizes, memo)))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
