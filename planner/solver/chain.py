@@ -132,6 +132,11 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     return sub
 
 
+def _frozen(assign: dict) -> tuple:
+    """An assignment (loop -> axes) as a hashable key."""
+    return tuple(sorted(assign.items()))
+
+
 def structure(prog: Program, backends: Sequence[str] = FUSION_MODELS) -> tuple:
     """A key equal for programs that differ only in names (and so cost the same): their ops'
     kernels under the fusion models of ``backends`` included (:func:`planner.cost.costs.fusion`;
@@ -179,6 +184,7 @@ class ChainDP:
         self._layout_ids: dict = {}
         self._steps: dict = {}
         self._alone_times: dict = {}
+        self._named: dict = {}
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
@@ -211,8 +217,11 @@ class ChainDP:
         """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
         propagated inside the segment only, so that a segment's layouts do not depend on its
         neighbours' choices and the cost decomposes."""
+        mine = (g, _frozen(anchor))
+        if mine in self._named:
+            return self._named[mine]
         sub, _ = self._window((g,))
-        frozen = (self._layout((g,)), tuple(sorted(anchor.items())))
+        frozen = (self._layout((g,)), mine[1])
         if frozen not in self._grids:
             try:
                 named = (
@@ -231,9 +240,11 @@ class ChainDP:
             except ValueError:
                 self._grids[frozen] = None
         per_position = self._grids[frozen]
-        if per_position is None:
-            return None
-        return {o.name: loops for o, loops in zip(sub.ops, per_position) if loops}
+        named = None
+        if per_position is not None:
+            named = {o.name: loops for o, loops in zip(sub.ops, per_position) if loops}
+        self._named[mine] = named
+        return named
 
     def assignment(self, anchors: Sequence[dict]) -> dict[str, dict] | None:
         """Every op's loops for the given anchor assignments (one per segment), or ``None``."""
@@ -248,7 +259,7 @@ class ChainDP:
     def cost(self, segs: tuple[int, ...], assigns: tuple[dict, ...]) -> float:
         """Predicted time of the segments ``segs`` alone, their anchors assigned ``assigns``."""
         sub, key = self._window(segs)
-        full = (key, tuple(tuple(sorted(a.items())) for a in assigns))
+        full = (key, tuple(_frozen(a) for a in assigns))
         if full not in self._costs:
             self.evaluations += 1
             named: dict[str, dict] | None = {}
@@ -264,16 +275,15 @@ class ChainDP:
                 self._costs[full] = time_s - self.cal.step_s
         return self._costs[full]
 
-    def _alone(self, g: int, assign: dict) -> dict[str, float]:
-        """Per op of segment ``g``, its predicted seconds when the segment is simulated alone."""
-        frozen = (g, tuple(sorted(assign.items())))
+    def _alone(self, g: int, assign: dict) -> tuple[float, dict[str, float]]:
+        """Segment ``g`` simulated alone: its :meth:`cost` and each op's predicted seconds."""
+        frozen = (g, _frozen(assign))
         if frozen not in self._alone_times:
-            times: dict[str, float] = {}
-            if math.isfinite(self.cost((g,), (assign,))):
+            cost, times = self.cost((g,), (assign,)), {}
+            if math.isfinite(cost):
                 sub, key = self._window((g,))
-                ops = zip(sub.ops, self._op_times[(key, (frozen[1],))])
-                times = {o.name: t for o, t in ops}
-            self._alone_times[frozen] = times
+                times = dict(zip((o.name for o in sub.ops), self._op_times[(key, (frozen[1],))]))
+            self._alone_times[frozen] = (cost, times)
         return self._alone_times[frozen]
 
     def crossing(self, i: int, j: int) -> frozenset[str] | None:
@@ -304,11 +314,12 @@ class ChainDP:
         """What simulating segments ``i`` and ``j`` together (anchors assigned ``a`` and ``b``)
         adds to simulating each alone: only the ops at their border are priced again
         (:meth:`crossing`), from the per-op prices of the two simulations alone."""
-        alone = self.cost((i,), (a,)) + self.cost((j,), (b,))
+        (cost_i, before_i), (cost_j, before_j) = self._alone(i, a), self._alone(j, b)
+        alone = cost_i + cost_j
         if not math.isfinite(alone):
             return math.inf
         sub, key = self._window((i, j))
-        full = (key, tuple(sorted(a.items())), tuple(sorted(b.items())))
+        full = (key, _frozen(a), _frozen(b))
         if full not in self._borders:
             names = self.crossing(i, j)
             if names is None:
@@ -322,8 +333,8 @@ class ChainDP:
                 if laid not in self._steps:
                     self._steps[laid] = op_steps(sub, sched, names)
                 together = op_seconds(sub, sched, names, self.cal, self._steps[laid])
-                before = {**self._alone(i, a), **self._alone(j, b)}
-                self._borders[full] = sum(together.values()) - sum(before[n] for n in together)
+                before = (before_i[n] if n in before_i else before_j[n] for n in together)
+                self._borders[full] = sum(together.values()) - sum(before)
         return self._borders[full]
 
     def solve(self, candidates: Sequence[Sequence[dict]]) -> list[int]:
