@@ -185,6 +185,7 @@ class ChainDP:
         self._steps: dict = {}
         self._alone_times: dict = {}
         self._named: dict = {}
+        self._schedules: dict = {}
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
@@ -202,14 +203,15 @@ class ChainDP:
             key = self._ids.setdefault((structure(sub, (self.cal.backend,)), heads), len(self._ids))
             self._programs[segs] = (sub, key)
             seg = {o.name: k for k, g in enumerate(segs) for o in self.segments[g]}
-            shape = (structure(sub, ()), heads, tuple(seg[o.name] for o in sub.ops))
+            ties = tuple((position[a], position[b]) for a, b in sub.ties)
+            shape = (structure(sub, ()), heads, tuple(seg[o.name] for o in sub.ops), ties)
             self._layouts[segs] = self._layout_ids.setdefault(shape, len(self._layout_ids))
         return self._programs[segs]
 
     def _layout(self, segs: tuple[int, ...]) -> int:
-        """An integer naming the window's structure without its kernels (and which segment each
-        op is in): windows with equal integers are laid out alike under equal choices (the
-        windows of the layers of a deep network, whose kernels may differ)."""
+        """An integer naming the window's structure without its kernels (with which segment each
+        op is in, and its ties): windows with equal integers are laid out alike under equal
+        choices (the windows of the layers of a deep network, whose kernels may differ)."""
         self._window(segs)
         return self._layouts[segs]
 
@@ -269,11 +271,24 @@ class ChainDP:
             if named is None:
                 self._costs[full] = math.inf
             else:
-                sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
+                sched = self._schedule(segs, full[1], named)
                 time_s, self._op_times[full] = seconds(sub, sched, self.cal)
                 # the program's call is priced once, in total(), not once per window
                 self._costs[full] = time_s - self.cal.step_s
         return self._costs[full]
+
+    def _schedule(self, segs: tuple[int, ...], choices: tuple, named: dict) -> Schedule:
+        """The window's schedule of the ops ``named`` (the anchors' ``choices`` made), made once
+        for all the windows laid out alike (:meth:`_layout`)."""
+        sub, _ = self._window(segs)
+        laid = (self._layout(segs), choices)
+        if laid not in self._schedules:
+            sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
+            position = {o.name: k for k, o in enumerate(sub.ops)}
+            self._schedules[laid] = tuple((position[n], loops) for n, loops in sched.assign.items())
+            return sched
+        assign = {sub.ops[k].name: loops for k, loops in self._schedules[laid]}
+        return Schedule(sub, self.factor_size, assign)
 
     def _alone(self, g: int, assign: dict) -> tuple[float, dict[str, float]]:
         """Segment ``g`` simulated alone: its :meth:`cost` and each op's predicted seconds."""
