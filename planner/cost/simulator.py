@@ -349,13 +349,28 @@ def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: 
     return priced
 
 
-def op_steps(prog: Program, sched: Schedule, names) -> tuple[tuple[int, tuple], ...]:
-    """The ops ``names`` of ``prog`` under ``sched`` as ``(index in prog, step_key)``, in
-    program order: what :func:`op_seconds` prices them by, the same for a program of the same
-    structure under the same layouts (the chain DP's window of another layer)."""
+def op_steps(prog: Program, sched: Schedule, names=None) -> tuple[tuple[int, tuple], ...]:
+    """The ops ``names`` (default: all) of ``prog`` under ``sched`` as ``(index in prog,
+    step_key)``, in program order: what :func:`op_seconds` prices them by, the same for a
+    program of the same structure under the same layouts (the chain DP's window of another
+    layer)."""
     index = prog.index
     return tuple((index[st.op.name], step_key(st, sched))
                  for st in dataflow(prog, sched, only=names))  # fmt: skip
+
+
+def _memoized(prog: Program, sched: Schedule, cal: Calibration, steps):
+    """Each op at ``steps`` (:func:`op_steps`) with its price: memoized, else priced from its
+    step (the data flow walked for that op alone)."""
+    memo = _memo(prog, cal, sched.mesh)
+    fused = fusion(sched.program, cal.backend)
+    for k, key in steps:
+        op = prog.ops[k]
+        priced = memo.get((key, fused.key(op)))
+        if priced is None:
+            (st,) = dataflow(prog, sched, only=(op.name,))
+            priced = _priced(st, sched, sched.mesh, sched.factors, cal, memo, fused)
+        yield op, priced
 
 
 def op_seconds(prog: Program, sched: Schedule, names, calibration: Calibration | None = None,
@@ -365,18 +380,10 @@ def op_seconds(prog: Program, sched: Schedule, names, calibration: Calibration |
     ``steps``: :func:`op_steps` of ``names``, made for ``prog`` or a program of the same structure
     under the same layouts; the data flow is walked only for an op whose price is not memoized."""
     cal = calibration or Calibration.default()
-    sizes = sched.mesh
-    memo = _memo(prog, cal, sizes)
-    fused = fusion(sched.program, cal.backend)
     rolled = rolled_ops(prog)
+    steps = op_steps(prog, sched, names) if steps is None else steps
     out = {}
-    for k, key in op_steps(prog, sched, names) if steps is None else steps:
-        op = prog.ops[k]
-        priced = memo.get((key, fused.key(op)))
-        if priced is None:
-            (st,) = dataflow(prog, sched, only=(op.name,))
-            priced = _priced(st, sched, sizes, sched.factors, cal, memo, fused)
-        compute, comm_t, *_ = priced
+    for op, (compute, comm_t, *_) in _memoized(prog, sched, cal, steps):
         slower = cal.loop_body_factor if op.name in rolled else 1.0
         out[op.name] = (compute * slower + comm_t) * op.trips
     return out
@@ -391,28 +398,42 @@ def _trips(op: Op, priced: tuple, cal: Calibration, rolled: frozenset[str]) -> t
     return compute * op.trips, comm_t * op.trips
 
 
-def seconds(
-    prog: Program, sched: Schedule, calibration: Calibration | None = None
-) -> tuple[float, tuple[float, ...]]:
+Priced = tuple[tuple[tuple[int, tuple], ...], tuple[float, ...]]
+
+
+def window_steps(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Priced:
+    """What :func:`seconds` prices ``prog`` under ``sched`` by: every op's :func:`op_steps`, and
+    the seconds of returning each output evenly, the same for a program of the same structure
+    under the same layouts; its ops' prices are memoized."""
+    cal = calibration or Calibration.default()
+    steps = dataflow(prog, sched)
+    memo = _memo(prog, cal, sched.mesh)
+    fused = fusion(sched.program, cal.backend)
+    for st in steps:
+        _priced(st, sched, sched.mesh, sched.factors, cal, memo, fused)
+    made = made_specs(prog, sched, steps)
+    evenly = returned_evenly(prog, sched, made, output_specs(prog, sched, steps, made), cal)
+    return (tuple((k, step_key(st, sched)) for k, st in enumerate(steps)),
+            tuple(c.compute_s + c.comm_s for c in evenly))  # fmt: skip
+
+
+def seconds(prog: Program, sched: Schedule, calibration: Calibration | None = None,
+            steps: Priced | None = None) -> tuple[float, tuple[float, ...]]:  # fmt: skip
     """:func:`simulate`'s predicted time and the seconds of each of its costs (each op's kernel
     and communication, the even returns, the program's call), without its memory: what the
-    chain DP needs of a window."""
+    chain DP needs of a window. ``steps``: :func:`window_steps`, made for ``prog`` or a program
+    of the same structure under the same layouts."""
     cal = calibration or Calibration.default()
     if sched.stages:  # pipelines are priced as the whole simulation prices them
         pred = _simulate(prog, sched, cal)
         return pred.time_s, tuple(c.compute_s + c.comm_s for c in pred.ops)
-    steps = dataflow(prog, sched)
-    memo = _memo(prog, cal, sched.mesh)
-    fused = fusion(sched.program, cal.backend)
+    ops, evenly = window_steps(prog, sched, cal) if steps is None else steps
     rolled = rolled_ops(prog)
     out = []
-    for st in steps:
-        priced = _priced(st, sched, sched.mesh, sched.factors, cal, memo, fused)
-        kernel, comm = _trips(st.op, priced, cal, rolled)
+    for op, priced in _memoized(prog, sched, cal, ops):
+        kernel, comm = _trips(op, priced, cal, rolled)
         out.append(kernel + comm)
-    made = made_specs(prog, sched, steps)
-    evenly = returned_evenly(prog, sched, made, output_specs(prog, sched, steps, made), cal)
-    out += [c.compute_s + c.comm_s for c in evenly]
+    out += evenly
     if cal.step_s:
         out.append(cal.step_s + 0.0)
     return sum(out), tuple(out)

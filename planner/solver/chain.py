@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 
 from planner.cost.costs import FUSION_MODELS, KERNELS, fusion
-from planner.cost.simulator import PRICES, op_seconds, op_steps, seconds
+from planner.cost.simulator import PRICES, op_seconds, op_steps, seconds, window_steps
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
 from planner.program.schedule import Schedule, make_schedule
@@ -186,6 +186,7 @@ class ChainDP:
         self._alone_times: dict = {}
         self._named: dict = {}
         self._schedules: dict = {}
+        self._window_steps: dict = {}
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
@@ -272,7 +273,11 @@ class ChainDP:
                 self._costs[full] = math.inf
             else:
                 sched = self._schedule(segs, full[1], named)
-                time_s, self._op_times[full] = seconds(sub, sched, self.cal)
+                laid = (self._layout(segs), full[1])  # layouts walked once for windows alike
+                if laid not in self._window_steps:
+                    self._window_steps[laid] = window_steps(sub, sched, self.cal)
+                steps = self._window_steps[laid]
+                time_s, self._op_times[full] = seconds(sub, sched, self.cal, steps)
                 # the program's call is priced once, in total(), not once per window
                 self._costs[full] = time_s - self.cal.step_s
         return self._costs[full]
