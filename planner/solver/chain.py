@@ -139,8 +139,8 @@ def _frozen(assign: dict) -> tuple:
 
 def structure(prog: Program, backends: Sequence[str] = FUSION_MODELS) -> tuple:
     """A key equal for programs that differ only in names (and so cost the same): their ops'
-    kernels under the fusion models of ``backends`` included (:func:`planner.cost.costs.fusion`;
-    a calibration prices with its own backend's alone)."""
+    kernels under the fusion models of ``backends`` included, last in each op's entry
+    (:func:`planner.cost.costs.fusion`; a calibration prices with its own backend's alone)."""
     ids: dict[str, int] = {}
 
     def vid(v: Value) -> tuple:
@@ -151,8 +151,8 @@ def structure(prog: Program, backends: Sequence[str] = FUSION_MODELS) -> tuple:
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
-         tuple((vid(r.value), r.dims, r.halo) for r in o.results),
-         tuple(f.key(o) for f in fused), o.windows)
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results), o.windows,
+         tuple(f.key(o) for f in fused))
         for o in prog.ops
     )  # fmt: skip
     return ins, ops, tuple(vid(v) for v in prog.outputs)
@@ -201,11 +201,13 @@ class ChainDP:
             heads = tuple(
                 tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs
             )
-            key = self._ids.setdefault((structure(sub, (self.cal.backend,)), heads), len(self._ids))
+            ins, ops, outs = structure(sub, (self.cal.backend,))
+            key = self._ids.setdefault(((ins, ops, outs), heads), len(self._ids))
             self._programs[segs] = (sub, key)
             seg = {o.name: k for k, g in enumerate(segs) for o in self.segments[g]}
             ties = tuple((position[a], position[b]) for a, b in sub.ties)
-            shape = (structure(sub, ()), heads, tuple(seg[o.name] for o in sub.ops), ties)
+            bare = (ins, tuple(o[:-1] for o in ops), outs)  # without the kernels
+            shape = (bare, heads, tuple(seg[o.name] for o in sub.ops), ties)
             self._layouts[segs] = self._layout_ids.setdefault(shape, len(self._layout_ids))
         return self._programs[segs]
 
@@ -220,12 +222,16 @@ class ChainDP:
         """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
         propagated inside the segment only, so that a segment's layouts do not depend on its
         neighbours' choices and the cost decomposes."""
-        mine = (g, _frozen(anchor))
+        return self._grid(g, anchor, _frozen(anchor))
+
+    def _grid(self, g: int, anchor: dict, frozen: tuple) -> dict[str, dict] | None:
+        """:meth:`grids`, the anchor's choice ``frozen`` already (:func:`_frozen`)."""
+        mine = (g, frozen)
         if mine in self._named:
             return self._named[mine]
         sub, _ = self._window((g,))
-        frozen = (self._layout((g,)), mine[1])
-        if frozen not in self._grids:
+        laid = (self._layout((g,)), frozen)
+        if laid not in self._grids:
             try:
                 named = (
                     {o.name: anchor for o in [self.anchors[g], *self.siblings[g]]} if anchor else {}
@@ -239,10 +245,10 @@ class ChainDP:
                     a.value.name: head.spec(op, a) for a in op.operands if a.value.name in given
                 }
                 sched = make_schedule(sub, named, self.mesh, stored=seeds, xla=self.xla)
-                self._grids[frozen] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
+                self._grids[laid] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
             except ValueError:
-                self._grids[frozen] = None
-        per_position = self._grids[frozen]
+                self._grids[laid] = None
+        per_position = self._grids[laid]
         named = None
         if per_position is not None:
             named = {o.name: loops for o, loops in zip(sub.ops, per_position) if loops}
@@ -295,16 +301,17 @@ class ChainDP:
         assign = {sub.ops[k].name: loops for k, loops in self._schedules[laid]}
         return Schedule(sub, self.factor_size, assign)
 
-    def _alone(self, g: int, assign: dict) -> tuple[float, dict[str, float]]:
-        """Segment ``g`` simulated alone: its :meth:`cost` and each op's predicted seconds."""
-        frozen = (g, _frozen(assign))
-        if frozen not in self._alone_times:
+    def _alone(self, g: int, assign: dict, frozen: tuple) -> tuple[float, dict[str, float]]:
+        """Segment ``g`` simulated alone, its anchor assigned ``assign`` (``frozen``): its
+        :meth:`cost` and each op's predicted seconds."""
+        mine = (g, frozen)
+        if mine not in self._alone_times:
             cost, times = self.cost((g,), (assign,)), {}
             if math.isfinite(cost):
                 sub, key = self._window((g,))
-                times = dict(zip((o.name for o in sub.ops), self._op_times[(key, (frozen[1],))]))
-            self._alone_times[frozen] = (cost, times)
-        return self._alone_times[frozen]
+                times = dict(zip((o.name for o in sub.ops), self._op_times[(key, (frozen,))]))
+            self._alone_times[mine] = (cost, times)
+        return self._alone_times[mine]
 
     def crossing(self, i: int, j: int) -> frozenset[str] | None:
         """The ops of segments ``i`` and ``j`` whose price can change when the two are simulated
@@ -334,19 +341,21 @@ class ChainDP:
         """What simulating segments ``i`` and ``j`` together (anchors assigned ``a`` and ``b``)
         adds to simulating each alone: only the ops at their border are priced again
         (:meth:`crossing`), from the per-op prices of the two simulations alone."""
-        (cost_i, before_i), (cost_j, before_j) = self._alone(i, a), self._alone(j, b)
+        frozen_a, frozen_b = _frozen(a), _frozen(b)
+        cost_i, before_i = self._alone(i, a, frozen_a)
+        cost_j, before_j = self._alone(j, b, frozen_b)
         alone = cost_i + cost_j
         if not math.isfinite(alone):
             return math.inf
         sub, key = self._window((i, j))
-        full = (key, _frozen(a), _frozen(b))
+        full = (key, frozen_a, frozen_b)
         if full not in self._borders:
             names = self.crossing(i, j)
             if names is None:
                 both = self.cost((i, j), (a, b))
                 self._borders[full] = both - alone if math.isfinite(both) else math.inf
             else:
-                named = {**self.grids(i, a), **self.grids(j, b)}
+                named = {**self._grid(i, a, frozen_a), **self._grid(j, b, frozen_b)}
                 sched = Schedule(sub, self.factor_size, named)
                 # the border ops' layouts, walked once for all the windows laid out alike
                 laid = (self._layout((i, j)), *full[1:])
