@@ -39,7 +39,7 @@ import collections
 import math
 from collections.abc import Sequence
 
-from planner.cost.costs import FUSION_MODELS, KERNELS, fusion
+from planner.cost.costs import FUSION_MODELS, KERNELS, fusion, fusion_model
 from planner.cost.simulator import PRICES, op_seconds, op_steps, seconds, window_steps
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
@@ -107,9 +107,13 @@ def with_siblings(anchor_assign: dict, groups: Sequence[Sequence[Op]]) -> dict:
     return out
 
 
-def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
+def subprogram(
+    prog: Program, ops: Sequence[Op], backends: Sequence[str] = FUSION_MODELS
+) -> Program:
     """The program of ``ops`` alone: values they read but do not produce become its inputs, and
-    values read after it (or returned) its outputs; ties between its own ops are kept."""
+    values read after it (or returned) its outputs; ties between its own ops are kept. Its
+    kernels under ``backends`` are the whole program's (only those a calibration prices with need
+    be made)."""
     inside = {o.name for o in ops}
     produced = {r.value.name for o in ops for r in o.results}
     returned = {v.name for v in prog.outputs}
@@ -128,7 +132,7 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     # where the compiler's kernels end, which the whole program decides: windows share the
     # whole program's memo and fusion.
     PRICES.put(sub, PRICES.get(prog, dict))
-    KERNELS.put(sub, {b: fusion(prog, b) for b in FUSION_MODELS})
+    KERNELS.put(sub, {fusion_model(b): fusion(prog, b) for b in backends})
     return sub
 
 
@@ -196,7 +200,7 @@ class ChainDP:
         if segs not in self._programs:
             ops = sorted((o for s in segs for o in self.segments[s]),
                          key=lambda o: self._index[o.name])  # fmt: skip
-            sub = subprogram(self.prog, ops)
+            sub = subprogram(self.prog, ops, (self.cal.backend,))
             position = {o.name: k for k, o in enumerate(sub.ops)}
             heads = tuple(
                 tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs
