@@ -238,6 +238,11 @@ FOLDED_VIEWS = frozenset("reshape squeeze expand_dims transpose".split()) | IDEN
 KERNELS: PerObject[dict[str, Fusion]] = PerObject("kernels (fusion) per backend")
 
 
+def fusion_model(backend: str) -> str:
+    """The fusion model of :data:`FUSION_MODELS` that ``backend``'s compiler follows."""
+    return backend if backend in FUSION_MODELS else "tpu"
+
+
 def fusion(prog: Program, backend: str = "tpu") -> Fusion:
     """Where the ``backend``'s compiler begins and ends kernels in ``prog`` (cached on the
     program per backend).
@@ -254,7 +259,7 @@ def fusion(prog: Program, backend: str = "tpu") -> Fusion:
         (1,)
     """
     cache = KERNELS.get(prog, dict)
-    backend = backend if backend in FUSION_MODELS else "tpu"
+    backend = fusion_model(backend)
     if backend in cache:
         return cache[backend]
     separate = backend in SEPARATE_KERNELS

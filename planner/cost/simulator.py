@@ -43,8 +43,16 @@ import math
 
 import redist
 from planner.cost.buffers import ALL_REDUCE_THEN_SLICE, inlined_scans, kernel_copies, lifetimes
-from planner.cost.costs import DENSE, dense_kind, fusion, op_bytes, op_flops, padding_mask_flops
-from planner.layout.dataflow import dataflow, input_spec, made_specs, output_specs
+from planner.cost.costs import (
+    DENSE,
+    Fusion,
+    dense_kind,
+    fusion,
+    op_bytes,
+    op_flops,
+    padding_mask_flops,
+)
+from planner.layout.dataflow import Move, OpStep, dataflow, input_spec, made_specs, output_specs
 from planner.layout.staging import (
     circular_passes,
     circular_rounds,
@@ -217,6 +225,14 @@ def whole_reason(op: Op, factor_sizes: dict[str, int]) -> str:
     return "not worth splitting (it would cost more than it saves)"
 
 
+def _whole(op: Op, factor_sizes: dict[str, int], memo: dict) -> str:
+    """:func:`whole_reason`, memoized in ``memo`` (:func:`_memo`'s) by the op's signature."""
+    key = ("whole", op.signature_id)
+    if key not in memo:
+        memo[key] = whole_reason(op, factor_sizes)
+    return memo[key]
+
+
 def _plan_traffic(plan, cal: Calibration) -> list[Traffic]:
     """The collectives of a ``redist`` plan's steps, one :class:`Traffic` each."""
     return [Traffic(kind, 1, sent, seconds) for kind, seconds, sent in step_costs(plan, cal)]
@@ -250,7 +266,19 @@ def body_traffic(op: Op, sizes, m, cal: Calibration) -> list[Traffic]:
     return out
 
 
-def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
+def _move(mv: Move, m, cal: Calibration, memo: dict) -> tuple[list[Traffic], int, int]:
+    """A move's ``redist`` plan as (its collectives, its peak bytes, the bytes its steps read and
+    write), memoized in ``memo`` (:func:`_memo`'s) by the value's shape and dtype and the layouts:
+    the ops of every layer move alike."""
+    key = ("move", mv.value.shape, mv.value.dtype, mv.src, mv.dst)
+    if key not in memo:
+        plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
+        steps = sum(s.before.local_size + s.after.local_size for s in plan.steps)
+        memo[key] = (_plan_traffic(plan, cal), plan.peak_bytes, steps * plan.itemsize)
+    return memo[key]
+
+
+def _price(op, st, sched: Schedule, sizes, m, cal: Calibration, memo: dict):
     """One op's (compute s, communication s, wire bytes, transient bytes, bytes of each moved
     operand in its new layout, bytes of each result, bytes its kernel holds while it runs,
     (flops, transcendentals, bytes accessed), its collectives), per trip."""
@@ -261,13 +289,11 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
     if op.manual:  # the collectives the user's shard_map calls
         traffic += body_traffic(op, sizes, m, cal)
     for mv in st.moves:
-        plan = redist.plan(mv.value.shape, mv.src, mv.dst, m, dtype=mv.value.dtype)
-        traffic += _plan_traffic(plan, cal)
-        transient = max(transient, plan.peak_bytes)
+        collectives, peak, steps = _move(mv, m, cal, memo)
+        traffic += collectives
+        transient = max(transient, peak)
         moved.append(_bytes(mv.value.shape, mv.dst, sizes, mv.value.dtype))
-        accessed += sum(s.before.local_size + s.after.local_size for s in plan.steps) * (
-            plan.itemsize
-        )
+        accessed += steps
     outs = [
         _bytes(r.value.shape, sp, sizes, r.value.dtype) for r, sp in zip(op.results, st.out_specs)
     ]
@@ -333,34 +359,115 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration):
             tuple(traffic))  # fmt: skip
 
 
-def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict) -> tuple:
-    """:func:`_price` of one step, memoized by everything it depends on."""
+def step_key(st: OpStep, sched: Schedule) -> tuple:
+    """What the price of step ``st`` depends on besides its op's kernels (:meth:`Fusion.key`):
+    its op's signature and its layouts, equal for the like op of another window of a program
+    laid out alike (another layer's), whatever the names."""
     op = st.op
-    key = (op.signature, tuple((mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves),
-           tuple(sched.axes_of(op, lp.name) for lp in op.loops), st.in_specs, st.out_specs,
-           st.pending, st.scatter, fusion(sched.program, cal.backend).key(op))  # fmt: skip
+    loops = sched.assign.get(op.name)
+    split = tuple([loops.get(lp.name, ()) for lp in op.loops]) if loops else ((),) * len(op.loops)
+    moves = tuple([(mv.value.shape, mv.value.dtype, mv.src, mv.dst) for mv in st.moves])
+    return (op.signature_id, moves, split, st.in_specs, st.out_specs, st.pending, st.scatter)
+
+
+def _priced(st, sched: Schedule, sizes, m, cal: Calibration, memo: dict, fused: Fusion) -> tuple:
+    """:func:`_price` of one step, memoized by everything it depends on (``fused``: the
+    program's kernels under ``cal``'s backend)."""
+    key = (step_key(st, sched), fused.key(st.op))
     priced = memo.get(key)
     if priced is None:
-        priced = memo[key] = _price(op, st, sched, sizes, m, cal)
+        priced = memo[key] = _price(st.op, st, sched, sizes, m, cal, memo)
     return priced
 
 
-def op_seconds(
-    prog: Program, sched: Schedule, names, calibration: Calibration | None = None
-) -> dict[str, float]:
+def op_steps(prog: Program, sched: Schedule, names=None) -> tuple[tuple[int, tuple], ...]:
+    """The ops ``names`` (default: all) of ``prog`` under ``sched`` as ``(index in prog,
+    step_key)``, in program order: what :func:`op_seconds` prices them by, the same for a
+    program of the same structure under the same layouts (the chain DP's window of another
+    layer)."""
+    index = prog.index
+    return tuple((index[st.op.name], step_key(st, sched))
+                 for st in dataflow(prog, sched, only=names))  # fmt: skip
+
+
+def _memoized(prog: Program, sched: Schedule, cal: Calibration, steps):
+    """Each op at ``steps`` (:func:`op_steps`) with its price: memoized, else priced from its
+    step (the data flow walked for that op alone)."""
+    memo = _memo(prog, cal, sched.mesh)
+    fused = fusion(sched.program, cal.backend)
+    for k, key in steps:
+        op = prog.ops[k]
+        priced = memo.get((key, fused.key(op)))
+        if priced is None:
+            (st,) = dataflow(prog, sched, only=(op.name,))
+            priced = _priced(st, sched, sched.mesh, sched.factors, cal, memo, fused)
+        yield op, priced
+
+
+def op_seconds(prog: Program, sched: Schedule, names, calibration: Calibration | None = None,
+               steps: tuple[tuple[int, tuple], ...] | None = None) -> dict[str, float]:  # fmt: skip
     """Predicted seconds of the ops ``names`` alone (kernel and communication, times their trips),
-    without walking the rest of the program: the chain DP prices the ops at a border this way."""
+    without walking the rest of the program: the chain DP prices the ops at a border this way.
+    ``steps``: :func:`op_steps` of ``names``, made for ``prog`` or a program of the same structure
+    under the same layouts; the data flow is walked only for an op whose price is not memoized."""
     cal = calibration or Calibration.default()
-    sizes = sched.mesh
-    m = sched.factors
-    memo = _memo(prog, cal, sizes)
-    out = {}
     rolled = rolled_ops(prog)
-    for st in dataflow(prog, sched, only=names):
-        compute, comm_t, *_ = _priced(st, sched, sizes, m, cal, memo)
-        slower = cal.loop_body_factor if st.op.name in rolled else 1.0
-        out[st.op.name] = (compute * slower + comm_t) * st.op.trips
+    steps = op_steps(prog, sched, names) if steps is None else steps
+    out = {}
+    for op, (compute, comm_t, *_) in _memoized(prog, sched, cal, steps):
+        slower = cal.loop_body_factor if op.name in rolled else 1.0
+        out[op.name] = (compute * slower + comm_t) * op.trips
     return out
+
+
+def _trips(op: Op, priced: tuple, cal: Calibration, rolled: frozenset[str]) -> tuple[float, float]:
+    """An op's kernel and communication seconds over its trips (the kernels of loops the
+    compiler keeps rolled at the calibration's ``loop_body_factor``)."""
+    compute, comm_t = priced[0], priced[1]
+    if op.name in rolled:
+        compute *= cal.loop_body_factor
+    return compute * op.trips, comm_t * op.trips
+
+
+Priced = tuple[tuple[tuple[int, tuple], ...], tuple[float, ...]]
+
+
+def window_steps(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Priced:
+    """What :func:`seconds` prices ``prog`` under ``sched`` by: every op's :func:`op_steps`, and
+    the seconds of returning each output evenly, the same for a program of the same structure
+    under the same layouts; its ops' prices are memoized."""
+    cal = calibration or Calibration.default()
+    steps = dataflow(prog, sched)
+    memo = _memo(prog, cal, sched.mesh)
+    fused = fusion(sched.program, cal.backend)
+    for st in steps:
+        _priced(st, sched, sched.mesh, sched.factors, cal, memo, fused)
+    made = made_specs(prog, sched, steps)
+    evenly = returned_evenly(prog, sched, made, output_specs(prog, sched, steps, made), cal)
+    return (tuple((k, step_key(st, sched)) for k, st in enumerate(steps)),
+            tuple(c.compute_s + c.comm_s for c in evenly))  # fmt: skip
+
+
+def seconds(prog: Program, sched: Schedule, calibration: Calibration | None = None,
+            steps: Priced | None = None) -> tuple[float, tuple[float, ...]]:  # fmt: skip
+    """:func:`simulate`'s predicted time and the seconds of each of its costs (each op's kernel
+    and communication, the even returns, the program's call), without its memory: what the
+    chain DP needs of a window. ``steps``: :func:`window_steps`, made for ``prog`` or a program
+    of the same structure under the same layouts."""
+    cal = calibration or Calibration.default()
+    if sched.stages:  # pipelines are priced as the whole simulation prices them
+        pred = _simulate(prog, sched, cal)
+        return pred.time_s, tuple(c.compute_s + c.comm_s for c in pred.ops)
+    ops, evenly = window_steps(prog, sched, cal) if steps is None else steps
+    rolled = rolled_ops(prog)
+    out = []
+    for op, priced in _memoized(prog, sched, cal, ops):
+        kernel, comm = _trips(op, priced, cal, rolled)
+        out.append(kernel + comm)
+    out += evenly
+    if cal.step_s:
+        out.append(cal.step_s + 0.0)
+    return sum(out), tuple(out)
 
 
 def simulate(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Prediction:
@@ -695,7 +802,8 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     steps = dataflow(prog, sched)
     lt = lifetimes(prog, cal.backend)
     memo = _memo(prog, cal, sizes)
-    priced = [_priced(st, sched, sizes, m, cal, memo) for st in steps]
+    fused = fusion(sched.program, cal.backend)
+    priced = [_priced(st, sched, sizes, m, cal, memo, fused) for st in steps]
     made = made_specs(prog, sched, steps)
     returned = output_specs(prog, sched, steps, made)
     fixed, outputs = _fixed(prog, sched, steps, priced, sizes, lt, returned)
@@ -755,12 +863,14 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         names: dict = {}  # (live buffer (value name, or other), last op) -> bytes
     rolled = rolled_ops(prog)
     for k, st in enumerate(steps):
-        compute, comm_t, wire, transient, moved, outs, kernel, counts, traffic = priced[k]
+        _, _, wire, transient, moved, outs, kernel, counts, traffic = priced[k]
         live += grow[k]
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
         scratch += 0 if k in members else partial
-        scratch //= max((micro.get(r.value.name, 1) for r in st.op.results), default=1)
+        scratch //= (
+            max((micro.get(r.value.name, 1) for r in st.op.results), default=1) if micro else 1
+        )
         now = base + live + scratch
         if on_peak is not None:
             for key, size, end in starts.get(k, ()):
@@ -774,14 +884,13 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
                 on_peak(st.op.name, fixed, values, others, scratch)
             names = {(key, end): b for (key, end), b in names.items() if end > k}
         peak = max(peak, now)
-        if st.op.name in rolled:  # a kernel of a loop the compiler keeps rolled
-            compute *= cal.loop_body_factor
         trips, op = st.op.trips, st.op
+        kernel_s, comm_s = _trips(op, priced[k], cal, rolled)
         split = op.how == "region" or any(sched.assign.get(op.name, {}).values()) or st.pending
-        costs.append(OpCost(op.name, compute * trips, comm_t * trips, wire * trips, now,
+        costs.append(OpCost(op.name, kernel_s, comm_s, wire * trips, now,
                             counts[0] * trips, counts[2] * trips,
-                            tuple(t.times(trips) for t in traffic),
-                            None if split else whole_reason(op, sizes)))  # fmt: skip
+                            tuple([t.times(trips) for t in traffic]),
+                            None if split else _whole(op, sizes, memo)))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
         live -= release[k]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)

@@ -85,6 +85,8 @@ def _outputs(prog: Program, sched: Schedule, op: Op):
     """The layouts ``op`` leaves its results in, its pending axes, their combination, and which
     result dimension a reduce-scatter splits (see :class:`OpStep`)."""
     out_specs = [sched.spec(op, r) for r in op.results]
+    if not op.reductions:  # no partial results (most ops)
+        return tuple(out_specs), (), "sum", (None,) * len(out_specs)
     pending = sched.pending(op)
     combine = sched.combine(op)
     scatter: list[int | None] = [None] * len(op.results)

@@ -24,6 +24,7 @@ import numpy as np
 from planner.program.halo import Window
 
 Dims = tuple[tuple[str, ...], ...]
+SIGNATURES: dict[tuple, int] = {}  # Op.signature -> Op.signature_id, for every op made
 
 DENSE = frozenset({"dot_general", "conv_general_dilated"})  # ops costing 2 flops per loop point
 KEY_ITEMSIZE = {"fry": 8, "rbg": 16, "unsafe_rbg": 16}  # bytes of one PRNG key, by implementation
@@ -153,6 +154,12 @@ class Op:
                 tuple(map(access, self.operands)), tuple(map(access, self.results)),
                 self.windows, self.manual,
                 tuple((b.signature, b.trips) for b in self.body))  # fmt: skip
+
+    @functools.cached_property
+    def signature_id(self) -> int:
+        """A small integer naming :attr:`signature` (equal for equal signatures): a memo key
+        that hashes and compares at once where the signature is a deep tuple."""
+        return SIGNATURES.setdefault(self.signature, len(SIGNATURES))
 
     @property
     def flops(self) -> int:

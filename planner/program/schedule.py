@@ -208,9 +208,19 @@ class Schedule:
     def spec(self, op: Op, access: Access) -> Spec:
         """The layout ``access`` has under this schedule (operand required / result produced).
         A pipelined scan's stacked inputs and outputs have their layer axis over its stages."""
-        loops = self.assign.get(op.name) or {}
-        spec = tuple(tuple(a for lp in d for a in loops.get(lp, ())) for d in access.dims)
-        staged = self.staged.get(op.name)
+        loops = self.assign.get(op.name)
+        if not loops:  # called a million times in a search: the common cases first
+            spec: Spec = ((),) * len(access.dims)
+        else:
+            spec = tuple(
+                [
+                    loops.get(d[0], ())
+                    if len(d) == 1
+                    else tuple([a for lp in d for a in loops.get(lp, ())])
+                    for d in access.dims
+                ]
+            )
+        staged = self.staged.get(op.name) if self.stages else None
         if staged and access is (op.operands[0] if op.primitive == "scan_xs" else op.results[0]):
             spec = (staged, *spec[1:])
         return spec

@@ -39,8 +39,8 @@ import collections
 import math
 from collections.abc import Sequence
 
-from planner.cost.costs import FUSION_MODELS, KERNELS, fusion
-from planner.cost.simulator import PRICES, op_seconds, simulate
+from planner.cost.costs import FUSION_MODELS, KERNELS, fusion, fusion_model
+from planner.cost.simulator import PRICES, op_seconds, op_steps, seconds, window_steps
 from planner.program.ir import Program
 from planner.program.ops import Op, Value
 from planner.program.schedule import Schedule, make_schedule
@@ -107,9 +107,13 @@ def with_siblings(anchor_assign: dict, groups: Sequence[Sequence[Op]]) -> dict:
     return out
 
 
-def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
+def subprogram(
+    prog: Program, ops: Sequence[Op], backends: Sequence[str] = FUSION_MODELS
+) -> Program:
     """The program of ``ops`` alone: values they read but do not produce become its inputs, and
-    values read after it (or returned) its outputs; ties between its own ops are kept."""
+    values read after it (or returned) its outputs; ties between its own ops are kept. Its
+    kernels under ``backends`` are the whole program's (only those a calibration prices with need
+    be made)."""
     inside = {o.name for o in ops}
     produced = {r.value.name for o in ops for r in o.results}
     returned = {v.name for v in prog.outputs}
@@ -128,25 +132,31 @@ def subprogram(prog: Program, ops: Sequence[Op]) -> Program:
     # where the compiler's kernels end, which the whole program decides: windows share the
     # whole program's memo and fusion.
     PRICES.put(sub, PRICES.get(prog, dict))
-    KERNELS.put(sub, {b: fusion(prog, b) for b in FUSION_MODELS})
+    KERNELS.put(sub, {fusion_model(b): fusion(prog, b) for b in backends})
     return sub
 
 
-def structure(prog: Program) -> tuple:
+def _frozen(assign: dict) -> tuple:
+    """An assignment (loop -> axes) as a hashable key."""
+    return tuple(sorted(assign.items()))
+
+
+def structure(prog: Program, backends: Sequence[str] = FUSION_MODELS) -> tuple:
     """A key equal for programs that differ only in names (and so cost the same): their ops'
-    kernels included (:func:`planner.cost.costs.fusion`)."""
+    kernels under the fusion models of ``backends`` included, last in each op's entry
+    (:func:`planner.cost.costs.fusion`; a calibration prices with its own backend's alone)."""
     ids: dict[str, int] = {}
 
     def vid(v: Value) -> tuple:
         return (ids.setdefault(v.name, len(ids)), v.shape, v.dtype)
 
     ins = tuple(vid(v) for v in prog.inputs)
-    fused = [fusion(prog, b) for b in FUSION_MODELS]
+    fused = [fusion(prog, b) for b in backends]
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
-         tuple((vid(r.value), r.dims, r.halo) for r in o.results),
-         tuple(f.key(o) for f in fused), o.windows)
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results), o.windows,
+         tuple(f.key(o) for f in fused))
         for o in prog.ops
     )  # fmt: skip
     return ins, ops, tuple(vid(v) for v in prog.outputs)
@@ -174,30 +184,58 @@ class ChainDP:
         self._op_times: dict = {}
         self._borders: dict = {}
         self._border_ops: dict = {}
+        self._layouts: dict[tuple[int, ...], int] = {}
+        self._layout_ids: dict = {}
+        self._steps: dict = {}
+        self._alone_times: dict = {}
+        self._named: dict = {}
+        self._schedules: dict = {}
+        self._window_steps: dict = {}
         self.evaluations = 0
 
     def _window(self, segs: tuple[int, ...]) -> tuple[Program, int]:
         """The window's program and an integer naming its structure (with where its segments'
-        anchors and siblings sit): windows with equal integers cost the same."""
+        anchors and siblings sit): windows with equal integers cost the same. Its layouts are
+        named by :meth:`_layout`."""
         if segs not in self._programs:
             ops = sorted((o for s in segs for o in self.segments[s]),
                          key=lambda o: self._index[o.name])  # fmt: skip
-            sub = subprogram(self.prog, ops)
+            sub = subprogram(self.prog, ops, (self.cal.backend,))
             position = {o.name: k for k, o in enumerate(sub.ops)}
             heads = tuple(
                 tuple(position[o.name] for o in [self.anchors[g], *self.siblings[g]]) for g in segs
             )
-            key = self._ids.setdefault((structure(sub), heads), len(self._ids))
+            ins, ops, outs = structure(sub, (self.cal.backend,))
+            key = self._ids.setdefault(((ins, ops, outs), heads), len(self._ids))
             self._programs[segs] = (sub, key)
+            seg = {o.name: k for k, g in enumerate(segs) for o in self.segments[g]}
+            ties = tuple((position[a], position[b]) for a, b in sub.ties)
+            bare = (ins, tuple(o[:-1] for o in ops), outs)  # without the kernels
+            shape = (bare, heads, tuple(seg[o.name] for o in sub.ops), ties)
+            self._layouts[segs] = self._layout_ids.setdefault(shape, len(self._layout_ids))
         return self._programs[segs]
+
+    def _layout(self, segs: tuple[int, ...]) -> int:
+        """An integer naming the window's structure without its kernels (with which segment each
+        op is in, and its ties): windows with equal integers are laid out alike under equal
+        choices (the windows of the layers of a deep network, whose kernels may differ)."""
+        self._window(segs)
+        return self._layouts[segs]
 
     def grids(self, g: int, anchor: dict) -> dict[str, dict] | None:
         """The loops of every op of segment ``g`` when its anchor is assigned ``anchor``:
         propagated inside the segment only, so that a segment's layouts do not depend on its
         neighbours' choices and the cost decomposes."""
-        sub, key = self._window((g,))
-        frozen = (key, tuple(sorted(anchor.items())))
-        if frozen not in self._grids:
+        return self._grid(g, anchor, _frozen(anchor))
+
+    def _grid(self, g: int, anchor: dict, frozen: tuple) -> dict[str, dict] | None:
+        """:meth:`grids`, the anchor's choice ``frozen`` already (:func:`_frozen`)."""
+        mine = (g, frozen)
+        if mine in self._named:
+            return self._named[mine]
+        sub, _ = self._window((g,))
+        laid = (self._layout((g,)), frozen)
+        if laid not in self._grids:
             try:
                 named = (
                     {o.name: anchor for o in [self.anchors[g], *self.siblings[g]]} if anchor else {}
@@ -211,13 +249,15 @@ class ChainDP:
                     a.value.name: head.spec(op, a) for a in op.operands if a.value.name in given
                 }
                 sched = make_schedule(sub, named, self.mesh, stored=seeds, xla=self.xla)
-                self._grids[frozen] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
+                self._grids[laid] = tuple(sched.assign.get(o.name, {}) for o in sub.ops)
             except ValueError:
-                self._grids[frozen] = None
-        per_position = self._grids[frozen]
-        if per_position is None:
-            return None
-        return {o.name: loops for o, loops in zip(sub.ops, per_position) if loops}
+                self._grids[laid] = None
+        per_position = self._grids[laid]
+        named = None
+        if per_position is not None:
+            named = {o.name: loops for o, loops in zip(sub.ops, per_position) if loops}
+        self._named[mine] = named
+        return named
 
     def assignment(self, anchors: Sequence[dict]) -> dict[str, dict] | None:
         """Every op's loops for the given anchor assignments (one per segment), or ``None``."""
@@ -232,7 +272,7 @@ class ChainDP:
     def cost(self, segs: tuple[int, ...], assigns: tuple[dict, ...]) -> float:
         """Predicted time of the segments ``segs`` alone, their anchors assigned ``assigns``."""
         sub, key = self._window(segs)
-        full = (key, tuple(tuple(sorted(a.items())) for a in assigns))
+        full = (key, tuple(_frozen(a) for a in assigns))
         if full not in self._costs:
             self.evaluations += 1
             named: dict[str, dict] | None = {}
@@ -242,20 +282,40 @@ class ChainDP:
             if named is None:
                 self._costs[full] = math.inf
             else:
-                sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
-                pred = simulate(sub, sched, self.cal)
+                sched = self._schedule(segs, full[1], named)
+                laid = (self._layout(segs), full[1])  # layouts walked once for windows alike
+                if laid not in self._window_steps:
+                    self._window_steps[laid] = window_steps(sub, sched, self.cal)
+                steps = self._window_steps[laid]
+                time_s, self._op_times[full] = seconds(sub, sched, self.cal, steps)
                 # the program's call is priced once, in total(), not once per window
-                self._costs[full] = pred.time_s - self.cal.step_s
-                self._op_times[full] = tuple(c.compute_s + c.comm_s for c in pred.ops)
+                self._costs[full] = time_s - self.cal.step_s
         return self._costs[full]
 
-    def _alone(self, g: int, assign: dict) -> dict[str, float]:
-        """Per op of segment ``g``, its predicted seconds when the segment is simulated alone."""
-        if not math.isfinite(self.cost((g,), (assign,))):
-            return {}
-        sub, key = self._window((g,))
-        times = self._op_times[(key, (tuple(sorted(assign.items())),))]
-        return {o.name: t for o, t in zip(sub.ops, times)}
+    def _schedule(self, segs: tuple[int, ...], choices: tuple, named: dict) -> Schedule:
+        """The window's schedule of the ops ``named`` (the anchors' ``choices`` made), made once
+        for all the windows laid out alike (:meth:`_layout`)."""
+        sub, _ = self._window(segs)
+        laid = (self._layout(segs), choices)
+        if laid not in self._schedules:
+            sched = make_schedule(sub, named, self.mesh, default="replicate", xla=self.xla)
+            position = {o.name: k for k, o in enumerate(sub.ops)}
+            self._schedules[laid] = tuple((position[n], loops) for n, loops in sched.assign.items())
+            return sched
+        assign = {sub.ops[k].name: loops for k, loops in self._schedules[laid]}
+        return Schedule(sub, self.factor_size, assign)
+
+    def _alone(self, g: int, assign: dict, frozen: tuple) -> tuple[float, dict[str, float]]:
+        """Segment ``g`` simulated alone, its anchor assigned ``assign`` (``frozen``): its
+        :meth:`cost` and each op's predicted seconds."""
+        mine = (g, frozen)
+        if mine not in self._alone_times:
+            cost, times = self.cost((g,), (assign,)), {}
+            if math.isfinite(cost):
+                sub, key = self._window((g,))
+                times = dict(zip((o.name for o in sub.ops), self._op_times[(key, (frozen,))]))
+            self._alone_times[mine] = (cost, times)
+        return self._alone_times[mine]
 
     def crossing(self, i: int, j: int) -> frozenset[str] | None:
         """The ops of segments ``i`` and ``j`` whose price can change when the two are simulated
@@ -285,22 +345,29 @@ class ChainDP:
         """What simulating segments ``i`` and ``j`` together (anchors assigned ``a`` and ``b``)
         adds to simulating each alone: only the ops at their border are priced again
         (:meth:`crossing`), from the per-op prices of the two simulations alone."""
-        alone = self.cost((i,), (a,)) + self.cost((j,), (b,))
+        frozen_a, frozen_b = _frozen(a), _frozen(b)
+        cost_i, before_i = self._alone(i, a, frozen_a)
+        cost_j, before_j = self._alone(j, b, frozen_b)
+        alone = cost_i + cost_j
         if not math.isfinite(alone):
             return math.inf
         sub, key = self._window((i, j))
-        full = (key, tuple(sorted(a.items())), tuple(sorted(b.items())))
+        full = (key, frozen_a, frozen_b)
         if full not in self._borders:
             names = self.crossing(i, j)
             if names is None:
                 both = self.cost((i, j), (a, b))
                 self._borders[full] = both - alone if math.isfinite(both) else math.inf
             else:
-                named = {**self.grids(i, a), **self.grids(j, b)}
+                named = {**self._grid(i, a, frozen_a), **self._grid(j, b, frozen_b)}
                 sched = Schedule(sub, self.factor_size, named)
-                together = op_seconds(sub, sched, names, self.cal)
-                before = {**self._alone(i, a), **self._alone(j, b)}
-                self._borders[full] = sum(together.values()) - sum(before[n] for n in together)
+                # the border ops' layouts, walked once for all the windows laid out alike
+                laid = (self._layout((i, j)), *full[1:])
+                if laid not in self._steps:
+                    self._steps[laid] = op_steps(sub, sched, names)
+                together = op_seconds(sub, sched, names, self.cal, self._steps[laid])
+                before = (before_i[n] if n in before_i else before_j[n] for n in together)
+                self._borders[full] = sum(together.values()) - sum(before)
         return self._borders[full]
 
     def solve(self, candidates: Sequence[Sequence[dict]]) -> list[int]:

@@ -324,17 +324,17 @@ def _valid(op: Op, wanted: dict[str, tuple[str, ...]], sizes) -> dict[str, tuple
     return out
 
 
-def _schedule(prog: Program, classes: _Classes, rule: _Rule, sizes) -> Schedule:
-    """Every op and every parameter input laid out by ``rule``."""
+def _schedule(prog: Program, classes: tuple[dict, dict], rule: _Rule, sizes) -> Schedule:
+    """Every op and every parameter input laid out by ``rule`` (``classes``: the classes of each
+    op's loops and of each input's dimensions, by name, :class:`_Classes`)."""
     assign = {}
+    loops, dims = classes
     for o in prog.ops:
-        axes = rule(
-            [lp.extent for lp in o.loops], [classes.find((o.name, lp.name)) for lp in o.loops]
-        )
+        axes = rule([lp.extent for lp in o.loops], loops[o.name])
         assign[o.name] = _valid(o, {lp.name: a for lp, a in zip(o.loops, axes) if a}, sizes)
     stored = {}
     for v in prog.inputs:
-        cls = [classes.find((v.name, d)) for d in range(len(v.shape))]
+        cls = dims[v.name]
         if rule.batch in cls:
             continue  # a batch input: laid out as its first consumer reads it
         spec = rule(v.shape, cls)
@@ -399,7 +399,9 @@ def expert_schedules(
             raise ValueError("the Megatron dimensions of this program are linked to its batch")
         rules["fsdp_tensor"] = _Rule(batch, data, frozenset(model), tensor_axis,
                                      frozenset(width - model), stacked)  # fmt: skip
-    return {name: _schedule(prog, classes, rule, sizes) for name, rule in rules.items()}
+    loops = {o.name: [classes.find((o.name, lp.name)) for lp in o.loops] for o in prog.ops}
+    dims = {v.name: [classes.find((v.name, d)) for d in range(len(v.shape))] for v in prog.inputs}
+    return {name: _schedule(prog, (loops, dims), rule, sizes) for name, rule in rules.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -211,3 +211,31 @@ def test_a_rolled_loop_and_fixed_costs_are_priced_where_the_calibration_says():
         assert fixed.time_s == pytest.approx(times[key]["plain"] + 1.0 + kernels * 1e-3)
     assert times["rolled"]["plain"] == pytest.approx(times["unrolled"]["plain"])
     assert times["rolled"]["h100"] > 1.2 * times["unrolled"]["h100"]
+
+
+@pytest.mark.parametrize("program", ["scan_layers_grad", "embedding_grad", "mlp_training_step"])
+@pytest.mark.parametrize("cal_name", ["cpu", "h100_sxm"])
+def test_seconds_are_the_simulations_time_and_costs_to_the_bit(program, cal_name):
+    """simulator.seconds (the chain DP's price of a window: no memory) gives the simulation's
+    time and each of its costs' seconds exactly, for random schedules that split loops unevenly
+    (outputs returned evenly), rolled loops and fixed costs (the H100's), and a window laid out
+    alike priced from another's steps (window_steps)."""
+    import random
+
+    from planner_programs import PROGRAMS, random_schedule
+
+    from planner.cost.simulator import seconds, window_steps
+    from planner.program.schedule import make_schedule
+
+    cal = Calibration.named(cal_name)
+    fn, make = PROGRAMS[program]
+    prog = planner.analyze(fn, *make(np.random.default_rng(0)))
+    sizes = {"a": 2, "b": 3, "c": 2}
+    rng = random.Random(0)
+    for _ in range(4):
+        sched = make_schedule(prog, random_schedule(prog, sizes, rng, xla=True), sizes,
+                              default="replicate", xla=True)  # fmt: skip
+        pred = simulate(prog, sched, cal)
+        want = (pred.time_s, tuple(c.compute_s + c.comm_s for c in pred.ops))
+        assert seconds(prog, sched, cal) == want
+        assert seconds(prog, sched, cal, window_steps(prog, sched, cal)) == want

@@ -11,9 +11,10 @@ from planner_programs import chain, rand
 
 import planner
 from experiments.workloads import workload
+from planner.cost.simulator import op_seconds, seconds
 from planner.layout.dataflow import dataflow
-from planner.program.schedule import make_schedule
-from planner.solver.chain import ChainDP
+from planner.program.schedule import Schedule, make_schedule
+from planner.solver.chain import ChainDP, subprogram
 from planner.solver.schedule_search import _options, anchors, groups, search
 from redist.calibration import Calibration
 
@@ -103,6 +104,50 @@ def test_border_priced_from_its_ops_equals_simulating_the_pair(kind, sizes):
                 assert dp.border(i, j, a, b) == pytest.approx(together - alone, abs=1e-15)
                 checked += 1
     assert checked > 20
+
+
+def test_windows_of_layers_laid_out_alike_share_their_layouts_and_price_exactly():
+    """A deep transformer's layers give windows laid out alike whose kernels differ (the
+    residual chain's reads grow with depth), so the DP walks their layouts once: every segment
+    cost and border it prices equals pricing that window from its own data flow, to the bit, and
+    does not depend on which window of the layers was priced first."""
+    prog = _program("transformer", [4, 16, 2, 4, 4])
+    cal = Calibration.default()
+    cands = _whole_mesh_candidates(prog, MESH)
+    forward = ChainDP(prog, groups(prog), MESH, cal)
+    backward = ChainDP(prog, groups(prog), MESH, cal)
+    pairs = [(i, j, a, b) for i, j in forward.edges
+             for a, b in itertools.product(cands[i], cands[j])]  # fmt: skip
+    priced = [forward.border(*p) for p in pairs]
+    assert [backward.border(*p) for p in reversed(pairs)] == priced[::-1]
+
+    def window(*segs):
+        ops = sorted(
+            (o for s in segs for o in forward.segments[s]), key=lambda o: prog.index[o.name]
+        )
+        return subprogram(prog, ops)
+
+    def alone(g, a):
+        sub = window(g)
+        sched = make_schedule(sub, forward.grids(g, a), MESH, default="replicate")
+        time_s, times = seconds(sub, sched, cal)
+        return time_s - cal.step_s, dict(zip((o.name for o in sub.ops), times))
+
+    checked = 0
+    for i, j, a, b in pairs:
+        names = forward.crossing(i, j)
+        if names is None or forward.grids(i, a) is None or forward.grids(j, b) is None:
+            continue
+        (cost_i, before_i), (cost_j, before_j) = alone(i, a), alone(j, b)
+        assert (forward.cost((i,), (a,)), forward.cost((j,), (b,))) == (cost_i, cost_j)
+        sub = window(i, j)
+        named = {**forward.grids(i, a), **forward.grids(j, b)}
+        together = op_seconds(sub, Schedule(sub, forward.factor_size, named), names, cal)
+        before = {**before_i, **before_j}
+        want = sum(together.values()) - sum(before[n] for n in together)
+        assert forward.border(i, j, a, b) == want
+        checked += 1
+    assert checked > 100
 
 
 def _psums(prog, sched):
