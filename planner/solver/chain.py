@@ -155,8 +155,8 @@ def structure(prog: Program, backends: Sequence[str] = FUSION_MODELS) -> tuple:
     ops = tuple(
         (o.primitive, o.loops, o.reductions, o.how, o.trips,
          tuple((vid(a.value), a.dims, a.halo) for a in o.operands),
-         tuple((vid(r.value), r.dims, r.halo) for r in o.results), o.windows,
-         tuple(f.key(o) for f in fused))
+         tuple((vid(r.value), r.dims, r.halo) for r in o.results), o.windows, o.manual,
+         tuple((b.signature_id, b.trips) for b in o.body), tuple(f.key(o) for f in fused))
         for o in prog.ops
     )  # fmt: skip
     return ins, ops, tuple(vid(v) for v in prog.outputs)
