@@ -291,7 +291,9 @@ def report_code(rows: list[dict]) -> str:
         "| estimate s | / recipe | MFU implied | MFU published | search s | compile checks |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    order = {name: k for k, name in enumerate(CODE_RECIPES)}
+    for r in sorted(rows, key=lambda r: (order.get(r["recipe"], len(order)),
+                                         CODE_STRATEGIES.index(r["strategy"]))):  # fmt: skip
         pred, comp = r.get("predicted_peak_bytes"), r.get("compiled_bytes")
         ratio = f"{pred / comp:.2f}" if pred and comp else "n/a"
         est, ref = r.get("estimate_s"), recipe_s.get(r["recipe"])
@@ -301,7 +303,7 @@ def report_code(rows: list[dict]) -> str:
         lines.append(
             f"| {r['recipe']} | {r['strategy']} | {_gb(comp)} | "
             f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | "
-            f"{f'{est:.3g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {_seconds(r)} | "
+            f"{f'{est:.4g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {_seconds(r)} | "
             f"{_checks(r.get('memory_checks'))} |"
         )
     return "\n".join(lines) + "\n"

@@ -474,7 +474,7 @@ def run(config, workdir: str) -> list[dict]:
             f.write(depth_report(swept))
     with open(os.path.join(workdir, "code_config.json" if code else "config.json"), "w") as f:
         f.write(config.to_json())
-    print(f"recipes: {len(rows)} rows; see {workdir}/report.md")
+    print(f"recipes: {len(rows)} rows; see {workdir}/{'code_report.md' if code else 'report.md'}")
     return rows
 
 

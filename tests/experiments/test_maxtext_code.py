@@ -55,6 +55,6 @@ def test_the_table_compares_each_plan_with_its_recipe():
         {"recipe": "r", "strategy": "searched", "compiled_bytes": 40e9, "fits": True,
          "predicted_peak_bytes": 38e9, "estimate_s": 1.8, "mfu": 0.71, "search_s": 12.0},
     ]  # fmt: skip
-    table = report_code(rows).splitlines()
+    table = report_code(rows[::-1]).splitlines()  # the recipe's row first
     assert table[2].startswith("| r | recipe | 50 | yes | n/a | n/a | 2 | 1.00x | 64.0 % | 65.0 %")
     assert table[3].startswith("| r | searched | 40 | yes | 38 | 0.95 | 1.8 | 0.90x | 71.0 % | n/a")
