@@ -14,8 +14,12 @@ import sys
 import pytest
 
 LIBRARIES = ("maxtext", "keras_hub", "gemma")
-SOURCES = {"maxtext": "nnx_decoders.py", "maxtext_deepseek3": "attention_mla.py",
-           "keras": "llama_decoder.py", "gemma": "_modules.py"}  # fmt: skip
+SOURCES = {"maxtext": "nnx_decoders.py", "keras": "llama_decoder.py", "gemma": "_modules.py"}
+
+# The state after two AdamW steps, relative to each leaf's largest value: an update is about the
+# learning rate times the sign of the gradient, so a gradient at rounding level (gemma's bfloat16
+# products) may move a weight the other way. The loss is held to 1e-5 for every library.
+TOLERANCE = {"gemma": 1e-2}
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,7 +44,7 @@ def rows(tmp_path_factory):
         return {r["library"]: r for r in json.load(f)}
 
 
-@pytest.mark.parametrize("library", ["maxtext", "maxtext_deepseek3", "keras", "gemma"])
+@pytest.mark.parametrize("library", ["maxtext", "keras", "gemma"])
 def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     """Two steps of the plan equal two of the authors' layout (float32, reassociated sums: the
     loss; the state where AdamW's first step does not amplify rounding, see the experiment);
@@ -50,7 +54,7 @@ def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     r = rows[library]
     assert "skipped" not in r, r.get("skipped")
     assert r["metrics_difference"] < 1e-5
-    assert r["difference"] < (1e-2 if library == "gemma" else 1e-4)
+    assert r["difference"] < TOLERANCE.get(library, 1e-4)
     assert r["not_understood"] == []
     assert SOURCES[library] in r["sources"], r["sources"]
     assert r["predicted_plan_ms"] <= r["predicted_authors_ms"] * 1.03
