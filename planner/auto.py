@@ -188,7 +188,7 @@ def plan(
                            signature=sig, out_tree=out_tree, search_s=searching[0],
                            replicated=replicated(prog, sizes, calibration),
                            donate_argnums=_argnums(donate_argnums, len(args)), remat=remat,
-                           asked=requested.asked(prog, shape, xla_only_splits))  # fmt: skip
+                           asked=requested.asked(prog, shape, xla_only_splits, calibration))  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None
@@ -376,7 +376,7 @@ def price(
     calibration = calibration or default_calibration(mesh)
     requested = _requested(prog, values, positional, in_shardings, constraints, shape,
                            xla_only_splits)  # fmt: skip
-    sched = requested.schedule(prog, shape, xla_only_splits)
+    sched = requested.schedule(prog, shape, xla_only_splits, calibration)
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan.of(prog, sched, mesh, prediction=simulate(prog, sched, calibration),
                        calibration=calibration, signature=sig, out_tree=out_tree,

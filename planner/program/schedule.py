@@ -367,6 +367,7 @@ def make_schedule(
     default="propagate",
     stored: Mapping[str, Sequence] | None = None,
     xla: bool = False,
+    order: str = "largest",
 ) -> Schedule:
     """Validate the named ops' assignments and complete the others (``default``).
 
@@ -376,6 +377,7 @@ def make_schedule(
     propagation starts from it. Other inputs are stored as their first consumer needs them.
     ``xla``: loops may be split into parts that do not divide them (:func:`splits`; padded
     tiles, which only XLA's partitioner runs: :meth:`planner.AutoPlan.jit`, the ``"xla"`` backend).
+    ``order``: how an op settles operands that want one mesh axis (:data:`ORDERS`).
     """
     shape = MeshShape.of(mesh)
     mesh = shape.factor_size
@@ -385,6 +387,8 @@ def make_schedule(
             raise ValueError(f"schedule names unknown op {name!r}; ops are {sorted(names)}")
     if default not in ("propagate", "replicate"):
         raise ValueError(f"default must be 'propagate' or 'replicate', got {default!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     fixed = {
         o.name: check_assignment(shape, o, assign[o.name], xla)
         for o in prog.ops
@@ -394,7 +398,7 @@ def make_schedule(
     at_rest = _stored_specs(prog, shape, stored or {})
     result = dict(fixed)
     if default == "propagate":
-        _propagate(prog, mesh, result, set(fixed), at_rest, xla)
+        _propagate(prog, mesh, result, set(fixed), at_rest, xla, order)
     for src, dst in prog.ties:  # a scan's carry leaves the body in the layout it entered with
         result[dst] = result.get(src, {})
     return Schedule(prog, mesh, result, at_rest)
@@ -423,6 +427,15 @@ def _stored_specs(prog: Program, shape: MeshShape, stored: Mapping) -> dict[str,
     return out
 
 
+ORDERS = ("largest", "loops", "operands")
+"""How propagation settles an op's operands that want one mesh axis (:func:`make_schedule`):
+``"largest"``, the larger operand's layout wins and its loops take their axes first (XLA's rule
+for a product); ``"loops"``, the larger's wins, but the op's loops take axes in their own order;
+``"operands"``, the earlier operand's wins, loops in their order. Each is a guess at what XLA's
+propagation settles on; none is right for every program (MaxText's Llama 2 7B: ``"largest"``;
+its DeepSeek-V3 tiny: ``"operands"``)."""
+
+
 def _largest_first(accesses) -> list[Access]:
     """Operands by size, largest first (stable): where two want one mesh axis, the larger keeps
     its layout and the smaller moves, as XLA's propagation does (a norm's scale split as the
@@ -430,13 +443,17 @@ def _largest_first(accesses) -> list[Access]:
     return sorted(accesses, key=lambda a: -math.prod(a.value.shape))
 
 
-def _try(op: Op, mesh, wanted: dict[str, Axes], xla: bool = False) -> dict[str, Axes]:
+def _try(
+    op: Op, mesh, wanted: dict[str, Axes], xla: bool = False, as_wanted: bool = True
+) -> dict[str, Axes]:
     """Keep the wanted loop assignments that are valid for ``op`` (greedy, in the order they are
-    wanted: the first operand's layout before a later one's where both want an axis, as XLA
-    keeps an activation's batch split and gathers the weight whose contraction it splits)."""
+    wanted where ``as_wanted``: the first operand's layout before a later one's where both want
+    an axis, as XLA keeps an activation's batch split and gathers the weight whose contraction
+    it splits; else in the op's loop order)."""
     out: dict[str, Axes] = {}
     used: set[str] = set()
-    for loop, axes in wanted.items():
+    for loop in wanted if as_wanted else [lp.name for lp in op.loops]:
+        axes = wanted.get(loop, ())
         if not axes or used & set(axes) or loop not in op.loop:
             continue
         if not splits(op, loop, math.prod(mesh[a] for a in axes), xla):
@@ -473,7 +490,9 @@ def want_loops(access: Access, spec: Spec, wanted: dict, used: set[str] | None =
         wanted[d[0]] = axes
 
 
-def _refine(op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool) -> bool:
+def _refine(
+    op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool, as_wanted: bool = True
+) -> bool:
     """Split ``op`` (partitioned already, no reduction) further on loops its consumers split
     and it leaves whole, over axes it does not use (a local slice, no communication), as
     XLA's propagation makes a sharding more specific: the transpose of a weight's gradient
@@ -491,7 +510,7 @@ def _refine(op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool) -
             want_loops(res, sched.spec(c, acc), wanted, used)
     if wanted == have:
         return False
-    new = _try(op, mesh, wanted, xla)
+    new = _try(op, mesh, wanted, xla, as_wanted)
     if len(new) <= len(have):
         return False
     result[op.name] = new
@@ -499,11 +518,19 @@ def _refine(op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool) -
 
 
 def _propagate(
-    prog: Program, mesh, result: dict, fixed: set[str], at_rest, xla: bool, rounds: int = 3
+    prog: Program,
+    mesh,
+    result: dict,
+    fixed: set[str],
+    at_rest,
+    xla: bool,
+    order: str = "largest",
+    rounds: int = 3,
 ) -> None:
     consumers = prog.uses
     tied = dict((dst, src) for src, dst in prog.ties)
     sched = Schedule(prog, mesh, result)
+    as_wanted = order == "largest"
     for k in range(rounds):
         changed = False
         # Forward: an op follows the layouts of its operands (after the first round, only ops
@@ -514,10 +541,10 @@ def _propagate(
                 result[o.name] = result.get(tied[o.name], {})
             elif o.name not in fixed and (k == 0 or not result.get(o.name)):
                 wanted: dict[str, Axes] = {}
-                for acc in _largest_first(o.operands):
+                for acc in o.operands if order == "operands" else _largest_first(o.operands):
                     if acc.value.name in layout:
                         want_loops(acc, layout[acc.value.name], wanted)
-                new = _try(o, mesh, wanted, xla)
+                new = _try(o, mesh, wanted, xla, as_wanted)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
             for acc in o.results:
@@ -527,14 +554,14 @@ def _propagate(
             if o.name in fixed or o.name in tied:
                 continue
             if result.get(o.name):
-                changed |= _refine(o, mesh, result, consumers, sched, xla)
+                changed |= _refine(o, mesh, result, consumers, sched, xla, as_wanted)
                 continue
             wanted = {}
             for res in o.results:
                 for c, acc in consumers.get(res.value.name, ()):
                     if result.get(c.name):
                         want_loops(res, sched.spec(c, acc), wanted)
-            result[o.name] = _try(o, mesh, wanted, xla)
+            result[o.name] = _try(o, mesh, wanted, xla, as_wanted)
             changed |= bool(result[o.name])
         if not changed:
             break

@@ -328,16 +328,19 @@ def best_of(scores: list) -> tuple:
 
 def users_on_a_tie(best: tuple, asked: list) -> tuple:
     """``best`` (a score: time, peak, schedule, prediction), or the user's own layout (``asked``:
-    its score, or nothing) where that is as fast (within :data:`TIME_TIE`) and needs no more
-    memory: a departure from the user's constraints must buy more than the cost model's error.
+    the scores of its completions, the fastest of which prices it, or nothing) where that is as
+    fast (within :data:`TIME_TIE`) and needs no more memory: a departure from the user's
+    constraints must buy more than the cost model's error.
 
     Example:
         >>> users_on_a_tie((1.00, 500, "plan", None), [(1.02, 500, "yours", None)])[2]
         'yours'
     """
-    if not asked or math.isinf(asked[0][0]):
+    if not asked:
         return best
-    mine = asked[0]
+    mine = min(asked, key=lambda r: r[:2])
+    if math.isinf(mine[0]):
+        return best
     if mine[0] <= best[0] * (1 + TIME_TIE) and mine[1] <= best[1]:
         return mine
     return best
@@ -515,9 +518,15 @@ def _seeds(prog: Program, shape: MeshShape, evaluate: _Evaluator) -> list:
 
 
 def _asked(prog: Program, shape: MeshShape, requested: Requested, evaluate: _Evaluator) -> list:
-    """The user's own layout scored, where the program asks for one that fits the mesh."""
-    sched = requested.asked(prog, shape, evaluate.xla)
-    return [] if sched is None else [evaluate.schedule(sched)]
+    """The user's own layout scored, where the program asks for one that fits the mesh: each
+    way of completing it (:meth:`Requested.completions`) a candidate (MaxText's DeepSeek-V3
+    tiny runs 1.09x as fast completed by the ops' loop order as by XLA's rule for products)."""
+    if not requested.asks(prog, shape, evaluate.xla):
+        return []
+    try:
+        return [evaluate.schedule(s) for s in requested.completions(prog, shape, evaluate.xla)]
+    except ValueError:
+        return []
 
 
 def _result(score, evaluate: _Evaluator, limit):
