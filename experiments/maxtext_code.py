@@ -219,6 +219,23 @@ def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int]) -> flo
     return _extended(times, at, layers)
 
 
+def _unless_over_hbm(row: dict, kernels, config) -> float | None:
+    """``kernels()`` (the layer estimate's seconds) where ``config.layer_estimate``; ``None``
+    where it is off, or where the compiler refuses the unrolled program as over HBM (an unrolled
+    step keeps more alive than its scan: DeepSeek-V3's 4 layers on v5p-1024 need 105 GB, its 61
+    scanned 102), which ``row["estimate_note"]`` then says."""
+    if not config.layer_estimate:
+        return None
+    try:
+        return kernels()
+    except Exception as e:  # jax.errors.JaxRuntimeError; its class moved between JAX versions
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        row["estimate_note"] = "unrolled layers over HBM: " + str(e).splitlines()[0][:300]
+        logging.warning("%s: %s", row["strategy"], row["estimate_note"])
+        return None
+
+
 def measure_code(name: str, strategies, done: set, config) -> list[dict]:
     """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``."""
     import planner
@@ -253,7 +270,7 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
         row = {**base, "strategy": "recipe", "search_s": 0.0,
                "compile_s": time.perf_counter() - start,
                **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = _authors_kernels(name, layers, cal, at) if config.layer_estimate else None
+        kernels = _unless_over_hbm(row, lambda: _authors_kernels(name, layers, cal, at), config)
         rows.append(finish(row, kernels))
     if "searched" in todo:
         start = time.perf_counter()
@@ -276,7 +293,7 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
                "not_understood": sorted({o.primitive for o in p.program.ops
                                          if o.how == "replicated"}),
                **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = _plan_kernels(name, p, layers, cal, at) if config.layer_estimate else None
+        kernels = _unless_over_hbm(row, lambda: _plan_kernels(name, p, layers, cal, at), config)
         rows.append(finish(row, kernels))
     return rows
 

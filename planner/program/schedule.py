@@ -517,6 +517,22 @@ def _refine(
     return True
 
 
+def _returned_as_asked(prog: Program, fixed: set[str]) -> dict[str, tuple[Op, Access]]:
+    """Scan carries (their entering op's name) whose body returns them from a fixed op (a
+    sharding constraint, a ``shard_map``) -> that op and its result: the carry takes that
+    layout, moved once as the loop starts rather than at every step, as XLA settles a while
+    loop's carry on what its body asks (MaxText's decoder carries its activations with the
+    batch split its layers constrain, not with the embedding table's split of its lookup)."""
+    ops = {o.name: o for o in prog.ops}
+    out = {}
+    for src, dst in prog.ties:
+        back = ops[dst].operands
+        p = prog.producer.get(back[0].value.name) if len(back) == 1 else None
+        if p is not None and p.name in fixed and len(ops[src].results) == 1:
+            out[src] = (p, next(r for r in p.results if r.value.name == back[0].value.name))
+    return out
+
+
 def _propagate(
     prog: Program,
     mesh,
@@ -529,6 +545,7 @@ def _propagate(
 ) -> None:
     consumers = prog.uses
     tied = dict((dst, src) for src, dst in prog.ties)
+    returned = _returned_as_asked(prog, fixed)
     sched = Schedule(prog, mesh, result)
     as_wanted = order == "largest"
     for k in range(rounds):
@@ -541,6 +558,9 @@ def _propagate(
                 result[o.name] = result.get(tied[o.name], {})
             elif o.name not in fixed and (k == 0 or not result.get(o.name)):
                 wanted: dict[str, Axes] = {}
+                if o.name in returned:  # a carry the body returns as a constraint asks
+                    p, acc = returned[o.name]
+                    want_loops(o.results[0], sched.spec(p, acc), wanted)
                 for acc in o.operands if order == "operands" else _largest_first(o.operands):
                     if acc.value.name in layout:
                         want_loops(acc, layout[acc.value.name], wanted)

@@ -341,3 +341,34 @@ def test_a_departure_must_buy_more_than_the_cost_models_error(mesh):
         == "plan"
     )
     assert users_on_a_tie((t, m, "plan", None), [(t * 1.1, m, "yours", None)])[2] == "plan"
+
+
+def test_a_scan_carries_its_value_in_the_layout_its_body_asks(mesh):
+    """A carry entering a scan in one layout (an embedding lookup's, from the table's split)
+    whose body constrains it to another is carried in the body's layout, moved once as the loop
+    starts (as XLA settles a while loop's carry; MaxText's decoder), and the step is exact."""
+    batch_split = P("fsdp", None)
+
+    def loss(table, ws, ids):
+        def layer(h, w):
+            h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, batch_split))
+            h = jnp.tanh(h @ w)
+            return jax.lax.with_sharding_constraint(h, NamedSharding(mesh, batch_split)), None
+
+        h, _ = jax.lax.scan(layer, table[ids], ws)
+        return jnp.mean(h**2)
+
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    rng = np.random.default_rng(0)
+    args = (jnp.asarray(rng.normal(size=(128, 32)), jnp.float32),
+            jnp.asarray(rng.normal(size=(3, 32, 32)) / 6, jnp.float32),
+            jnp.asarray(rng.integers(0, 128, size=(16,)), jnp.int32))  # fmt: skip
+    layout = (P(None, "fsdp"), P(None, None, "tensor"), P())
+    mine = planner.price(step, *args, mesh=mesh, in_shardings=layout)
+    carries = [o for o in mine.program.ops if o.primitive == "scan_carry"]
+    assert carries
+    fsdp = set(MeshShape.of(dict(mesh.shape)).axis_factors("fsdp"))
+    for op in carries:
+        rows, cols = mine.schedule.spec(op, op.results[0])
+        assert set(rows) == fsdp and not cols, (rows, cols)
+    _close(mine.jit()(*args), step(*args), rtol=1e-4)
