@@ -346,3 +346,27 @@ def test_a_topology_mesh_of_other_device_objects_runs_on_the_contexts():
         assert plan.memory_checks and plan.memory_checks[0].compiled_bytes
         plan.jit().lower(x).compile()
     assert on_context_devices(ours) is ours  # outside any context: unchanged
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_every_leaf_dtype_round_trips_into_the_compiled_program(impl):
+    """The structs a plan is compiled on (``input_structs``: the memory check inside ``plan()``,
+    ``compiled_report()``) carry each leaf's dtype as traced: typed PRNG keys of every
+    implementation (MaxText's ``key<urbg>``) and fp8, so the program compiled is the program
+    run."""
+
+    def step(w, scale, key):
+        noise = jax.random.normal(key, w.shape)
+        return w + noise * scale.astype(jnp.float32), jax.random.split(key)[0]
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    args = (jnp.ones((64, 32)), jnp.ones((64, 32), jnp.float8_e4m3fn),
+            jax.random.key(0, impl=impl))  # fmt: skip
+    p = planner.plan(step, *args, mesh=mesh)
+    structs = compiled_mod.input_structs(p)
+    assert [s.dtype for s in structs] == [a.dtype for a in args]
+    compiled = p.jit().lower(*structs).compile()
+    assert compiled.memory_analysis() is not None
+    out = p(*args)
+    assert out[1].dtype == args[2].dtype
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(jax.jit(step)(*args)[0]))
