@@ -82,7 +82,7 @@ def run(config, workdir: str) -> dict:
             row.update(
                 measured_ms=ms, compiled_mib=mib, source="recorded on an H100 80GB HBM3, JAX 0.11.2"
             )
-            if here is not None:
+            if here is not None and _compiled_here(config, name):
                 row["compiled_here_mib"] = compiled_here_mib(fn, args, here)
                 row["memory_ratio_here"] = row["predicted_mib"] / row["compiled_here_mib"]
         else:
@@ -109,6 +109,13 @@ def run(config, workdir: str) -> dict:
     with open(os.path.join(workdir, "report.md"), "w") as f:
         f.write(report(rows, summary, config.calibration))
     return summary
+
+
+def _compiled_here(config, name: str) -> bool:
+    """Whether workload ``name`` is compiled by XLA:GPU here (``config.compile_here``: names,
+    comma-separated; empty: all)."""
+    chosen = config.get("compile_here", "")
+    return not chosen or name in chosen.split(",")
 
 
 def compile_only_device(config):

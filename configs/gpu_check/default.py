@@ -16,6 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
         "llama_bf16=llama:8x512x512x8x2x8192x1376;llama_scan=llama:8x2048x2048x16x4x32000x5632;"
         "llama_unrolled=llama_unrolled:8x2048x2048x16x4x32000x5632"
     )
+    c.compile_here = ""  # with recorded, the workloads XLA:GPU compiles here (names; "": all)
     c.warmup = 3
     c.repeats = 15
     c.seed = 0
