@@ -56,10 +56,11 @@ class Case:
 
 
 def build_case(library: str, dtype: str, mesh: str) -> Case:
-    """The case of ``library`` (``maxtext``, ``maxtext_deepseek3``, ``keras`` or ``gemma``) in
+    """The case of ``library`` (``maxtext``, ``maxtext_deepseek3``, ``maxtext_qwen3``, ``keras`` or
+    ``gemma``) in
     ``dtype`` on ``mesh`` (``maxtext``: MaxText's own 12-axis mesh; ``2axis``: a plain fsdp 4 x
     tensor 2 one)."""
-    if library in ("maxtext", "maxtext_deepseek3"):  # llama2-style or DeepSeek-V3, tiny
+    if library in ("maxtext", "maxtext_deepseek3", "maxtext_qwen3"):  # llama2, DeepSeek-V3, Qwen3
         from experiments.libraries import maxtext_step
 
         b = maxtext_step.build(dtype, mesh, library.partition("_")[2] or "llama2")
@@ -76,7 +77,10 @@ def build_case(library: str, dtype: str, mesh: str) -> Case:
 
         b = gemma_step.build(dtype)
     else:
-        raise ValueError(f"library must be maxtext, keras or gemma, got {library!r}")
+        raise ValueError(
+            "library must be maxtext, maxtext_deepseek3, maxtext_qwen3, keras or gemma, got "
+            f"{library!r}"
+        )
     return Case(b.step, b.state, b.batch, b.mesh, b.authors_shardings, b.authors_jit)
 
 

@@ -7,7 +7,8 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.cases = (
-        "maxtext:float32:maxtext,maxtext_deepseek3:float32:maxtext,keras:float32:2axis,"
+        "maxtext:float32:maxtext,maxtext_deepseek3:float32:maxtext,maxtext_qwen3:float32:maxtext,"
+        "keras:float32:2axis,"
         "gemma:float32:2axis"
     )
     c.repeats = 0

@@ -95,8 +95,23 @@ for _key in (
 ):
     TINY_DEEPSEEK.pop(_key)
 
+#: MaxText's Qwen3-235B-A22B shrunk (``qwen3-235b-a22b.yml``: grouped-query attention with
+#: query/key norms, 128 routed experts of which 8 per token, normalized top-k) to 2 layers of 256
+#: wide with 8 experts of which 2 per token; dense expert matmuls as in :data:`TINY_DEEPSEEK`.
+TINY_QWEN3 = dict(
+    TINY_LLAMA,
+    model_name="qwen3-235b-a22b",
+    base_num_kv_heads=2,
+    base_moe_mlp_dim=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    sparse_matmul=False,
+    megablox=False,
+    capacity_factor=-1.0,
+)
+
 #: The tiny models :func:`build` makes, by name.
-TINY = {"llama2": TINY_LLAMA, "deepseek3": TINY_DEEPSEEK}
+TINY = {"llama2": TINY_LLAMA, "deepseek3": TINY_DEEPSEEK, "qwen3": TINY_QWEN3}
 
 #: Overrides that keep MaxText off the disk and the network.
 QUIET = dict(
@@ -212,7 +227,7 @@ def build(dtype: str = "float32", mesh_axes: str = "maxtext", tiny: str = "llama
     ``tensor`` 2 only: ``base.yml``'s logical axis rules with the other axes dropped). The
     learning rate follows MaxText's cosine schedule over ``steps=10`` without warmup (MaxText's
     warmup would make the first step's learning rate 0). ``tiny``: the model, a key of
-    :data:`TINY` (``"llama2"``, ``"deepseek3"``).
+    :data:`TINY` (``"llama2"``, ``"deepseek3"``, ``"qwen3"``).
 
     Example:
         >>> built = build("bfloat16", "2axis")  # doctest: +SKIP

@@ -15,7 +15,7 @@ import pytest
 
 LIBRARIES = ("maxtext", "keras_hub", "gemma")
 SOURCES = {"maxtext": "nnx_decoders.py", "maxtext_deepseek3": "attention_mla.py",
-           "keras": "llama_decoder.py", "gemma": "_modules.py"}  # fmt: skip
+           "maxtext_qwen3": "qwen3.py", "keras": "llama_decoder.py", "gemma": "_modules.py"}  # fmt: skip
 
 # The state after two AdamW steps, relative to each leaf's largest value: an update is about the
 # learning rate times the sign of the gradient, so a gradient at rounding level (gemma's bfloat16
@@ -45,7 +45,9 @@ def rows(tmp_path_factory):
         return {r["library"]: r for r in json.load(f)}
 
 
-@pytest.mark.parametrize("library", ["maxtext", "maxtext_deepseek3", "keras", "gemma"])
+@pytest.mark.parametrize(
+    "library", ["maxtext", "maxtext_deepseek3", "maxtext_qwen3", "keras", "gemma"]
+)
 def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     """Two steps of the plan equal two of the authors' layout (float32, reassociated sums: the
     loss; the state where AdamW's first step does not amplify rounding, see the experiment);
