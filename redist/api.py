@@ -8,11 +8,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from redist.buckets import buckets, in_flight_bytes
 from redist.calibration import backend_calibration, device_kind_calibration
 from redist.cost import AUTO
 from redist.linear import Reshard, device_ids, is_explicit, redistribute_p, same_mesh
@@ -161,6 +163,34 @@ def resolved_cost_model(model: str, mesh) -> str:
 
 
 def _redistribute_array(x, src, dst, mesh, options, donate: bool):
+    move, mesh, s, target = _reshard_of(x, src, dst, mesh, options)
+    if isinstance(x, jax.core.Tracer):
+        move.check_traceable()
+    elif donate:
+        return move.eager(x, donate=True)
+    # Hints for jit's inference of shardings, where a trace has no values. Not for an eager
+    # jax.grad (x's value known): there the cotangent of a constant (the ones of a sum) lives on
+    # one device, which a constraint's transpose cannot take.
+    hint = isinstance(x, jax.core.Tracer) and _known_value(x) is None and not is_explicit(mesh)
+    if hint and not s.pending:
+        # Auto axes: say where x is (it is there already), so that jit places the program on
+        # these devices even where x is not needed (a constant cotangent). jit writes every
+        # output sharding it infers on the mesh of the first such hint: across meshes that is
+        # the prime-factor mesh the plan runs on, where both layouts can be written.
+        x = jax.lax.with_sharding_constraint(x, move.source_hint())
+    y = redistribute_p.bind(x, move=move)
+    if hint and same_mesh(mesh, target.mesh):
+        # Auto axes: the placement is not in the result's type; say it where jit reads it when
+        # it infers out_shardings (the same placement, so nothing moves). Not onto another mesh:
+        # jit writes every inferred output sharding on the mesh of the first such hint, and a
+        # gradient back on x's mesh cannot be written on dst's (IndivisibleError).
+        y = jax.lax.with_sharding_constraint(y, target)
+    return y
+
+
+def _reshard_of(x, src, dst, mesh, options) -> tuple[Reshard, Any, Any, NamedSharding]:
+    """``(move, mesh, source type, target)`` of moving ``x`` from ``src`` to ``dst``, validated
+    and synthesized (bad layouts raise here, naming the argument)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
     given_src = None if src is _MISSING else _pspec(src, "src")
@@ -205,28 +235,7 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     target = dst if isinstance(dst, NamedSharding) else NamedSharding(mesh, dst_spec)
     move = Reshard(mesh, src_spec, target, shape, name, itemsize, options)
     _ = move.plan  # synthesize now: bad layouts raise here, naming the argument
-    if isinstance(x, jax.core.Tracer):
-        move.check_traceable()
-    elif donate:
-        return move.eager(x, donate=True)
-    # Hints for jit's inference of shardings, where a trace has no values. Not for an eager
-    # jax.grad (x's value known): there the cotangent of a constant (the ones of a sum) lives on
-    # one device, which a constraint's transpose cannot take.
-    hint = isinstance(x, jax.core.Tracer) and _known_value(x) is None and not is_explicit(mesh)
-    if hint and not s.pending:
-        # Auto axes: say where x is (it is there already), so that jit places the program on
-        # these devices even where x is not needed (a constant cotangent). jit writes every
-        # output sharding it infers on the mesh of the first such hint: across meshes that is
-        # the prime-factor mesh the plan runs on, where both layouts can be written.
-        x = jax.lax.with_sharding_constraint(x, move.source_hint())
-    y = redistribute_p.bind(x, move=move)
-    if hint and same_mesh(mesh, target.mesh):
-        # Auto axes: the placement is not in the result's type; say it where jit reads it when
-        # it infers out_shardings (the same placement, so nothing moves). Not onto another mesh:
-        # jit writes every inferred output sharding on the mesh of the first such hint, and a
-        # gradient back on x's mesh cannot be written on dst's (IndivisibleError).
-        y = jax.lax.with_sharding_constraint(y, target)
-    return y
+    return move, mesh, s, target
 
 
 def _refuse_repeated(tree) -> None:
@@ -252,6 +261,7 @@ def redistribute(
     cost_model: str = AUTO,
     fold_min_bytes: int = FOLD_MIN_BYTES,
     donate: bool = False,
+    memory_budget: int | None = None,
 ):
     """Move ``x`` from layout ``src`` to layout ``dst`` with a synthesized, memory-bounded plan.
 
@@ -287,6 +297,13 @@ def redistribute(
         donate: give ``x``'s buffers to the call (eager calls; ``x`` is deleted). Inside ``jit``
             donate through the enclosing ``jax.jit(..., donate_argnums=...)`` instead; there this
             flag has no effect.
+        memory_budget: bytes per device the moves may hold in flight at once (``None``: no
+            bound). The leaves move in buckets, in the pytree's order, each holding at most this
+            much (:mod:`redist.buckets`: each move counted with its own input and output tiles,
+            so the bound holds however the backend stages a collective), one bucket after
+            another: eagerly each bucket finishes before the next starts (with ``donate=True``
+            its sources are freed as it goes); inside ``jit`` each bucket's inputs wait on the
+            previous bucket's results (``jax.lax.optimization_barrier``).
 
     Layouts are ``PartitionSpec`` or ``NamedSharding``; for a pytree ``x`` a single layout applies
     to every leaf, or give a pytree of layouts with the structure of ``x``. A layout may split a
@@ -301,9 +318,10 @@ def redistribute(
         ValueError / TypeError: naming the argument, dimension and axis for invalid layouts.
     """
     options = check_options(cost_model, fold_min_bytes, allow_auto=True)
+    budget = _checked_budget(memory_budget)
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
+    if hasattr(x, "shape") and hasattr(x, "dtype") and budget is None:
         return _redistribute_array(x, src, dst, mesh, options, donate)
     leaves, treedef = jax.tree.flatten(x)
     if donate:
@@ -327,7 +345,54 @@ def redistribute(
         return specs
 
     srcs, dsts = per_leaf(src, "src"), per_leaf(dst, "dst")
+    if budget is not None:
+        out = _in_buckets(x, leaves, srcs, dsts, mesh, options, donate, budget)
+        return jax.tree.unflatten(treedef, out)
     out = [
         _redistribute_array(v, s, d, mesh, options, donate) for v, s, d in zip(leaves, srcs, dsts)
     ]
     return jax.tree.unflatten(treedef, out)
+
+
+def _checked_budget(memory_budget) -> int | None:
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+        raise TypeError(
+            f"memory_budget must be a number of bytes per device or None, got {memory_budget!r}"
+        )
+    if not memory_budget > 0:
+        raise ValueError(f"memory_budget must be positive bytes per device, got {memory_budget}")
+    return int(memory_budget)
+
+
+def _in_buckets(x, leaves, srcs, dsts, mesh, options, donate: bool, budget: int) -> list:
+    """The leaves moved bucket by bucket (:func:`redist.buckets.buckets`), see
+    :func:`redistribute`'s ``memory_budget``."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(x)[0]]
+    names = [f"x{p}" for p in paths]
+    sizes = []
+    for v, s, d, name in zip(leaves, srcs, dsts, names):
+        try:
+            move, _, _, target = _reshard_of(v, s, d, mesh, options)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{name}: {e}") from None
+        tile = math.prod(target.shard_shape(tuple(v.shape))) * move.itemsize
+        sizes.append(in_flight_bytes(move.plan, tile))
+    out: list = [None] * len(leaves)
+    tracing = any(isinstance(v, jax.core.Tracer) for v in leaves)
+    last: list[int] = []
+    for bucket in buckets(sizes, budget, names):
+        ins = [leaves[k] for k in bucket]
+        if tracing and last:  # this bucket's inputs wait on the last bucket's results
+            ins, done = jax.lax.optimization_barrier((ins, [out[k] for k in last]))
+            for k, y in zip(last, done):
+                out[k] = y
+        moved = [_redistribute_array(v, srcs[k], dsts[k], mesh, options, donate)
+                 for v, k in zip(ins, bucket)]  # fmt: skip
+        if not tracing:
+            jax.block_until_ready(moved)
+        for k, y in zip(bucket, moved):
+            out[k] = y
+        last = bucket
+    return out

@@ -1,0 +1,61 @@
+"""Buckets of moves whose bytes in flight per device stay within a budget.
+
+A model's weight sync moves thousands of arrays. Moved all at once, every array's intermediate
+tiles may be alive together; moved one by one, nothing overlaps. :func:`buckets` groups the
+moves, in the pytree's order (a layer's arrays stay together), so that the bytes each bucket
+holds in flight per device (:func:`in_flight_bytes` of each move, summed) never exceed the
+budget; the buckets then run one after another, the moves within one together.
+
+Example:
+    >>> buckets([40, 30, 30, 50], 80, ["a", "b", "c", "d"])
+    [[0, 1], [2, 3]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redist.steps import Plan
+
+
+def in_flight_bytes(plan: Plan | None, tile_bytes: int) -> int:
+    """Bytes per device a move holds while it runs, beyond nothing: the most one of its steps
+    holds at once (its input and output tiles, ``Plan.held_bytes``: a collective writes its
+    result beside its operand, and stages at most that much), or for a move without collectives
+    (a transfer between device sets, ``plan=None``) ``tile_bytes``, the destination tile it
+    receives into.
+
+    Example:
+        >>> in_flight_bytes(None, 4096)
+        4096
+    """
+    return tile_bytes if plan is None else max(plan.held_bytes, plan.peak_bytes)
+
+
+def buckets(sizes: Sequence[int], budget: int, names: Sequence[str]) -> list[list[int]]:
+    """Indices of ``sizes`` (bytes in flight per device of each move, :func:`in_flight_bytes`)
+    grouped in order into buckets each summing to at most ``budget``: a bucket takes the next
+    move while it fits, then the next bucket starts.
+
+    Raises:
+        ValueError: where one move alone exceeds ``budget``, naming it (``names``), its bytes
+            and the budget.
+    """
+    if len(sizes) != len(names):
+        raise ValueError(f"sizes ({len(sizes)}) and names ({len(names)}) differ in length")
+    for size, name in zip(sizes, names):
+        if size > budget:
+            raise ValueError(
+                f"memory_budget {budget} B per device is less than what moving {name} holds in "
+                f"flight, {size} B per device (its tiles; a move cannot be split): give at "
+                f"least {max(sizes)} B"
+            )
+    out: list[list[int]] = []
+    held = budget + 1
+    for k, size in enumerate(sizes):
+        if held + size > budget:
+            out.append([])
+            held = 0
+        out[-1].append(k)
+        held += size
+    return out
