@@ -1,0 +1,188 @@
+"""Weight sync at frontier size: Qwen3-235B-A22B's and DeepSeek-V3's parameters moved from a
+MaxText-style training layout to a vLLM-style serving layout on the same TPU v5p chips, within
+a memory budget, compiled ahead of time by the TPU compiler on this host (nothing runs).
+
+Usage:
+    python -m experiments.frontier_sync --workdir=workdir/frontier_sync
+    python -m experiments.frontier_sync --config.cases=qwen3_235b@v5p-128
+
+The trees and layouts are :mod:`experiments.frontier_weights`'s (bfloat16). The serving mesh is
+the training mesh's devices in the same order with its axes renamed (``ep`` is ``fsdp``, ``tp``
+is ``expert``), so both layouts are written on one mesh. Per case and method:
+
+- ``redist``: ``redist.redistribute(params, src, dst, memory_budget=...)`` in one ``jax.jit``;
+- ``xla``: ``jax.jit(lambda p: p, out_shardings=dst)``.
+
+Each row gives the compiled arguments, outputs and temporaries per chip (the budget bounds the
+temporaries: what is alive beyond the two trees), whether the program fits the chip's HBM, the
+bytes each chip sends under redist's plans against the lower bound (a chip must receive its
+destination tiles less what it already holds), and redist's predicted time on the v5p
+calibration (the buckets in series: each bucket's moves summed). Writes ``results.jsonl`` and
+``report.md`` under ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments.frontier_weights import parameter_count, parameters
+
+RENAME = {"ep": "fsdp", "tp": "expert"}
+"""The serving axes on the training mesh (the same devices in the same order)."""
+
+CHIPS = {"v5p-128": 64, "v5p-512": 256, "v5p-1024": 512}
+"""Chips per topology name (a v5p-N slice has N TensorCores, N / 2 chips)."""
+
+
+def mesh_axes(chips: int, expert: int = 8) -> dict[str, int]:
+    """The training mesh: ``fsdp`` x ``expert`` (MaxText's expert parallelism 8)."""
+    if chips % expert:
+        raise ValueError(f"{chips} chips do not divide into expert parallelism {expert}")
+    return {"fsdp": chips // expert, "expert": expert}
+
+
+def specs(model: str) -> tuple[dict, dict, dict]:
+    """``(shapes, train specs, serve specs)`` by path, the serving specs on the training axes."""
+    from jax.sharding import PartitionSpec as P
+
+    def spec(axes):
+        return P(*[RENAME.get(a, a) if isinstance(a, str) else
+                   (tuple(RENAME.get(b, b) for b in a) if a else None) for a in axes])  # fmt: skip
+
+    tree = parameters(model)
+    return ({k: leaf.shape for k, leaf in tree.items()},
+            {k: spec(leaf.train) for k, leaf in tree.items()},
+            {k: spec(leaf.serve) for k, leaf in tree.items()})  # fmt: skip
+
+
+def received_lower_bound(shape, itemsize: int, src, dst) -> int:
+    """The most bytes any device must receive to move an array of ``shape`` from sharding
+    ``src`` to ``dst``: its destination tile less what its source tile already holds of it."""
+    have, want = src.devices_indices_map(tuple(shape)), dst.devices_indices_map(tuple(shape))
+    most = 0
+    for device, region in want.items():
+        size = overlap = 1
+        for d, (w, h) in enumerate(zip(region, have[device])):
+            w0, w1, _ = w.indices(shape[d])
+            h0, h1, _ = h.indices(shape[d])
+            size *= w1 - w0
+            overlap *= max(0, min(w1, h1) - max(w0, h0))
+        most = max(most, size - overlap)
+    return most * itemsize
+
+
+def measure(model: str, topology: str, budget_gib: float) -> list[dict]:
+    """The rows of one case (see the module)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    import planner
+    import redist
+    from planner.target.compiled import compiled_report
+    from redist.calibration import Calibration
+    from redist.cost import plan_cost
+
+    mesh = planner.topology_mesh(_topology(topology), mesh_axes(CHIPS[topology]))
+    shapes, train, serve = specs(model)
+    src = {k: NamedSharding(mesh, s) for k, s in train.items()}
+    dst = {k: NamedSharding(mesh, s) for k, s in serve.items()}
+    dtype = jnp.bfloat16
+    structs = {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=src[k]) for k, shape in shapes.items()
+    }
+    budget = int(budget_gib * 2**30)
+    cal = Calibration.named("tpu_v5p")
+    sizes = dict(mesh.shape)
+    sent = bound = seconds = 0.0
+    for k, shape in shapes.items():
+        p = redist.plan(shape, train[k], serve[k], sizes, "bfloat16",
+                        cost_model="calibrated:tpu_v5p")  # fmt: skip
+        t, wire = plan_cost(p, cal)
+        seconds, sent = seconds + t, sent + wire
+        bound += received_lower_bound(shape, 2, src[k], dst[k])
+    base = {"model": model, "parameters": parameter_count(model), "topology": topology,
+            "chips": mesh.size, "budget_bytes": budget, "leaves": len(shapes),
+            "train_bytes_per_chip": _per_chip(structs, src),
+            "serve_bytes_per_chip": _per_chip(structs, dst)}  # fmt: skip
+    rows = []
+    programs = {
+        "redist": jax.jit(lambda p: redist.redistribute(p, src, dst, memory_budget=budget)),
+        "xla": jax.jit(lambda p: p, out_shardings=dst),
+    }
+    for name, fn in programs.items():
+        start = time.perf_counter()
+        report = compiled_report(fn, structs)
+        row = {**base, "method": name, "compile_s": time.perf_counter() - start,
+               "argument_bytes": report.argument_bytes, "output_bytes": report.output_bytes,
+               "temp_bytes": report.temp_bytes, "total_bytes": report.total_bytes,
+               "fits": report.fits}  # fmt: skip
+        if name == "redist":
+            row |= {"sent_bytes_per_chip": sent, "lower_bound_bytes_per_chip": bound,
+                    "predicted_s": seconds}  # fmt: skip
+        logging.warning("%s", row)
+        rows.append(row)
+    return rows
+
+
+def _topology(name: str) -> str:
+    """``v5p-128`` -> a ``v5p:AxBxC`` topology of its chips (as MaxText's ``compile_topology``)."""
+    return {"v5p-128": "v5p:4x4x4", "v5p-512": "v5p:8x8x4", "v5p-1024": "v5p:8x8x8"}[name]
+
+
+def _per_chip(structs: dict, shardings: dict) -> int:
+    import math
+
+    return sum(math.prod(shardings[k].shard_shape(s.shape)) * s.dtype.itemsize
+               for k, s in structs.items())  # fmt: skip
+
+
+def report(rows: list[dict]) -> str:
+    gb = 1e9
+    lines = [
+        "| model | topology | method | budget GB | temporaries GB / chip | trees GB / chip "
+        "| fits | sent GB / chip (lower bound) | predicted s | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        trees = (r["argument_bytes"] + r["output_bytes"]) / gb
+        sent = (f"{r['sent_bytes_per_chip'] / gb:.2f} ({r['lower_bound_bytes_per_chip'] / gb:.2f})"
+                if "sent_bytes_per_chip" in r else "-")  # fmt: skip
+        pred = f"{r['predicted_s']:.2f}" if "predicted_s" in r else "-"
+        lines.append(f"| {r['model']} | {r['topology']} | {r['method']} | "
+                     f"{r['budget_bytes'] / gb:.1f} | {r['temp_bytes'] / gb:.2f} | {trees:.2f} | "
+                     f"{r['fits']} | {sent} | {pred} | {r['compile_s']:.0f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run(config, workdir: str) -> list[dict]:
+    os.makedirs(workdir, exist_ok=True)
+    rows = []
+    for case in config.cases.split(","):
+        model, _, topology = case.strip().partition("@")
+        rows += measure(model, topology, config.budget_gib)
+    with open(os.path.join(workdir, "results.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(os.path.join(workdir, "report.md"), "w") as f:
+        f.write(report(rows))
+    return rows
+
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "weight_sync",
+                           "frontier.py"))  # fmt: skip
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/frontier_sync", "where results go")
+
+
+def main(argv):
+    del argv
+    run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
