@@ -87,6 +87,8 @@ _FOLDERS = [
     Folder("topology_gpu_random", _rb(num_problems=20, figures=False, topology="gpu:h100_sxm"),
            Needs.HOST, 0.5),
     Folder("weight_sync", (Run("weight_sync", "weight_sync/default"),), Needs.HOST, 0.5),
+    Folder("frontier_sync", (Run("frontier_sync", "weight_sync/frontier"),), Needs.HOST, 1.5,
+           "compiled for v5p-1024 by the TPU compiler on this host; nothing runs"),
     Folder("synthesis_scaling", (Run("synthesis_scaling", "synthesis_scaling/default"),),
            Needs.HOST, 0.5),
     Folder("planner_search_scaling", (

@@ -166,6 +166,8 @@ def run(config, workdir: str) -> list[dict]:
     for case in config.cases.split(","):
         model, _, topology = case.strip().partition("@")
         rows += measure(model, topology, config.budget_gib)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(config.to_dict(), f, indent=2)
     with open(os.path.join(workdir, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     with open(os.path.join(workdir, "report.md"), "w") as f:

@@ -119,6 +119,13 @@ def redistribution_sections(workdir: str) -> list[str]:
             f"{m['redist']['temp_bytes'] / 2**20:.2f} MiB against XLA's "
             f"{m['xla']['temp_bytes'] / 2**20:.2f} MiB per device.",
         ]
+    table = os.path.join(workdir, "frontier_sync", "report.md")
+    frontier = open(table).read() if os.path.exists(table) else ""
+    if frontier:
+        lines += ["", "## Weight sync at frontier size (`frontier_sync/`)", "",
+                  "Training layout (fsdp x expert) to serving layout (tensor, experts over ep x tp) "
+                  "on the same v5p chips, compiled by the TPU compiler on this host; temporaries "
+                  "are what a chip holds beyond the two trees:", "", *frontier.splitlines()]  # fmt: skip
     problems = _read(workdir, "synthesis_scaling", "results.jsonl")
     if problems:
         worst = max(problems, key=lambda r: r["seconds"])
