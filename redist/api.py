@@ -298,12 +298,14 @@ def redistribute(
             donate through the enclosing ``jax.jit(..., donate_argnums=...)`` instead; there this
             flag has no effect.
         memory_budget: bytes per device the moves may hold in flight at once (``None``: no
-            bound). The leaves move in buckets, in the pytree's order, each holding at most this
-            much (:mod:`redist.buckets`: each move counted with its own input and output tiles,
-            so the bound holds however the backend stages a collective), one bucket after
-            another: eagerly each bucket finishes before the next starts (with ``donate=True``
-            its sources are freed as it goes); inside ``jit`` each bucket's inputs wait on the
-            previous bucket's results (``jax.lax.optimization_barrier``).
+            bound). Eagerly, the leaves move in buckets, in the pytree's order, each holding at
+            most this much (:mod:`redist.buckets`: each move counted with its step's input and
+            output tiles), each bucket finishing before the next starts (with ``donate=True``
+            its sources are freed as it goes). Inside ``jit`` the budget is checked against
+            every leaf, and the compiler schedules the moves: chaining the buckets there with
+            optimization barriers made the TPU compiler keep more, not less (DeepSeek-V3's
+            weights on v5p-1024: 5.11 GB of temporaries per chip unchained, 6.32 chained, under
+            a 4 GiB budget), and it reuses one move's buffers for the next itself.
 
     Layouts are ``PartitionSpec`` or ``NamedSharding``; for a pytree ``x`` a single layout applies
     to every leaf, or give a pytree of layouts with the structure of ``x``. A layout may split a
@@ -381,18 +383,14 @@ def _in_buckets(x, leaves, srcs, dsts, mesh, options, donate: bool, budget: int)
         sizes.append(in_flight_bytes(move.plan, tile))
     out: list = [None] * len(leaves)
     tracing = any(isinstance(v, jax.core.Tracer) for v in leaves)
-    last: list[int] = []
-    for bucket in buckets(sizes, budget, names):
-        ins = [leaves[k] for k in bucket]
-        if tracing and last:  # this bucket's inputs wait on the last bucket's results
-            ins, done = jax.lax.optimization_barrier((ins, [out[k] for k in last]))
-            for k, y in zip(last, done):
-                out[k] = y
-        moved = [_redistribute_array(v, srcs[k], dsts[k], mesh, options, donate)
-                 for v, k in zip(ins, bucket)]  # fmt: skip
+    groups = buckets(sizes, budget, names)
+    if tracing:  # the compiler schedules the moves (see redistribute's memory_budget)
+        groups = [[k for g in groups for k in g]]
+    for bucket in groups:
+        moved = [_redistribute_array(leaves[k], srcs[k], dsts[k], mesh, options, donate)
+                 for k in bucket]  # fmt: skip
         if not tracing:
             jax.block_until_ready(moved)
         for k, y in zip(bucket, moved):
             out[k] = y
-        last = bucket
     return out

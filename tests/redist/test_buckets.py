@@ -72,30 +72,26 @@ def test_eager_buckets_move_every_leaf_exactly(mesh, monkeypatch, donate):
         assert donate or not placed[k].is_deleted()
 
 
-def test_inside_jit_buckets_run_in_order_exactly_within_the_budget(mesh, monkeypatch):
+def test_inside_jit_the_budget_is_checked_and_the_moves_are_exact(mesh, monkeypatch):
+    """Inside jit every leaf is checked against the budget, the compiler schedules the moves
+    (no barriers between buckets), and the result and its gradient are exact."""
     host, placed, serve = _tree(mesh)
     train = {k: v.sharding for k, v in placed.items()}
     made = _spy(monkeypatch)
-    budget = 12288
 
-    def sync(p):  # inside jit on Auto axes the source layout is given
+    def sync(p, budget=12288):  # inside jit on Auto axes the source layout is given
         return redist.redistribute(p, train, serve, memory_budget=budget)
 
     lowered = jax.jit(sync).lower(placed)
-    ((_, _, groups),) = made
-    barriers = lowered.as_text().count("optimization_barrier")
-    assert len(groups) > 1 and barriers == len(groups) - 1
-    compiled = lowered.compile()
+    assert len(made) == 1 and "optimization_barrier" not in lowered.as_text()
     out = jax.jit(sync)(placed)
     for k in host:
         np.testing.assert_array_equal(np.asarray(out[k]), host[k])
-    whole = jax.jit(lambda p: redist.redistribute(p, train, serve)).lower(placed).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes <= max(
-        budget, whole.memory_analysis().temp_size_in_bytes
-    )
     grads = jax.grad(lambda p: sum(jnp.sum(v**2) for v in sync(p).values()))(placed)
     for k in host:
         np.testing.assert_allclose(np.asarray(grads[k]), 2 * host[k], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"memory_budget 100 B"):
+        jax.jit(lambda p: sync(p, 100))(placed)
 
 
 def test_a_budget_below_a_leafs_tiles_names_the_leaf(mesh):
