@@ -59,3 +59,35 @@ def buckets(sizes: Sequence[int], budget: int, names: Sequence[str]) -> list[lis
         out[-1].append(k)
         held += size
     return out
+
+
+def slice_ranges(extent: int, size: int, budget: int) -> list[tuple[int, int]] | None:
+    """``[start, stop)`` ranges cutting a dimension of ``extent`` that neither layout splits into
+    slices whose moves each hold at most ``budget`` (a move holding ``size`` bytes moves each
+    slice holding its share: its tiles shrink with it); ``None`` where one index alone holds more.
+
+    Example:
+        >>> slice_ranges(10, 1000, 300)
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+    """
+    per_index = -(-size // extent)
+    step = budget // per_index if per_index else extent
+    if step < 1:
+        return None
+    return [(a, min(a + step, extent)) for a in range(0, extent, step)]
+
+
+def unsplit_dim(src: Sequence, dst: Sequence, shape: Sequence[int]) -> int | None:
+    """The largest dimension of ``shape`` that neither layout (mesh axes per dimension) splits,
+    of more than one index; ``None`` if there is none.
+
+    Example:
+        >>> unsplit_dim((None, "fsdp"), ("tp", None), (4, 8)) is None
+        True
+        >>> unsplit_dim((None, "fsdp", None), (None, None, "tp"), (61, 8, 8))
+        0
+    """
+    free = [d for d, n in enumerate(shape) if n > 1
+            and not (src[d] if d < len(src) else None)
+            and not (dst[d] if d < len(dst) else None)]  # fmt: skip
+    return max(free, key=lambda d: shape[d], default=None)

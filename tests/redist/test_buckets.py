@@ -102,3 +102,29 @@ def test_a_budget_below_a_leafs_tiles_names_the_leaf(mesh):
         redist.redistribute(placed, serve, memory_budget="1 GiB")
     with pytest.raises(ValueError, match="memory_budget must be positive"):
         redist.redistribute(placed, serve, memory_budget=0)
+
+
+def test_a_leaf_over_the_budget_moves_in_slices_along_a_dimension_neither_layout_splits(
+    mesh, monkeypatch
+):
+    """A stacked weight (layers first, unsplit in both layouts) whose move alone holds more than
+    the budget moves a few layers at a time into its destination, exactly; one split in every
+    dimension still names itself."""
+    made = _spy(monkeypatch)
+    rng = np.random.default_rng(1)
+    host = {"experts": rng.standard_normal((6, 8, 16)).astype(np.float32),
+            "dense": rng.standard_normal((16, 8)).astype(np.float32)}  # fmt: skip
+    train = {"experts": NamedSharding(mesh, P(None, "fsdp", "tp")),
+             "dense": NamedSharding(mesh, P("fsdp", "tp"))}  # fmt: skip
+    serve = {"experts": NamedSharding(mesh, P(None, "tp", "fsdp")),
+             "dense": NamedSharding(mesh, P("tp", "fsdp"))}  # fmt: skip
+    placed = jax.device_put(host, train)
+    whole = 2 * 8 * 16 * 6 // 8 * 4  # the experts' move: its input and output tiles
+    out = redist.redistribute(placed, serve, memory_budget=whole // 2)
+    ((sizes, budget, _),) = made
+    assert max(sizes) <= budget < whole
+    for k in host:
+        assert out[k].sharding.is_equivalent_to(serve[k], host[k].ndim)
+        np.testing.assert_array_equal(np.asarray(out[k]), host[k])
+    with pytest.raises(ValueError, match=r"x\['dense'\]"):
+        redist.redistribute(placed, serve, memory_budget=60)
