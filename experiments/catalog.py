@@ -128,10 +128,13 @@ _FOLDERS = [
                                            ("config.strategies", '""'),
                                            ("config.depths", "1,2,8,32"))),
         Run("recipes", "recipes/maxtext_code"),
-    ), Needs.TPU_HOURS, 100, "the committed rows came from several runs of subsets of these "
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
+                                                ("config.layer_estimate", "False"))),
+    ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
-       "231 s of searching; the last command (MaxText's own step, code_*.{jsonl,md,json}) "
-       "needs Python >= 3.12 with the libraries extra too"),
+       "231 s of searching; the last two commands (MaxText's own step, code_*.{jsonl,md,json}, "
+       "one process per recipe's libtpu flags; DeepSeek-V3's took 55 min) need Python >= 3.12 "
+       "with the libraries extra too"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip
