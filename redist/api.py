@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from redist.buckets import buckets, in_flight_bytes, slice_ranges, unsplit_dim
+from redist.buckets import buckets, in_flight_bytes, index_bytes, slice_ranges, unsplit_dim
 from redist.calibration import backend_calibration, device_kind_calibration
 from redist.cost import AUTO
 from redist.linear import Reshard, device_ids, is_explicit, redistribute_p, same_mesh
@@ -387,7 +387,7 @@ def _in_buckets(x, leaves, srcs, dsts, mesh, options, donate: bool, budget: int)
         cut = None if tracing or size <= budget else _slices(v, move, size, budget)
         if cut is not None:
             sliced[k] = cut
-            size = max(b - a for a, b in cut[1]) * -(-size // v.shape[cut[0]])
+            size = max(b - a for a, b in cut[1]) * index_bytes(size, v.shape[cut[0]])
         sizes.append(size)
     out: list = [None] * len(leaves)
     groups = buckets(sizes, budget, names)

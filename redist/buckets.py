@@ -70,11 +70,22 @@ def slice_ranges(extent: int, size: int, budget: int) -> list[tuple[int, int]] |
         >>> slice_ranges(10, 1000, 300)
         [(0, 3), (3, 6), (6, 9), (9, 10)]
     """
-    per_index = -(-size // extent)
+    per_index = index_bytes(size, extent)
     step = budget // per_index if per_index else extent
     if step < 1:
         return None
     return [(a, min(a + step, extent)) for a in range(0, extent, step)]
+
+
+def index_bytes(size: int, extent: int) -> int:
+    """Bytes in flight per index of a dimension of ``extent`` that neither layout splits, of a
+    move holding ``size`` (rounded up).
+
+    Example:
+        >>> index_bytes(1000, 3)
+        334
+    """
+    return -(-size // extent)
 
 
 def unsplit_dim(src: Sequence, dst: Sequence, shape: Sequence[int]) -> int | None:
