@@ -55,7 +55,7 @@ MOVEMENT = (
         """broadcast_in_dim reshape squeeze expand_dims transpose iota stop_gradient copy copy_p
     slice dynamic_slice concatenate pad gather rev split sharding_constraint device_put
     optimization_barrier bitcast_convert_type random_wrap random_unwrap real imag conj
-    get swap addupdate program_id num_programs""".split()
+    get swap addupdate program_id num_programs tile""".split()
     )
     | IDENTITIES
 )  # layout requests, checkpoint names and a Pallas kernel's reads and writes of its blocks:

@@ -318,6 +318,11 @@ def rev(name, eqn, ins, outs):
     return _aligned(name, eqn, ins, outs, set(eqn.params["dimensions"]))
 
 
+def tile(name, eqn, ins, outs):
+    """``jnp.tile``: the repeated dimensions whole, the others split alike in and out."""
+    return _aligned(name, eqn, ins, outs, {d for d, r in enumerate(eqn.params["reps"]) if r != 1})
+
+
 def pad(name, eqn, ins, outs):
     padded = {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
     return _aligned(name, eqn, ins, outs, padded)
@@ -622,6 +627,7 @@ def rule_for(primitive: str) -> Rule | None:
         "optimization_barrier": optimization_barrier,
         "device_put": optimization_barrier,  # each value as it is, in another memory or place
         "rev": rev,
+        "tile": tile,
         "pad": pad,
         "slice": slice_,
         "dynamic_slice": dynamic_slice,

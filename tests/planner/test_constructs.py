@@ -257,6 +257,7 @@ def test_cross_entropy_with_take_along_axis_splits_the_batch(mesh):
         lambda x: lax.dynamic_slice_in_dim(x, 2, 3, axis=1),
         lambda x: lax.dynamic_update_slice_in_dim(x, jnp.ones((8, 2)), 3, axis=1),
         lambda x: jnp.concatenate([x, x], axis=1),
+        lambda x: jnp.tile(x, (1, 3)) * 2.0,  # the tile primitive of JAX >= 0.11
     ],
 )
 def test_indexing_ops_split_their_free_dimension(fn, mesh):
