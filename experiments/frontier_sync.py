@@ -175,16 +175,12 @@ def run(config, workdir: str) -> list[dict]:
     return rows
 
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "weight_sync",
-                           "frontier.py"))  # fmt: skip
-_WORKDIR = flags.DEFINE_string("workdir", "workdir/frontier_sync", "where results go")
-
-
 def main(argv):
     del argv
-    run(_CONFIG.value, _WORKDIR.value)
+    run(flags.FLAGS.config, flags.FLAGS.workdir)
 
 
 if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", "configs/weight_sync/frontier.py", "Config file.")
+    flags.DEFINE_string("workdir", "workdir/frontier_sync", "Where outputs go.")
     app.run(main)
