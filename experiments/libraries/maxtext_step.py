@@ -75,6 +75,9 @@ TINY_LLAMA = dict(
 #: experts of which 8 per token, a shared expert, a dense first layer) to 4 layers and a small
 #: vocabulary; its experts run as dense matmuls (``sparse_matmul=False``: megablox's Pallas
 #: kernels are TPU kernels).
+#: Experts as dense matmuls (megablox's Pallas kernels are TPU kernels), no token dropping.
+DENSE_EXPERTS = dict(sparse_matmul=False, megablox=False, capacity_factor=-1.0)
+
 TINY_DEEPSEEK = dict(
     TINY_LLAMA,
     model_name="deepseek3-tiny",
@@ -82,9 +85,7 @@ TINY_DEEPSEEK = dict(
     base_num_decoder_layers=4,
     first_num_dense_layers=1,
     vocab_size=1024,
-    sparse_matmul=False,
-    megablox=False,
-    capacity_factor=-1.0,
+    **DENSE_EXPERTS,
 )
 for _key in (
     "base_emb_dim",
@@ -97,7 +98,7 @@ for _key in (
 
 #: MaxText's Qwen3-235B-A22B shrunk (``qwen3-235b-a22b.yml``: grouped-query attention with
 #: query/key norms, 128 routed experts of which 8 per token, normalized top-k) to 2 layers of 256
-#: wide with 8 experts of which 2 per token; dense expert matmuls as in :data:`TINY_DEEPSEEK`.
+#: wide with 8 experts of which 2 per token; :data:`DENSE_EXPERTS` as in :data:`TINY_DEEPSEEK`.
 TINY_QWEN3 = dict(
     TINY_LLAMA,
     model_name="qwen3-235b-a22b",
@@ -105,9 +106,7 @@ TINY_QWEN3 = dict(
     base_moe_mlp_dim=128,
     num_experts=8,
     num_experts_per_tok=2,
-    sparse_matmul=False,
-    megablox=False,
-    capacity_factor=-1.0,
+    **DENSE_EXPERTS,
 )
 
 #: The tiny models :func:`build` makes, by name.

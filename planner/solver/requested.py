@@ -122,9 +122,9 @@ class Requested:
         calibration: Calibration | None = None,
     ) -> Schedule:  # fmt: skip
         """The user's layout (:meth:`completions`): with a ``calibration``, the completion
-        predicted fastest (then in least memory), as XLA's own propagation, which knows more rules than ours, finds
-        at least as good a layout (MaxText's Llama 2 7B on 64 v5p chips: 2.40 s compiled, 3.37
-        predicted); else XLA's rule for products (``"largest"``)."""
+        predicted fastest (then in least memory), since XLA's own propagation, which knows more
+        rules than ours, finds at least as good a layout (MaxText's DeepSeek-V3 tiny: 715.8 ms
+        the fastest way, 779.5 XLA's rule for products); else that rule (``"largest"``)."""
         found = self.completions(prog, mesh, xla)
         if calibration is None or len(found) == 1:
             return found[0]
