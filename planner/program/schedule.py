@@ -523,12 +523,11 @@ def _returned_as_asked(prog: Program, fixed: set[str]) -> dict[str, tuple[Op, Ac
     layout, moved once as the loop starts rather than at every step, as XLA settles a while
     loop's carry on what its body asks (MaxText's decoder carries its activations with the
     batch split its layers constrain, not with the embedding table's split of its lookup)."""
-    ops = {o.name: o for o in prog.ops}
     out = {}
     for src, dst in prog.ties:
-        back = ops[dst].operands
+        back = prog.op(dst).operands
         p = prog.producer.get(back[0].value.name) if len(back) == 1 else None
-        if p is not None and p.name in fixed and len(ops[src].results) == 1:
+        if p is not None and p.name in fixed and len(prog.op(src).results) == 1:
             out[src] = (p, next(r for r in p.results if r.value.name == back[0].value.name))
     return out
 
