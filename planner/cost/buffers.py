@@ -312,10 +312,7 @@ def to_host(op: Op) -> bool:
     a host memory kind (``"pinned_host"``, ``"unpinned_host"``)."""
     if op.primitive != "device_put" or op.eqn is None:
         return False
-    dests = op.eqn.params.get("devices") or ()
-    return bool(dests) and all(
-        "Host" in str(d) or "host" in str(getattr(d, "memory_kind", None) or "") for d in dests
-    )
+    return _host_places(op.eqn.params.get("devices") or ())
 
 
 def host_values(prog: Program) -> frozenset[str]:
@@ -335,7 +332,29 @@ def host_values(prog: Program) -> frozenset[str]:
             and all(a.value.name in out for a in op.operands)
         ):
             out.update(r.value.name for r in op.results)
+        elif op.how == "manual":
+            out.update(op.results[k].value.name for k in _offloaded_outputs(op.eqn))
     return frozenset(out)
+
+
+def _offloaded_outputs(eqn) -> list[int]:
+    """The outputs of a ``shard_map`` that its body puts into host memory (MaxText's flash
+    attention offloads its ``context`` residual inside its own ``shard_map``): their types
+    say so (``bfloat16<host>[...]``).
+
+    Example:
+        >>> _offloaded_outputs(shard_map_eqn)     # doctest: +SKIP
+        [1, 2]
+    """
+    return [k for k, v in enumerate(eqn.outvars)
+            if "host" in str(getattr(v.aval, "memory_space", "")).lower()]  # fmt: skip
+
+
+def _host_places(dests) -> bool:
+    """Whether every destination of a ``device_put`` is host memory."""
+    return bool(dests) and all(
+        "Host" in str(d) or "host" in str(getattr(d, "memory_kind", None) or "") for d in dests
+    )
 
 
 def _default_precision(op: Op) -> bool:

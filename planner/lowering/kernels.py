@@ -71,6 +71,8 @@ def bind(op: Op, *args, local_out=None, step: OpStep | None = None):
         for key in SHAPE_PARAMS:
             if key in params and len(op.results) == 1:
                 params[key] = tuple(local_out[0])
+        if op.primitive == "tile":  # a broadcast dimension's copies: the local result's size
+            params["reps"] = tuple(n // k for n, k in zip(local_out[0], args[0].shape))
         key = OPERAND_SIZE_PARAMS.get(op.primitive)
         if key:
             whole, local = op.operands[0].value.shape, args[0].shape

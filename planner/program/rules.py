@@ -5,7 +5,10 @@
 | elementwise (add, exp, ...)     | one per result dim                     | same loops; scalars read whole   |
 | broadcast_in_dim                | one per result dim                     | operand dim -> its result dim    |
 | transpose                       | one per result dim                     | permuted                         |
-| reshape                         | the finer side of each split/merge     | merged dims list several loops   |
+| reshape                         | the finer side of each split/merge;    | merged dims list several loops   |
+|                                 | m:n regroupings: the sizes both merge  |                                  |
+| tile                            | one per result dim (repeated: whole,   | from size 1: read whole          |
+|                                 | unless repeated from size 1)           |                                  |
 | squeeze / expand_dims           | one per kept dim                       | size-1 dims read whole           |
 | dot_general                     | batch b*, free m*/n*, contracting k*   | reduction (sum) over k*          |
 | reduce_sum/max/min/and/or       | kept i*, reduced r*                    | reduction over r* (combined by   |
@@ -36,7 +39,9 @@ A rule returns ``None`` when it does not apply; the analysis then tries generic 
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -184,9 +189,39 @@ def reshape(name, eqn, ins, outs):
                 loops.append(Loop(names[-1], fine_shape[d]))
                 fine_dims[d] = (names[-1],)
             coarse_dims[coarse[0]] = tuple(names)
-        else:  # an m:n regrouping: one loop over the group that cannot be split
+        elif factors := _common_factors([v.shape[d] for d in ga], [out.shape[d] for d in gb]):
+            names = []  # an m:n regrouping, one loop per size both sides merge:
+            for n in factors:  # (4, 2M) -> (1024, 8K) through (4, 256, 8K)
+                names.append(f"i{len(loops)}")
+                loops.append(Loop(names[-1], n))
+            for shape_, group, dims in ((v.shape, ga, in_dims), (out.shape, gb, out_dims)):
+                it = iter(zip(names, factors))
+                for d in group:
+                    covered, size = [], 1
+                    while size < shape_[d]:
+                        lp, n = next(it)
+                        covered.append(lp)
+                        size *= n
+                    dims[d] = tuple(covered)
+        else:  # an m:n regrouping of sizes that do not divide: one loop that cannot be split
             loops.append(Loop(f"i{len(loops)}", math.prod(v.shape[d] for d in ga), False))
     return Op(name, "reshape", tuple(loops), (_acc(v, in_dims),), (_acc(out, out_dims),))
+
+
+def _common_factors(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...] | None:
+    """The sizes two groups of dimensions of equal product both merge, major first, or None
+    where a dimension's boundary does not divide the next one's.
+
+    Example:
+        >>> _common_factors([4, 2097152], [1024, 8192])
+        (4, 256, 8192)
+    """
+    bounds = sorted(
+        {*itertools.accumulate(a, operator.mul), *itertools.accumulate(b, operator.mul)}
+    )
+    if any(hi % lo for lo, hi in zip(bounds, bounds[1:])):
+        return None
+    return tuple(hi // lo for lo, hi in zip([1, *bounds], bounds))
 
 
 def squeeze(name, eqn, ins, outs):
@@ -319,8 +354,18 @@ def rev(name, eqn, ins, outs):
 
 
 def tile(name, eqn, ins, outs):
-    """``jnp.tile``: the repeated dimensions whole, the others split alike in and out."""
-    return _aligned(name, eqn, ins, outs, {d for d, r in enumerate(eqn.params["reps"]) if r != 1})
+    """``jnp.tile``: a dimension repeated from size 1 is a broadcast (the result split, the
+    operand read whole); one repeated from a larger size is whole; the others split alike.
+
+    MaxText's flash-attention segment ids are ``jnp.tile`` of ``int32[1, 1, 1, 128]`` to
+    ``[batch, length, heads, 128]``: split by batch, they are 1/512 of their size per chip.
+    """
+    reps, (v,), out = eqn.params["reps"], ins, outs[0]
+    loops = [Loop(f"i{d}", n, r == 1 or k == 1)
+             for d, (n, k, r) in enumerate(zip(out.shape, v.shape, reps))]  # fmt: skip
+    dims = [(lp.name,) if r == 1 else () for lp, r in zip(loops, reps)]
+    return Op(name, eqn.primitive.name, tuple(loops), (_acc(v, dims),),
+              (_acc(out, [(lp.name,) for lp in loops]),))  # fmt: skip
 
 
 def pad(name, eqn, ins, outs):

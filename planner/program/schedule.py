@@ -130,13 +130,13 @@ def uneven_splittable(op: Op, loop: str) -> bool:
     """Whether ``loop`` of ``op`` may be split into parts that do not divide its extent (padded
     tiles, run by XLA's partitioner: :meth:`planner.AutoPlan.jit`). Not a loop of an op with
     windows (a convolution or pool split spatially runs on its own tiles, unpadded), of an access
-    with a halo, or the major loop of merged dimensions (a reshape: padding the major loop is no
-    padding of the merged dimension)."""
+    with a halo, or a loop of merged dimensions (a reshape: padding one loop is no padding of
+    the merged dimension)."""
     if op.windows:
         return False
     for acc in op.operands + op.results:
         for k, d in enumerate(acc.dims):
-            if d and d[0] == loop and (len(d) > 1 or any(acc.halo[k : k + 1] and acc.halo[k])):
+            if loop in d and (len(d) > 1 or any(acc.halo[k : k + 1] and acc.halo[k])):
                 return False
     return True
 
@@ -352,12 +352,47 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping, xla: bool = False
         )
     for acc in op.operands + op.results:
         for d in acc.dims:
-            if any(out.get(lp) for lp in d[1:]):
+            if _strided(op, d, out, mesh):
                 raise ValueError(
                     f"op {op.name!r}: loops {d} are merged into one dimension of "
-                    f"{acc.value.name}; only the major loop {d[0]!r} may be partitioned"
+                    f"{acc.value.name}; a loop after {d[0]!r} may be partitioned only where "
+                    "every loop before it is split into single iterations (else its tiles "
+                    "are strided, not blocks)"
                 )
     return out
+
+
+def _strided(op: Op, dims: tuple[str, ...], loops: Mapping[str, Axes], mesh) -> bool:
+    """Whether ``loops`` split a loop of merged ``dims`` after one not split into single
+    iterations: its tiles of the merged dimension would be strided, not blocks.
+
+    Example: ``dims=("c", "r")``, ``c`` of 4 over ``a:4``, ``r`` over ``b``: blocks (False);
+    ``c`` over ``a:2``: strided (True).
+    """
+    whole = False
+    for lp in dims:
+        parts = math.prod(mesh[a] for a in loops.get(lp, ()))
+        if whole and parts > 1:
+            return True
+        whole = whole or parts != op.loop[lp].extent
+    return False
+
+
+def _spread(op: Op, loop: str, axes: Axes, mesh) -> list[tuple[str, Axes]]:
+    """``axes`` asked of ``loop``, the major loop of a merged dimension, spread over that
+    dimension's loops major first: a loop takes the axes whose sizes multiply to its extent,
+    the next loop the rest (``(f#0, ..., f#8)`` over ``(c=4, r=256)``: ``c`` the first two).
+    Elsewhere ``[(loop, axes)]``."""
+    for acc in op.operands + op.results:
+        for d in acc.dims:
+            if len(d) < 2 or d[0] != loop:
+                continue
+            size, k = 1, 0
+            while k < len(axes) and size < op.loop[loop].extent:
+                size, k = size * mesh[axes[k]], k + 1
+            if size == op.loop[loop].extent and k < len(axes):
+                return [(loop, axes[:k]), *_spread(op, d[1], axes[k:], mesh)]
+    return [(loop, axes)]
 
 
 def make_schedule(
@@ -452,16 +487,22 @@ def _try(
     it splits; else in the op's loop order)."""
     out: dict[str, Axes] = {}
     used: set[str] = set()
-    for loop in wanted if as_wanted else [lp.name for lp in op.loops]:
-        axes = wanted.get(loop, ())
-        if not axes or used & set(axes) or loop not in op.loop:
+    for wanted_loop in wanted if as_wanted else [lp.name for lp in op.loops]:
+        asked = wanted.get(wanted_loop, ())
+        if not asked or wanted_loop not in op.loop:
             continue
-        if not splits(op, loop, math.prod(mesh[a] for a in axes), xla):
-            continue
-        out[loop] = axes
-        used.update(axes)
-    for acc in op.operands + op.results:
-        for d in acc.dims:
+        for loop, axes in _spread(op, wanted_loop, asked, mesh):
+            if used & set(axes) or loop in out:
+                continue
+            if not splits(op, loop, math.prod(mesh[a] for a in axes), xla):
+                continue
+            out[loop] = axes
+            used.update(axes)
+    strided = True
+    while strided:  # a minor loop dropped may leave another dimension's tiles strided
+        strided = [d for acc in op.operands + op.results for d in acc.dims
+                   if _strided(op, d, out, mesh)]  # fmt: skip
+        for d in strided:
             for lp in d[1:]:
                 out.pop(lp, None)
     for w in op.windows:  # spatial splits whose tiles do not line up (planner.program.halo)
@@ -532,6 +573,26 @@ def _returned_as_asked(prog: Program, fixed: set[str]) -> dict[str, tuple[Op, Ac
     return out
 
 
+def _carry_as_used(entry: Op, exit_: Op, mesh, result: dict, fixed: set[str], consumers,
+                   sched: Schedule, xla: bool, as_wanted: bool) -> bool:  # fmt: skip
+    """A loop carry nothing split (an accumulator started from zeros) takes the split the
+    loop's users want of its final value, as XLA settles a while loop's carry on its users too:
+    MaxText's vocabulary tiling accumulates the unembedding's gradient over its chunks, and
+    the update that reads it wants it split as the weight is. Returns whether it changed."""
+    if result.get(entry.name) or entry.name in fixed:
+        return False
+    wanted: dict[str, Axes] = {}
+    for res in exit_.results:
+        for c, acc in consumers.get(res.value.name, ()):
+            if result.get(c.name):
+                want_loops(res, sched.spec(c, acc), wanted)
+    new = _try(entry, mesh, wanted, xla, as_wanted) if wanted else {}
+    if not new:
+        return False
+    result[entry.name] = result[exit_.name] = new
+    return True
+
+
 def _propagate(
     prog: Program,
     mesh,
@@ -570,7 +631,11 @@ def _propagate(
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.
         for o in reversed(prog.ops):
-            if o.name in fixed or o.name in tied:
+            if o.name in tied:
+                changed |= _carry_as_used(prog.op(tied[o.name]), o, mesh, result, fixed,
+                                          consumers, sched, xla, as_wanted)  # fmt: skip
+                continue
+            if o.name in fixed:
                 continue
             if result.get(o.name):
                 changed |= _refine(o, mesh, result, consumers, sched, xla, as_wanted)

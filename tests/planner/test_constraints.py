@@ -372,3 +372,25 @@ def test_a_scan_carries_its_value_in_the_layout_its_body_asks(mesh):
         rows, cols = mine.schedule.spec(op, op.results[0])
         assert set(rows) == fsdp and not cols, (rows, cols)
     _close(mine.jit()(*args), step(*args), rtol=1e-4)
+
+
+def test_a_carry_started_from_zeros_takes_the_split_its_users_want(mesh):
+    """An accumulator carried from zeros (MaxText's vocabulary tiling sums the unembedding's
+    gradient over its chunks) takes the split the update after the loop wants, as XLA settles
+    a while loop's carry on its users, not whole on every device; the step is exact."""
+
+    def step(w, xs):
+        def chunk(acc, x):
+            return acc + jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), None
+
+        g, _ = jax.lax.scan(chunk, jnp.zeros_like(w), xs)
+        return w - 0.1 * g
+
+    rng = np.random.default_rng(0)
+    args = (jnp.asarray(rng.normal(size=(32, 64)) / 6, jnp.float32),
+            jnp.asarray(rng.normal(size=(4, 16, 32)), jnp.float32))  # fmt: skip
+    mine = planner.price(step, *args, mesh=mesh, in_shardings=(P("fsdp"), P(None, "tensor")))
+    (carry,) = [o for o in mine.program.ops if o.primitive == "scan_carry"]
+    fsdp = set(MeshShape.of(dict(mesh.shape)).axis_factors("fsdp"))
+    assert set(mine.schedule.spec(carry, carry.results[0])[0]) == fsdp
+    _close(mine.jit()(*args), step(*args), rtol=1e-4)

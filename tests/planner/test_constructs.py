@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import planner
 from experiments.measure import hlo_collectives
@@ -265,6 +266,65 @@ def test_indexing_ops_split_their_free_dimension(fn, mesh):
     prog, sched, _ = run(fn, (x,), lambda p: {p.ops[-1].name: {"i0": ("a", "b", "c")}}, mesh)
     main = max(prog.ops, key=lambda o: len(o.loops))
     assert main.loop["i0"].partitionable
+
+
+@pytest.mark.parametrize("shape", [(16, 4, 3), (64, 3), (2, 32, 3)])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_regrouping_reshape_splits_through_the_sizes_both_sides_merge(shape, seed, mesh):
+    # MaxText's vocabulary tiling: (4 chunks, 2M tokens, d) -> (1024, 8192, d), its result
+    # constrained to the batch split. (4, 16) -> (16, 4) goes through (4, 4, 4): a loop after
+    # the first may be split where the loops before it are split into single iterations.
+    x = rand(4, 16, 3)
+    rng = np.random.default_rng(seed)
+
+    def random_split(p):
+        op = next(o for o in p.ops if o.primitive == "reshape")
+        axes, out = ["a", "b", "c"], {}
+        rng.shuffle(axes)
+        for lp in op.loops:  # major first, each loop split fully before the next is split
+            take = [a for a in axes if a not in {b for v in out.values() for b in v}]
+            k = int(rng.integers(0, len(take) + 1))
+            while k and lp.extent % 2**k:
+                k -= 1
+            if k:
+                out[lp.name] = tuple(take[:k])
+            if 2**k != lp.extent:
+                break
+        return {op.name: out}
+
+    prog, sched, _ = run(lambda x: (x * 2.0).reshape(shape) + 1.0, (x,), random_split, mesh)
+    op = next(o for o in prog.ops if o.primitive == "reshape")
+    assert all(lp.partitionable for lp in op.loops)
+
+
+def test_a_regrouped_result_constrained_by_its_batch_is_reshaped_split(mesh):
+    def step(x):
+        y = jax.lax.with_sharding_constraint(x * 2.0, P(None, ("a", "b", "c")))
+        return jax.lax.with_sharding_constraint(y.reshape(16, 4, 3), P(("a", "b", "c"))) + 1.0
+
+    x = rand(4, 16, 3)
+    with jax.set_mesh(mesh):
+        asked = planner.price(step, x, mesh=mesh)  # the layout the constraints complete
+        op = next(o for o in asked.program.ops if o.primitive == "reshape")
+        assert asked.schedule.spec(op, op.results[0])[0] == ("a", "b", "c")  # not made whole
+        low = planner.lower(asked.program, asked.schedule, mesh)
+        np.testing.assert_array_equal(np.asarray(low(x)), np.asarray(jax.jit(step)(x)))
+
+
+def test_tile_from_size_one_is_a_broadcast_split_along_its_copies(mesh):
+    # MaxText's segment ids: jnp.tile(int32[1, 1, 1, 128], (batch, length, heads, 1)). Kept
+    # whole they were 550 GB per chip on Llama 3.1 405B; split by batch they fit.
+    x = rand(1, 4, 8)
+
+    def copies(p):
+        return {o.name: {"i0": ("a", "b", "c")} for o in p.ops
+                if o.primitive in ("tile", "broadcast_in_dim")}  # fmt: skip
+
+    prog, sched, _ = run(lambda x: jnp.tile(x, (8, 1, 2)) * 2.0, (x,), copies, mesh)
+    op = next(o for o in prog.ops if o.primitive in ("tile", "broadcast_in_dim"))
+    assert op.loop["i0"].partitionable and sched.spec(op, op.results[0])[0] == ("a", "b", "c")
+    if op.primitive == "tile":  # JAX >= 0.11: the dimension repeated from 4 stays whole
+        assert op.loop["i1"].partitionable and not op.loop["i2"].partitionable
 
 
 # ----- 6. discovery is cheap -----

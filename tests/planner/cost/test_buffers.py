@@ -305,6 +305,35 @@ def test_values_offloaded_to_the_host_take_no_device_memory_where_the_host_has_i
     assert abs(peaks["cpu", False] - peaks["cpu", True]) < residuals // 8
 
 
+def test_a_residual_a_shard_map_offloads_inside_its_body_takes_no_device_memory(mesh):
+    """MaxText's flash attention checkpoints inside its own ``shard_map``: the residual it
+    offloads leaves the region as an output typed ``<host>``, and stays off the device's peak
+    on TPU (Llama 3.1 405B's 67.6 GB of attention contexts per chip)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    from planner.cost.buffers import host_values
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device",
+        offload_dst="pinned_host")  # fmt: skip
+
+    def body(x, w):
+        return jnp.tanh(checkpoint_name(jnp.tanh(x @ w), "h") @ w)
+
+    region = jax.shard_map(jax.checkpoint(body, policy=policy), mesh=mesh,
+                           in_specs=(P(("a", "b", "c")), P()), out_specs=P(("a", "b", "c")))  # fmt: skip
+
+    def step(x, w):
+        return jax.grad(lambda w: jnp.sum(region(x, w) ** 2))(w)
+
+    args = [jax.ShapeDtypeStruct((256, 64), F32), jax.ShapeDtypeStruct((64, 64), F32)]
+    with jax.set_mesh(mesh):
+        prog = planner.analyze(step, *args)
+    manual = [o for o in prog.ops if o.how == "manual"]
+    offloaded = {r.value.name for o in manual for r in o.results} & host_values(prog)
+    assert len(offloaded) == 1 and len(prog.producer[min(offloaded)].results) > 1
+
+
 def test_a_plan_that_offloads_computes_what_the_step_computes(mesh):
     """The offloading step split over the batch on 8 CPU devices: the same update as the
     unsharded step, the device_put to the host and back kept in the plan."""
