@@ -87,6 +87,11 @@ _FOLDERS = [
     Folder("topology_gpu_random", _rb(num_problems=20, figures=False, topology="gpu:h100_sxm"),
            Needs.HOST, 0.5),
     Folder("weight_sync", (Run("weight_sync", "weight_sync/default"),), Needs.HOST, 0.5),
+    Folder("weight_sync_frontier", (
+        Run("weight_sync", "weight_sync/frontier_small", sub="qwen3_235b"),
+        Run("weight_sync", "weight_sync/frontier_small", (("config.model", "deepseek_v3"),),
+            sub="deepseek_v3")), Needs.HOST, 0.5,
+        "Qwen3-235B's and DeepSeek-V3's trees shrunk to 8 CPU devices, timed"),
     Folder("frontier_sync", (Run("frontier_sync", "weight_sync/frontier"),), Needs.HOST, 1.5,
            "compiled for v5p-1024 by the TPU compiler on this host; nothing runs"),
     Folder("synthesis_scaling", (Run("synthesis_scaling", "synthesis_scaling/default"),),

@@ -39,6 +39,16 @@ MODELS = {
 }  # fmt: skip
 """The models' public configs (the fields the trees need)."""
 
+SHRUNK = {
+    "qwen3_235b": dict(d=256, layers=4, heads=8, kv_heads=2, head=32, experts=8, expert_ffn=128,
+                       vocab=4096),
+    "deepseek_v3": dict(d=256, layers=4, dense_layers=1, heads=8, q_rank=64, kv_rank=32,
+                        nope=32, rope=16, v_head=32, dense_ffn=512, experts=8, expert_ffn=128,
+                        shared_ffn=128, vocab=4096),
+}  # fmt: skip
+"""The same structures shrunk to run on 8 CPU devices (``fsdp:4 x expert:2``): every leaf kind,
+its stacking and its layouts kept."""
+
 FSDP = ("fsdp", "expert")  # MaxText's embed rule: the model dimension over both training axes
 
 
@@ -82,11 +92,12 @@ def _mlp(n: int, d: int, ffn: int) -> dict[str, Leaf]:
             "wo": _matrix(n, ffn, d, "rows")}  # fmt: skip
 
 
-def parameters(model: str) -> dict[str, Leaf]:
-    """The parameter tree of ``model`` (a key of :data:`MODELS`), path -> :class:`Leaf`."""
+def parameters(model: str, shrunk: bool = False) -> dict[str, Leaf]:
+    """The parameter tree of ``model`` (a key of :data:`MODELS`), path -> :class:`Leaf`;
+    ``shrunk``: of its :data:`SHRUNK` config."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
-    c = MODELS[model]
+    c = (SHRUNK if shrunk else MODELS)[model]
     d, v = c["d"], c["vocab"]
     tree = {"embed": Leaf((v, d), (None, FSDP), ("tp", None)),
             "head": Leaf((d, v), (FSDP, None), (None, "tp")),

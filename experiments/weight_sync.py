@@ -4,6 +4,12 @@ Usage:
     python -m experiments.weight_sync --workdir=workdir/weight_sync
     python -m experiments.weight_sync --config.layers=2
 
+``--config.model``: ``llama`` (below) or a frontier model's tree shrunk to this host
+(``qwen3_235b``, ``deepseek_v3``: :data:`experiments.frontier_weights.SHRUNK`, MaxText's
+``fsdp x expert`` to vLLM's ``ep x tp``; ``configs/weight_sync/frontier_small.py``). With
+``--config.memory_budget_kib``, a fourth method, ``redist_budget``, moves the tree eagerly within
+that budget in flight per device (``redistribute(..., memory_budget=...)``).
+
 The parameters of a Llama-like model (token embedding, per layer: attention q/k/v/o, SwiGLU
 gate/up/down, two RMSNorm scales; final norm, output head) live FSDP-sharded on a training mesh
 (``fsdp:8``: every matrix split by rows). Serving wants Megatron tensor parallelism on another mesh
@@ -49,6 +55,21 @@ def parameters(config, rng) -> dict:
         for _ in range(config.layers)
     ]  # fmt: skip
     return {"embed": w(v, d), "layers": layers, "norm": np.ones(d, config.dtype), "head": w(d, v)}
+
+
+def frontier_parameters(config, rng) -> tuple[dict, dict, dict]:
+    """``config.model``'s shrunk tree (:data:`experiments.frontier_weights.SHRUNK`, numpy) and
+    its training (``fsdp`` x ``expert``) and serving (``ep`` x ``tp``) specs per leaf."""
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from experiments.frontier_weights import parameters as frontier
+
+    tree = frontier(config.model, shrunk=True)
+    params = {k: (rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-1])).astype(config.dtype)
+              for k, leaf in tree.items()}  # fmt: skip
+    return (params, {k: P(*leaf.train) for k, leaf in tree.items()},
+            {k: P(*leaf.serve) for k, leaf in tree.items()})  # fmt: skip
 
 
 def layouts(params) -> tuple[dict, dict]:
@@ -97,8 +118,11 @@ def run(config, workdir: str) -> dict:
     for key in ("train_mesh", "serve_mesh"):
         axes = parse_mesh(getattr(config, key))
         meshes[key] = Mesh(devices.reshape(tuple(axes.values())), tuple(axes))
-    params = parameters(config, np.random.default_rng(0))
-    train, serve = layouts(params)
+    if config.model == "llama":
+        params = parameters(config, np.random.default_rng(0))
+        train, serve = layouts(params)
+    else:
+        params, train, serve = frontier_parameters(config, np.random.default_rng(0))
     is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
     src = jax.tree.map(lambda s: NamedSharding(meshes["train_mesh"], s), train, is_leaf=is_spec)
     dst = jax.tree.map(lambda s: NamedSharding(meshes["serve_mesh"], s), serve, is_leaf=is_spec)
@@ -126,6 +150,10 @@ def run(config, workdir: str) -> dict:
     result["serve_bytes_per_device"] = per_device(params, dst)
     thunks = {"redist": lambda: programs["redist"](x), "xla": lambda: programs["xla"](x),
               "device_put": lambda: jax.device_put(x, dst)}  # fmt: skip
+    if config.memory_budget_kib:  # eager, bucket by bucket (slices of a leaf over the budget)
+        budget = int(config.memory_budget_kib * 1024)
+        result["budget_bytes"] = budget
+        thunks["redist_budget"] = lambda: redist.redistribute(x, src, dst, memory_budget=budget)
     for name, thunk in thunks.items():
         out = thunk()
         same = all(np.array_equal(np.asarray(a), b)
@@ -153,14 +181,18 @@ def run(config, workdir: str) -> dict:
 def markdown(result: dict) -> str:
     c = result["config"]
     mib = 2**20
+    model = (f"{c['layers']} layers, d_model {c['d_model']}, ffn {c['ffn']}, vocab {c['vocab']}"
+             if c["model"] == "llama" else f"{c['model']} shrunk (experiments.frontier_weights)")  # fmt: skip
+    budget = (f" `redist_budget` moves the tree eagerly within {result['budget_bytes'] / mib:.2f} "
+              "MiB in flight per device." if "budget_bytes" in result else "")  # fmt: skip
     lines = [
         "# Weight sync: FSDP training layout to tensor-parallel serving layout",
         "",
-        f"{c['layers']} layers, d_model {c['d_model']}, ffn {c['ffn']}, vocab {c['vocab']}, "
+        f"{model}, "
         f"{c['dtype']}: {result['param_bytes'] / mib:.1f} MiB of parameters; per device "
         f"{result['train_bytes_per_device'] / mib:.2f} MiB when training, "
         f"{result['serve_bytes_per_device'] / mib:.2f} MiB when serving. "
-        f"Mesh `{c['train_mesh']}` to mesh `{c['serve_mesh']}` over the same 8 devices.",
+        f"Mesh `{c['train_mesh']}` to mesh `{c['serve_mesh']}` over the same 8 devices.{budget}",
         "",
         "Temporary memory is the compiled program's scratch per device; held is what a device "
         "holds during the call (parameters in and out plus scratch, less donated buffers reused).",
@@ -196,6 +228,9 @@ def figure(result: dict, path: str) -> None:
     b.bar(mem, [result["methods"][n]["temp_bytes"] / 2**20 for n in mem], color="#cc6677")
     b.axhline(result["serve_bytes_per_device"] / 2**20, color="gray", linestyle="--",
               linewidth=1, label="serving parameters per device")  # fmt: skip
+    if "budget_bytes" in result:
+        b.axhline(result["budget_bytes"] / 2**20, color="#228833", linestyle=":", linewidth=1,
+                  label="redist_budget: in flight at most")  # fmt: skip
     b.set_ylabel("compiled temporary memory (MiB)")
     b.set_title("memory")
     b.legend(fontsize=7)

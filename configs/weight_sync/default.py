@@ -8,6 +8,8 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
+    c.model = "llama"  # or a frontier model shrunk: qwen3_235b, deepseek_v3 (frontier_small.py)
+    c.memory_budget_kib = 0.0  # > 0: also redist_budget, eager within this budget per device
     c.vocab = 8192
     c.d_model = 512
     c.ffn = 1408  # SwiGLU hidden size (about 8/3 d_model, a multiple of 32)

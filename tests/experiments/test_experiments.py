@@ -116,6 +116,20 @@ def test_weight_sync_smoke(tmp_path):
     assert "redist" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.parametrize("model", ["qwen3_235b", "deepseek_v3"])
+def test_weight_sync_of_a_frontier_tree_shrunk_is_exact_within_its_budget(model, tmp_path):
+    from configs.weight_sync import frontier_small
+    from experiments import weight_sync
+
+    config = frontier_small.get_config()
+    config.update(model=model, repeats=1, warmup=0, min_time_s=0.0, figures=False)
+    result = weight_sync.run(config, str(tmp_path))
+    for name in ("redist", "xla", "device_put", "redist_budget"):
+        assert result["methods"][name]["exact"] and result["methods"][name]["placed"], name
+    assert result["budget_bytes"] == 3 * 2**20
+    assert model in (tmp_path / "report.md").read_text()
+
+
 def test_synthesis_scaling_smoke(tmp_path):
     from configs.synthesis_scaling import default as ss_config
     from experiments import synthesis_scaling
