@@ -268,13 +268,22 @@ def test_indexing_ops_split_their_free_dimension(fn, mesh):
     assert main.loop["i0"].partitionable
 
 
+def _regroup(shape):
+    return lambda x: (x * 2.0).reshape(shape) + jnp.tile(x[:1, :1], (16, 4, 1)).reshape(shape)
+
+
 @pytest.mark.parametrize("shape", [(16, 4, 3), (64, 3), (2, 32, 3)])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_regrouping_reshape_splits_through_the_sizes_both_sides_merge(shape, seed, mesh):
+@pytest.mark.parametrize("transform", ["none", "vmap", "grad"])
+def test_a_regrouping_reshape_splits_through_the_sizes_both_sides_merge(
+    shape, seed, transform, mesh
+):
     # MaxText's vocabulary tiling: (4 chunks, 2M tokens, d) -> (1024, 8192, d), its result
     # constrained to the batch split. (4, 16) -> (16, 4) goes through (4, 4, 4): a loop after
     # the first may be split where the loops before it are split into single iterations.
-    x = rand(4, 16, 3)
+    base = _regroup(shape)
+    fn, x = {"none": (base, rand(4, 16, 3)), "vmap": (jax.vmap(base), rand(2, 4, 16, 3)),
+             "grad": (jax.grad(lambda x: jnp.sum(base(x) ** 2)), rand(4, 16, 3))}[transform]  # fmt: skip
     rng = np.random.default_rng(seed)
 
     def random_split(p):
@@ -292,7 +301,7 @@ def test_a_regrouping_reshape_splits_through_the_sizes_both_sides_merge(shape, s
                 break
         return {op.name: out}
 
-    prog, sched, _ = run(lambda x: (x * 2.0).reshape(shape) + 1.0, (x,), random_split, mesh)
+    prog, sched, _ = run(fn, (x,), random_split, mesh)
     op = next(o for o in prog.ops if o.primitive == "reshape")
     assert all(lp.partitionable for lp in op.loops)
 
