@@ -143,6 +143,13 @@ class Op:
         return self.primitive in DENSE
 
     @functools.cached_property
+    def merged(self) -> tuple[tuple[str, ...], ...]:
+        """The dimensions of its operands and results that merge several loops (a reshape's),
+        each once, their loops major first."""
+        accesses = (*self.operands, *self.results)
+        return tuple(dict.fromkeys(d for a in accesses for d in a.dims if len(d) > 1))
+
+    @functools.cached_property
     def signature(self) -> tuple:
         """The op without its names: ops with equal signatures cost the same under equal layouts
         (the layers of a deep network)."""

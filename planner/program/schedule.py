@@ -350,15 +350,13 @@ def check_assignment(shape: MeshShape, op: Op, loops: Mapping, xla: bool = False
             f"op {op.name!r}: partitioned reductions of kinds {sorted(kinds)} cannot be combined; "
             f"split one kind of {sorted(COMBINABLE)} at a time"
         )
-    for acc in op.operands + op.results:
-        for d in acc.dims:
-            if _strided(op, d, out, mesh):
-                raise ValueError(
-                    f"op {op.name!r}: loops {d} are merged into one dimension of "
-                    f"{acc.value.name}; a loop after {d[0]!r} may be partitioned only where "
-                    "every loop before it is split into single iterations (else its tiles "
-                    "are strided, not blocks)"
-                )
+    for d in op.merged:
+        if _strided(op, d, out, mesh):
+            raise ValueError(
+                f"op {op.name!r}: loops {d} are merged into one dimension; a loop after "
+                f"{d[0]!r} may be partitioned only where every loop before it is split into "
+                "single iterations (else its tiles are strided, not blocks)"
+            )
     return out
 
 
@@ -383,10 +381,8 @@ def _spread(op: Op, loop: str, axes: Axes, mesh) -> list[tuple[str, Axes]]:
     dimension's loops major first: a loop takes the axes whose sizes multiply to its extent,
     the next loop the rest (``(f#0, ..., f#8)`` over ``(c=4, r=256)``: ``c`` the first two).
     Elsewhere ``[(loop, axes)]``."""
-    for acc in op.operands + op.results:
-        for d in acc.dims:
-            if len(d) < 2 or d[0] != loop:
-                continue
+    for d in op.merged:
+        if d[0] == loop:
             size, k = 1, 0
             while k < len(axes) and size < op.loop[loop].extent:
                 size, k = size * mesh[axes[k]], k + 1
@@ -498,10 +494,9 @@ def _try(
                 continue
             out[loop] = axes
             used.update(axes)
-    strided = True
+    strided = bool(op.merged)
     while strided:  # a minor loop dropped may leave another dimension's tiles strided
-        strided = [d for acc in op.operands + op.results for d in acc.dims
-                   if _strided(op, d, out, mesh)]  # fmt: skip
+        strided = [d for d in op.merged if _strided(op, d, out, mesh)]
         for d in strided:
             for lp in d[1:]:
                 out.pop(lp, None)
