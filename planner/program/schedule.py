@@ -526,6 +526,17 @@ def want_loops(access: Access, spec: Spec, wanted: dict, used: set[str] | None =
         wanted[d[0]] = axes
 
 
+def _users_want(op: Op, consumers, result: dict, sched: Schedule, wanted: dict,
+                used: set[str] | None = None) -> dict:  # fmt: skip
+    """Add to ``wanted`` the loops of ``op`` its results' partitioned consumers split, as each
+    reads them (:func:`want_loops`); returns ``wanted``."""
+    for res in op.results:
+        for c, acc in consumers.get(res.value.name, ()):
+            if result.get(c.name):
+                want_loops(res, sched.spec(c, acc), wanted, used)
+    return wanted
+
+
 def _refine(
     op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool, as_wanted: bool = True
 ) -> bool:
@@ -539,11 +550,7 @@ def _refine(
     have = result[op.name]
     used = {a for axes in have.values() for a in axes}
     wanted = dict(have)
-    for res in op.results:
-        for c, acc in consumers.get(res.value.name, ()):
-            if not result.get(c.name):
-                continue
-            want_loops(res, sched.spec(c, acc), wanted, used)
+    _users_want(op, consumers, result, sched, wanted, used)
     if wanted == have:
         return False
     new = _try(op, mesh, wanted, xla, as_wanted)
@@ -576,11 +583,7 @@ def _carry_as_used(entry: Op, exit_: Op, mesh, result: dict, fixed: set[str], co
     the update that reads it wants it split as the weight is. Returns whether it changed."""
     if result.get(entry.name) or entry.name in fixed:
         return False
-    wanted: dict[str, Axes] = {}
-    for res in exit_.results:
-        for c, acc in consumers.get(res.value.name, ()):
-            if result.get(c.name):
-                want_loops(res, sched.spec(c, acc), wanted)
+    wanted = _users_want(exit_, consumers, result, sched, {})
     new = _try(entry, mesh, wanted, xla, as_wanted) if wanted else {}
     if not new:
         return False
@@ -635,11 +638,7 @@ def _propagate(
             if result.get(o.name):
                 changed |= _refine(o, mesh, result, consumers, sched, xla, as_wanted)
                 continue
-            wanted = {}
-            for res in o.results:
-                for c, acc in consumers.get(res.value.name, ()):
-                    if result.get(c.name):
-                        want_loops(res, sched.spec(c, acc), wanted)
+            wanted = _users_want(o, consumers, result, sched, {})
             result[o.name] = _try(o, mesh, wanted, xla, as_wanted)
             changed |= bool(result[o.name])
         if not changed:
