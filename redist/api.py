@@ -17,7 +17,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from redist.buckets import buckets, in_flight_bytes, index_bytes, slice_ranges, unsplit_dim
 from redist.calibration import backend_calibration, device_kind_calibration
 from redist.cost import AUTO
-from redist.linear import Reshard, device_ids, is_explicit, redistribute_p, same_mesh
+from redist.linear import (
+    Reshard,
+    device_ids,
+    hand_over,
+    is_explicit,
+    redistribute_p,
+    same_mesh,
+)
 from redist.specs import SpecLike, check_options, dist_type, mesh_shape, movable_dtype
 from redist.synthesis import FOLD_MIN_BYTES
 
@@ -352,10 +359,29 @@ def redistribute(
     if budget is not None:
         out = _in_buckets(x, leaves, srcs, dsts, mesh, options, donate, budget)
         return jax.tree.unflatten(treedef, out)
-    out = [
-        _redistribute_array(v, s, d, mesh, options, donate) for v, s, d in zip(leaves, srcs, dsts)
-    ]
+    out = _moved(range(len(leaves)), leaves, srcs, dsts, mesh, options, donate)
     return jax.tree.unflatten(treedef, out)
+
+
+def _moved(which, leaves, srcs, dsts, mesh, options, donate: bool) -> list:
+    """Leaves ``which`` moved, one by one, except moves to other processes' devices: those are
+    handed over together (:func:`redist.linear.hand_over`: one program, one batched transfer)."""
+    out, across = [], []
+    for k in which:
+        v = leaves[k]
+        move = None if isinstance(v, jax.core.Tracer) else \
+            _reshard_of(v, srcs[k], dsts[k], mesh, options)[0]  # fmt: skip
+        if move is not None and move.across_processes:
+            move.check_uneven(eager=True)
+            across.append((len(out), v, move))
+            out.append(None)
+        else:
+            out.append(_redistribute_array(v, srcs[k], dsts[k], mesh, options, donate))
+    if across:
+        moved = hand_over([v for _, v, _ in across], [m for _, _, m in across], donate)
+        for (i, _, _), y in zip(across, moved):
+            out[i] = y
+    return out
 
 
 def _checked_budget(memory_budget) -> int | None:
@@ -394,10 +420,10 @@ def _in_buckets(x, leaves, srcs, dsts, mesh, options, donate: bool, budget: int)
     if tracing:  # the compiler schedules the moves (see redistribute's memory_budget)
         groups = [[k for g in groups for k in g]]
     for bucket in groups:
+        whole = iter(_moved([k for k in bucket if k not in sliced], leaves, srcs, dsts, mesh, options,
+                            donate))  # fmt: skip
         moved = [_moved_in_slices(leaves[k], srcs[k], dsts[k], mesh, options, donate, *sliced[k])
-                 if k in sliced else
-                 _redistribute_array(leaves[k], srcs[k], dsts[k], mesh, options, donate)
-                 for k in bucket]  # fmt: skip
+                 if k in sliced else next(whole) for k in bucket]  # fmt: skip
         if not tracing:
             jax.block_until_ready(moved)
         for k, y in zip(bucket, moved):

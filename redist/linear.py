@@ -64,6 +64,12 @@ def same_mesh(a, b) -> bool:
     return ia is None or ib is None or ia == ib
 
 
+def _addressable(*meshes) -> bool:
+    """Whether every device of ``meshes`` is this process's."""
+    here = jax.process_index()
+    return all(d.process_index == here for m in meshes for d in m.devices.flat)
+
+
 def _on_devices(mesh, like):
     """``mesh`` over ``like``'s devices (in ``like``'s order) when ``mesh`` is abstract and
     ``like`` is not: inside ``jit`` two meshes of one move share their devices and order. A
@@ -110,7 +116,8 @@ class Reshard:
     @functools.cached_property
     def _route(self) -> tuple[str, Plan | None, Any]:
         """``(kind, plan, run_mesh)``: ``"place"`` (nothing to move), ``"plan"`` (collectives on
-        ``run_mesh``'s prime factors) or ``"transfer"`` (devices in another order)."""
+        ``run_mesh``'s prime factors), ``"transfer"`` (devices in another order, all in this
+        process) or ``"stage"`` (devices of other processes: :attr:`staged`, then handed over)."""
         m = mesh_shape(self.mesh)
         s = dist_type(self.src, self.shape, m, argname="src", padded=True)
         if s.global_size == 0:  # a zero-size array: only its sharding changes
@@ -128,6 +135,15 @@ class Reshard:
         d = dist_type(dst_spec, self.shape, other, argname="dst", padded=True)
         a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
         if a is not None and b is not None and a != b:
+            if not _addressable(self.mesh, self.dst.mesh):
+                if m.num_devices != other.num_devices:
+                    raise NotImplementedError(
+                        f"moving across processes from x's mesh {m} to dst's mesh {other}: the "
+                        "pieces are handed over tile for tile, which needs meshes of as many "
+                        f"devices ({m.num_devices} and {other.num_devices}); move to a mesh of "
+                        f"{m.num_devices} devices"
+                    )
+                return "stage", self.staged.plan, None
             return "transfer", None, None
         if m.num_devices != other.num_devices:
             raise ValueError(f"dst's mesh {other} and x's mesh {m} differ in size")
@@ -147,9 +163,30 @@ class Reshard:
                                  self.itemsize, *self.options)  # fmt: skip
         return "plan", plan, run_mesh
 
+    @functools.cached_property
+    def staged(self) -> Reshard:
+        """The move to ``dst``'s layout on a mesh of ``x``'s devices shaped and named as
+        ``dst``'s: from there every tile is handed over whole to the device of ``dst`` at the
+        same place in its mesh, the least a device set can receive from another (across processes
+        by ``jax.device_put``'s cross-host transfers)."""
+        stage = jax.sharding.Mesh(
+            self.mesh.devices.reshape(self.dst.mesh.devices.shape),
+            tuple(self.dst.mesh.axis_names),
+            axis_types=tuple(self.dst.mesh.axis_types),
+        )
+        spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)))
+        return Reshard(self.mesh, self.src, NamedSharding(stage, spec), self.shape, self.dtype,
+                       self.itemsize, self.options)  # fmt: skip
+
+    @property
+    def across_processes(self) -> bool:
+        """Whether the move reaches devices of other processes (see :func:`hand_over`)."""
+        return self._route[0] == "stage"
+
     @property
     def plan(self) -> Plan | None:
-        """The synthesized plan (``None`` for a zero-size array or a transfer)."""
+        """The synthesized plan (``None`` for a zero-size array or a transfer; for a move across
+        processes, the plan of its :attr:`staged` move)."""
         return self._route[1]
 
     @property
@@ -177,7 +214,7 @@ class Reshard:
 
     def check_traceable(self) -> None:
         """Raises ``ValueError`` if this move cannot run inside ``jax.jit``."""
-        if self._route[0] == "transfer":
+        if self._route[0] in ("transfer", "stage"):
             a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
             raise ValueError(
                 f"inside jax.jit, dst's mesh must list the devices of x's mesh in the same order "
@@ -213,6 +250,8 @@ class Reshard:
             return jax.device_put(x, self.dst, donate=donate)
         if kind == "transfer":
             return transfer(x, self.dst, donate=donate)
+        if kind == "stage":
+            return hand_over([x], [self], donate)[0]
         return _across_jitted(plan, run_mesh, self.dst, donate, self.explicit)(x)
 
     def source_hint(self) -> NamedSharding:
@@ -353,6 +392,37 @@ def _tile_permutation(plan: Plan) -> bool:
 def _factor_pspec(t) -> PartitionSpec:
     """``t`` as a ``PartitionSpec`` over the factored mesh (pending factors unreduced)."""
     return PartitionSpec(*factor_spec(t), unreduced=frozenset(t.pending))
+
+
+def hand_over(xs: list, moves: list[Reshard], donate: bool = False) -> list:
+    """Moves across processes, all at once: every ``x`` moved to its destination's layout on its
+    own devices (:attr:`Reshard.staged`, one ``jit`` for all), then every tile handed over
+    whole by one batched ``jax.device_put`` (JAX's cross-host transfers; they need
+    ``jax_cross_host_transfer_socket_address`` where the backend has no transfers of its own).
+
+    Example:
+        >>> ys = hand_over([x], [move])  # doctest: +SKIP
+    """
+    staged = _staging(tuple(m.staged for m in moves), donate)(*xs)
+    ys = jax.device_put(staged, [m.dst for m in moves])
+    # staged is freed when dropped, once sent: deleting it by hand could free it before the
+    # receiver reads it. A donated x whose buffers XLA could not use is freed here (never one
+    # the program forwards: with donation jit copies or aliases, it does not forward).
+    for x in xs if donate else ():
+        if not x.is_deleted():
+            x.delete()
+    return ys
+
+
+@functools.lru_cache(maxsize=256)
+def _staging(moves: tuple[Reshard, ...], donate: bool):
+    """One ``jit`` running ``moves`` (on one device set, across meshes of those devices)."""
+
+    def run(*xs):
+        return [redistribute_p.bind(x, move=m) for x, m in zip(xs, moves)]
+
+    donated = tuple(range(len(moves))) if donate else ()
+    return jax.jit(run, out_shardings=[m.dst for m in moves], donate_argnums=donated)
 
 
 @functools.lru_cache(maxsize=1024)

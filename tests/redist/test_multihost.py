@@ -1,4 +1,5 @@
-"""Two processes x four CPU devices, one 2x4 mesh, on JAX's multi-controller runtime (gloo)."""
+"""Two processes x four CPU devices on JAX's multi-controller runtime (gloo): one 2x4 mesh, and a
+move from one process's devices to the other's (disaggregated weight sync)."""
 
 import os
 import socket
@@ -15,10 +16,10 @@ def _free_port() -> int:
 
 
 def test_redistribute_across_two_processes():
-    port = str(_free_port())
+    port, transfers = str(_free_port()), [str(_free_port()) for _ in (0, 1)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
-        subprocess.Popen([sys.executable, WORKER, port, str(pid)], env=env,
+        subprocess.Popen([sys.executable, WORKER, port, str(pid), transfers[pid]], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for pid in (0, 1)
     ]  # fmt: skip
@@ -33,4 +34,4 @@ def test_redistribute_across_two_processes():
         outs.append((p.returncode, out, err))
     for pid, (code, out, err) in enumerate(outs):
         assert code == 0, f"process {pid} failed:\n{err[-3000:]}"
-        assert f"process {pid} OK 4" in out
+        assert f"process {pid} OK 5" in out

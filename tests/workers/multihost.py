@@ -1,4 +1,5 @@
-"""One process of the two-process test: ``python multihost.py PORT PROCESS_ID``."""
+"""One process of the two-process test: ``python multihost.py PORT PROCESS_ID [TRANSFER_PORT]``
+(the transfer port: the socket of JAX's cross-host transfers, one per process)."""
 
 import os
 import sys
@@ -10,6 +11,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid = sys.argv[1], int(sys.argv[2])
+if len(sys.argv) > 3:
+    jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{sys.argv[3]}")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 import numpy as np  # noqa: E402
@@ -49,5 +52,49 @@ for y in (
     assert y.sharding.is_equivalent_to(dst, 2)
     for shard in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), arr[shard.index])
-print(f"process {pid} OK {len(cases) + 1}")
+# Disaggregated (a weight sync): the trainer's layout on process 0's devices to the server's on
+# process 1's, leaf for leaf, in buckets, with and without donation.
+checked = len(cases) + 1
+if len(sys.argv) > 3:
+    from jax.sharding import Mesh  # noqa: E402
+
+    own = [np.array([d for d in jax.devices() if d.process_index == i]) for i in (0, 1)]
+    trainer = Mesh(own[0].reshape(4), ("fsdp",))
+    server = Mesh(own[1].reshape(2, 2), ("dp", "tp"))
+    layouts = {
+        "embed": ((64, 16), P("fsdp"), P(None, "tp")),
+        "experts": ((4, 8, 16), P(None, "fsdp"), P("tp", None, "dp")),
+        "norm": ((16,), P(), P()),
+    }
+    values = {k: np.arange(np.prod(s), dtype=np.float32).reshape(s) * (1 + i)
+              for i, (k, (s, _, _)) in enumerate(layouts.items())}  # fmt: skip
+    src = {k: NamedSharding(trainer, a) for k, (_, a, _) in layouts.items()}
+    dst = {k: NamedSharding(server, b) for k, (_, _, b) in layouts.items()}
+    for budget, donate in ((None, False), (4096, False), (4096, True)):
+        tree = {k: jax.make_array_from_callback(v.shape, src[k], lambda i, v=v: v[i], dtype=v.dtype)
+                for k, v in values.items()}  # fmt: skip
+        out = redist.redistribute(tree, dst, memory_budget=budget, donate=donate)
+        for k, y in out.items():
+            assert y.sharding == dst[k], (k, y.sharding)
+            assert len(y.addressable_shards) == (4 if pid == 1 else 0)
+            for shard in y.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), values[k][shard.index])
+        assert all(v.is_deleted() for v in tree.values()) == donate
+    tree = {k: jax.make_array_from_callback(v.shape, src[k], lambda i, v=v: v[i], dtype=v.dtype)
+            for k, v in values.items()}  # fmt: skip
+    try:
+        jax.jit(lambda t: redist.redistribute(t, src, dst))(tree)
+    except ValueError as e:
+        assert "inside jax.jit" in str(e), e
+    else:
+        raise AssertionError("a move across processes inside jit must be refused")
+    small = NamedSharding(Mesh(own[1][:2], ("tp",)), P("tp"))
+    try:
+        redist.redistribute(tree["embed"], small)
+    except NotImplementedError as e:
+        assert "as many" in str(e), e
+    else:
+        raise AssertionError("meshes of different sizes across processes must be refused")
+    checked += 1
+print(f"process {pid} OK {checked}")
 jax.distributed.shutdown()
