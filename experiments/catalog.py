@@ -92,6 +92,11 @@ _FOLDERS = [
         Run("weight_sync", "weight_sync/frontier_small", (("config.model", "deepseek_v3"),),
             sub="deepseek_v3")), Needs.HOST, 0.5,
         "Qwen3-235B's and DeepSeek-V3's trees shrunk to 8 CPU devices, timed"),
+    Folder("weight_sync_disaggregated", (
+        Run("weight_sync_disaggregated", "weight_sync/disaggregated", sub="qwen3_235b"),
+        Run("weight_sync_disaggregated", "weight_sync/disaggregated",
+            (("config.model", "deepseek_v3"),), sub="deepseek_v3")), Needs.HOST, 0.5,
+        "trainer and server in two processes of 4 CPU devices each"),
     Folder("frontier_sync", (Run("frontier_sync", "weight_sync/frontier"),), Needs.HOST, 1.5,
            "compiled for v5p-1024 by the TPU compiler on this host; nothing runs"),
     Folder("synthesis_scaling", (Run("synthesis_scaling", "synthesis_scaling/default"),),

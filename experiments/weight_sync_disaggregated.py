@@ -73,8 +73,10 @@ def launch(config_path: str, overrides: list[str], workdir: str, timeout_s: floa
         raise RuntimeError(f"process {first} failed:\n{errors[first][-6000:]}")
     parts = []
     for pid in (0, 1):
-        with open(os.path.join(workdir, f"process_{pid}.json")) as f:
+        path = os.path.join(workdir, f"process_{pid}.json")
+        with open(path) as f:
             parts.append(json.load(f))
+        os.remove(path)
     result = parts[1]
     for name, m in parts[0]["methods"].items():
         result["methods"].setdefault(name, {}).update(m)
@@ -212,7 +214,8 @@ def main(argv):
     if f.process_id >= 0:
         worker(f.config, f.workdir, f.process_id, f.port, f.transfer_port)
         return
-    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    del argv
+    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
     result = launch(f["config"].config_filename, overrides, f.workdir, f.timeout_s)
     print(markdown(result))
     print(f"outputs in {f.workdir}")
