@@ -277,7 +277,12 @@ def redistribute(
     ``NamedSharding`` on another mesh: over the same devices in the same order the move is
     planned on the prime factors of one of the meshes (inside ``jit`` too); over devices in
     another order, or other devices, it is a direct device-to-device transfer of the pieces each
-    destination device lacks (eager only: JAX runs one jit on one device order).
+    destination device lacks (eager only: JAX runs one jit on one device order). Onto devices of
+    other processes (a trainer and an inference server under JAX's multi-controller runtime;
+    every process calls ``redistribute``), each leaf is moved to ``dst``'s layout on its own
+    devices by the plan, then every tile is handed over whole by JAX's cross-host transfers, all
+    the leaves together (:func:`redist.linear.hand_over`; meshes of as many devices; on CPU set
+    ``jax_cross_host_transfer_socket_address``).
 
     Memory. Every intermediate tile of the plan is at most ``max(src tile, dst tile)``. What a
     device holds during the call is more: without donation, the input tile and the output tile
