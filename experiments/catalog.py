@@ -99,6 +99,10 @@ _FOLDERS = [
         "trainer and server in two processes of 4 CPU devices each"),
     Folder("frontier_sync", (Run("frontier_sync", "weight_sync/frontier"),), Needs.HOST, 1.5,
            "compiled for v5p-1024 by the TPU compiler on this host; nothing runs"),
+    Folder("frontier_sync_h100", (
+        Run("frontier_sync", "weight_sync/frontier",
+            (("config.cases", "qwen3_235b@h100x8,deepseek_v3@h100x8"),)),), Needs.HOST, 0.5,
+        "compiled for 8 H100s by XLA:GPU on this host, one program per bucket; nothing runs"),
     Folder("synthesis_scaling", (Run("synthesis_scaling", "synthesis_scaling/default"),),
            Needs.HOST, 0.5),
     Folder("planner_search_scaling", (

@@ -1,10 +1,17 @@
 """Weight sync at frontier size: Qwen3-235B-A22B's and DeepSeek-V3's parameters moved from a
-MaxText-style training layout to a vLLM-style serving layout on the same TPU v5p chips, within
-a memory budget, compiled ahead of time by the TPU compiler on this host (nothing runs).
+MaxText-style training layout to a vLLM-style serving layout on the same TPU v5p chips (or the
+8 H100s of one host), within a memory budget, compiled ahead of time by the TPU compiler (or
+XLA:GPU) on this host (nothing runs).
 
 Usage:
     python -m experiments.frontier_sync --workdir=workdir/frontier_sync
     python -m experiments.frontier_sync --config.cases=qwen3_235b@v5p-128
+    python -m experiments.frontier_sync --config.cases=qwen3_235b@h100x8,deepseek_v3@h100x8
+
+On a pod slice the whole sync is one program per method. On 8 H100s the trees alone outgrow a
+GPU (Qwen3-235B: 59 GB per GPU each in bfloat16, DeepSeek-V3: 168 GB), so the sync is compiled
+as the eager budgeted path runs it: one program per bucket (:func:`bucketed`), each holding its
+pieces' source and destination tiles plus at most the budget; the rows give the largest.
 
 The trees and layouts are :mod:`experiments.frontier_weights`'s (bfloat16). The serving mesh is
 the training mesh's devices in the same order with its axes renamed (``ep`` is ``fsdp``, ``tp``
@@ -35,8 +42,17 @@ from experiments.frontier_weights import parameter_count, parameters
 RENAME = {"ep": "fsdp", "tp": "expert"}
 """The serving axes on the training mesh (the same devices in the same order)."""
 
-CHIPS = {"v5p-128": 64, "v5p-512": 256, "v5p-1024": 512}
-"""Chips per topology name (a v5p-N slice has N TensorCores, N / 2 chips)."""
+TOPOLOGIES = {
+    "v5p-128": ("tpu", "v5p:4x4x4", 64),
+    "v5p-512": ("tpu", "v5p:8x8x4", 256),
+    "v5p-1024": ("tpu", "v5p:8x8x8", 512),
+    "h100x8": ("gpu", "h100_sxm", 8),
+}
+"""Per topology name: the compiler, its topology (TPU, as MaxText's ``compile_topology``) or
+GPU calibration, and the chips (a v5p-N slice has N TensorCores, N / 2 chips)."""
+
+CHIPS = {name: chips for name, (_, _, chips) in TOPOLOGIES.items()}
+"""Chips per topology name."""
 
 
 def mesh_axes(chips: int, expert: int = 8) -> dict[str, int]:
@@ -84,11 +100,15 @@ def measure(model: str, topology: str, budget_gib: float) -> list[dict]:
 
     import planner
     import redist
-    from planner.target.compiled import compiled_report
     from redist.calibration import Calibration
     from redist.cost import plan_cost
 
-    mesh = planner.topology_mesh(_topology(topology), mesh_axes(CHIPS[topology]))
+    compiler, target, chips = TOPOLOGIES[topology]
+    axes = mesh_axes(chips, expert=min(8, chips))
+    if compiler == "gpu":
+        mesh, calibration = planner.gpu_mesh(axes, gpu=target), target
+    else:
+        mesh, calibration = planner.topology_mesh(target, axes), "tpu_v5p"
     shapes, train, serve = specs(model)
     src = {k: NamedSharding(mesh, s) for k, s in train.items()}
     dst = {k: NamedSharding(mesh, s) for k, s in serve.items()}
@@ -97,12 +117,12 @@ def measure(model: str, topology: str, budget_gib: float) -> list[dict]:
         k: jax.ShapeDtypeStruct(shape, dtype, sharding=src[k]) for k, shape in shapes.items()
     }
     budget = int(budget_gib * 2**30)
-    cal = Calibration.named("tpu_v5p")
+    cal = Calibration.named(calibration)
     sizes = dict(mesh.shape)
     sent = bound = seconds = 0.0
     for k, shape in shapes.items():
         p = redist.plan(shape, train[k], serve[k], sizes, "bfloat16",
-                        cost_model="calibrated:tpu_v5p")  # fmt: skip
+                        cost_model=f"calibrated:{calibration}")  # fmt: skip
         t, wire = plan_cost(p, cal)
         seconds, sent = seconds + t, sent + wire
         bound += received_lower_bound(shape, 2, src[k], dst[k])
@@ -111,17 +131,19 @@ def measure(model: str, topology: str, budget_gib: float) -> list[dict]:
             "train_bytes_per_chip": _per_chip(structs, src),
             "serve_bytes_per_chip": _per_chip(structs, dst)}  # fmt: skip
     rows = []
-    programs = {
-        "redist": jax.jit(lambda p: redist.redistribute(p, src, dst, memory_budget=budget)),
-        "xla": jax.jit(lambda p: p, out_shardings=dst),
-    }
-    for name, fn in programs.items():
+    # On a few chips the trees alone outgrow one (Qwen3-235B: 59 GB per H100 each): one program
+    # per bucket, as the eager budgeted sync runs them; on a pod slice one program in all.
+    groups = (bucketed(shapes, train, serve, src, dst, mesh, budget, calibration)
+              if compiler == "gpu" else [[(k, shape) for k, shape in shapes.items()]])  # fmt: skip
+    for name in ("redist", "xla"):
         start = time.perf_counter()
-        report = compiled_report(fn, structs)
+        reports = [_compiled(name, group, src, dst, budget, dtype) for group in groups]
+        report = max(reports, key=lambda r: r.total_bytes)
         row = {**base, "method": name, "compile_s": time.perf_counter() - start,
+               "programs": len(groups),
                "argument_bytes": report.argument_bytes, "output_bytes": report.output_bytes,
-               "temp_bytes": report.temp_bytes, "total_bytes": report.total_bytes,
-               "fits": report.fits}  # fmt: skip
+               "temp_bytes": max(r.temp_bytes for r in reports),
+               "total_bytes": report.total_bytes, "fits": all(r.fits for r in reports)}  # fmt: skip
         if name == "redist":
             row |= {"sent_bytes_per_chip": sent, "lower_bound_bytes_per_chip": bound,
                     "predicted_s": seconds}  # fmt: skip
@@ -130,9 +152,51 @@ def measure(model: str, topology: str, budget_gib: float) -> list[dict]:
     return rows
 
 
-def _topology(name: str) -> str:
-    """``v5p-128`` -> a ``v5p:AxBxC`` topology of its chips (as MaxText's ``compile_topology``)."""
-    return {"v5p-128": "v5p:4x4x4", "v5p-512": "v5p:8x8x4", "v5p-1024": "v5p:8x8x8"}[name]
+def bucketed(shapes, train, serve, src, dst, mesh, budget: int, calibration: str) -> list:
+    """The sync's programs within ``budget`` as the eager budgeted path runs them: buckets
+    (:func:`redist.buckets.buckets`) of ``(leaf, shape)`` pieces, a leaf whose move alone holds
+    more cut along a dimension neither layout splits (:func:`redist.buckets.slice_ranges`)."""
+    import math
+
+    import redist
+    from redist.buckets import buckets, in_flight_bytes, index_bytes, slice_ranges, unsplit_dim
+
+    pieces, sizes = [], []
+    for k, shape in shapes.items():
+        p = redist.plan(shape, train[k], serve[k], dict(mesh.shape), "bfloat16",
+                        cost_model=f"calibrated:{calibration}")  # fmt: skip
+        size = in_flight_bytes(p, math.prod(dst[k].shard_shape(shape)) * 2)
+        dim = unsplit_dim(tuple(train[k]), tuple(serve[k]), shape) if size > budget else None
+        ranges = None if dim is None else slice_ranges(shape[dim], size, budget)
+        for a, b in ranges or [(0, shape[0])]:
+            piece = shape if ranges is None else (*shape[:dim], b - a, *shape[dim + 1 :])
+            pieces.append((k, tuple(piece)))
+            sizes.append(size if ranges is None else (b - a) * index_bytes(size, shape[dim]))
+    return [[pieces[i] for i in g] for g in buckets(sizes, budget, [k for k, _ in pieces])]
+
+
+_REPORTS: dict = {}
+
+
+def _compiled(method: str, group: list, src: dict, dst: dict, budget: int, dtype):
+    """The compiled report of one bucket's program (``group``: ``(leaf, shape)`` pieces), cached
+    by its pieces (a stacked weight's equal slices compile once)."""
+    import jax
+
+    import redist
+    from planner.target.compiled import compiled_report
+
+    key = (method, tuple(group), tuple(src[k] for k, _ in group), tuple(dst[k] for k, _ in group))
+    if key not in _REPORTS:
+        names = [f"{k}#{i}" for i, (k, _) in enumerate(group)]
+        s = {n: src[k] for n, (k, _) in zip(names, group)}
+        d = {n: dst[k] for n, (k, _) in zip(names, group)}
+        structs = {n: jax.ShapeDtypeStruct(shape, dtype, sharding=s[n])
+                   for n, (_, shape) in zip(names, group)}  # fmt: skip
+        fn = (jax.jit(lambda p: redist.redistribute(p, s, d, memory_budget=budget))
+              if method == "redist" else jax.jit(lambda p: p, out_shardings=d))  # fmt: skip
+        _REPORTS[key] = compiled_report(fn, structs)
+    return _REPORTS[key]
 
 
 def _per_chip(structs: dict, shardings: dict) -> int:
@@ -145,16 +209,17 @@ def _per_chip(structs: dict, shardings: dict) -> int:
 def report(rows: list[dict]) -> str:
     gb = 1e9
     lines = [
-        "| model | topology | method | budget GB | temporaries GB / chip | trees GB / chip "
-        "| fits | sent GB / chip (lower bound) | predicted s | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | topology | method | programs | budget GB | temporaries GB / chip "
+        "| in + out GB / chip (largest program) | fits | sent GB / chip (lower bound) "
+        "| predicted s | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         trees = (r["argument_bytes"] + r["output_bytes"]) / gb
         sent = (f"{r['sent_bytes_per_chip'] / gb:.2f} ({r['lower_bound_bytes_per_chip'] / gb:.2f})"
                 if "sent_bytes_per_chip" in r else "-")  # fmt: skip
         pred = f"{r['predicted_s']:.2f}" if "predicted_s" in r else "-"
-        lines.append(f"| {r['model']} | {r['topology']} | {r['method']} | "
+        lines.append(f"| {r['model']} | {r['topology']} | {r['method']} | {r.get('programs', 1)} | "
                      f"{r['budget_bytes'] / gb:.1f} | {r['temp_bytes'] / gb:.2f} | {trees:.2f} | "
                      f"{r['fits']} | {sent} | {pred} | {r['compile_s']:.0f} |")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -44,3 +44,33 @@ def test_the_lower_bound_is_what_each_device_lacks():
         most = max(most, int((needed & ~mine).sum()))
     assert frontier_sync.received_lower_bound(shape, 2, src, dst) == most * 2 == 48 * 2
     assert frontier_sync.received_lower_bound(shape, 2, src, src) == 0
+
+
+@pytest.mark.parametrize("model", ["qwen3_235b", "deepseek_v3"])
+def test_on_eight_gpus_the_sync_is_cut_into_buckets_within_the_budget(model):
+    """The trees outgrow one H100, so the sync compiles bucket by bucket: every leaf is covered
+    once (stacked weights in slices), and each bucket's moves, planned anew, hold at most the
+    budget in flight."""
+    import math
+
+    from redist.buckets import in_flight_bytes
+
+    mesh = jax.make_mesh((1, 8), ("fsdp", "expert"), axis_types=(AxisType.Auto,) * 2)
+    shapes, train, serve = frontier_sync.specs(model)
+    src = {k: NamedSharding(mesh, s) for k, s in train.items()}
+    dst = {k: NamedSharding(mesh, s) for k, s in serve.items()}
+    budget = 4 * 2**30
+    groups = frontier_sync.bucketed(shapes, train, serve, src, dst, mesh, budget, "h100_sxm")
+    covered: dict[str, int] = {}
+    for group in groups:
+        held = 0
+        for k, piece in group:
+            cut = [d for d, (a, b) in enumerate(zip(piece, shapes[k])) if a != b]
+            assert len(cut) <= 1 and all(piece[d] < shapes[k][d] for d in cut), (k, piece)
+            covered[k] = covered.get(k, 0) + math.prod(piece)
+            p = redist.plan(piece, train[k], serve[k], dict(mesh.shape), "bfloat16",
+                            cost_model="calibrated:h100_sxm")  # fmt: skip
+            held += in_flight_bytes(p, math.prod(dst[k].shard_shape(piece)) * 2)
+        assert held <= budget, [k for k, _ in group]
+    assert covered == {k: math.prod(s) for k, s in shapes.items()}
+    assert sum(map(len, groups)) > len(shapes)  # the experts are moved in slices
