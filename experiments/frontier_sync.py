@@ -147,9 +147,32 @@ def measure(model: str, topology: str, budget_gib: float) -> list[dict]:
         if name == "redist":
             row |= {"sent_bytes_per_chip": sent, "lower_bound_bytes_per_chip": bound,
                     "predicted_s": seconds}  # fmt: skip
+            if len(groups) > 1:
+                row["held_over_sync"] = held_over_sync(reports, base["train_bytes_per_chip"])
+        logging.warning("%s", row)
+        rows.append(row)
+    if len(groups) > 1:  # what a JAX user writes today: the whole tree in one jit
+        start = time.perf_counter()
+        whole = _compiled("xla", [(k, shape) for k, shape in shapes.items()], src, dst, budget,
+                          dtype)  # fmt: skip
+        row = {**base, "method": "xla_whole_tree", "compile_s": time.perf_counter() - start,
+               "programs": 1, "argument_bytes": whole.argument_bytes,
+               "output_bytes": whole.output_bytes, "temp_bytes": whole.temp_bytes,
+               "total_bytes": whole.total_bytes, "fits": whole.fits}  # fmt: skip
         logging.warning("%s", row)
         rows.append(row)
     return rows
+
+
+def held_over_sync(reports: list, train_bytes: int) -> list[int]:
+    """Bytes per device held while each bucket runs, the sources donated bucket by bucket (the
+    eager ``redistribute(..., memory_budget=..., donate=True)``): the source tiles not yet moved,
+    the destination tiles already made, and the running program's outputs and temporaries."""
+    held, moved_in, made = [], 0, 0
+    for r in reports:
+        held.append(train_bytes - moved_in + made + r.output_bytes + r.temp_bytes)
+        moved_in, made = moved_in + r.argument_bytes, made + r.output_bytes
+    return held
 
 
 def bucketed(shapes, train, serve, src, dst, mesh, budget: int, calibration: str) -> list:
@@ -237,7 +260,38 @@ def run(config, workdir: str) -> list[dict]:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     with open(os.path.join(workdir, "report.md"), "w") as f:
         f.write(report(rows))
+    if any("held_over_sync" in r for r in rows):
+        figure(rows, os.path.join(workdir, "memory_over_sync.png"))
     return rows
+
+
+def figure(rows: list[dict], path: str) -> None:
+    """Per-device memory over the sync: the budgeted, donating redist bucket by bucket against
+    XLA's whole-tree program, with the chip's memory."""
+    from experiments.measure import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return
+    cases = [r for r in rows if "held_over_sync" in r]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 3.2), squeeze=False)
+    gb = 1e9
+    for ax, r in zip(axes[0], cases):
+        held = r["held_over_sync"]
+        xs = [i / len(held) for i in range(len(held) + 1)]
+        ax.step(xs, [h / gb for h in held] + [held[-1] / gb], where="post", color="#4477aa",
+                label=f"redist, {r['budget_bytes'] / 2**30:.0f} GiB budget, donating")  # fmt: skip
+        whole = [w for w in rows if w["model"] == r["model"] and w["topology"] == r["topology"]
+                 and w["method"] == "xla_whole_tree"]  # fmt: skip
+        if whole:
+            ax.axhline(whole[0]["total_bytes"] / gb, color="#cc6677",
+                       label="XLA, the whole tree in one jit")  # fmt: skip
+        ax.axhline(80, color="gray", linestyle="--", linewidth=1, label="H100 memory (80 GB)")
+        ax.set_title(f"{r['model']} on {r['topology']}", fontsize=9)
+        ax.set_xlabel("fraction of the buckets run")
+        ax.set_ylabel("GB per device")
+        ax.legend(fontsize=6)
+    save_figure(fig, path)
 
 
 def main(argv):
