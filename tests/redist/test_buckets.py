@@ -64,12 +64,25 @@ def test_eager_buckets_move_every_leaf_exactly(mesh, monkeypatch, donate):
     made = _spy(monkeypatch)
     budget = 12288  # two of the largest moves (6144 B per device: 2 KiB in, 4 KiB out)
     out = redist.redistribute(placed, serve, memory_budget=budget, donate=donate)
-    ((sizes, _, groups),) = made
-    assert len(groups) > 1 and all(sum(sizes[k] for k in g) <= budget for g in groups)
+    ((sizes, half, groups),) = made
+    # two buckets in flight (half the budget holds the largest move), each within half of it
+    assert 2 * max(sizes) <= budget and half == budget // 2
+    assert len(groups) > 1 and all(sum(sizes[k] for k in g) <= half for g in groups)
     for k in host:
         assert out[k].sharding.is_equivalent_to(serve[k], host[k].ndim)
         np.testing.assert_array_equal(np.asarray(out[k]), host[k])
         assert donate or not placed[k].is_deleted()
+
+
+def test_a_budget_of_less_than_two_moves_runs_one_bucket_at_a_time(mesh, monkeypatch):
+    host, placed, serve = _tree(mesh)
+    made = _spy(monkeypatch)
+    out = redist.redistribute(placed, serve, memory_budget=9000)  # 1.5 of the largest move
+    ((sizes, budget, groups),) = made
+    assert budget == 9000 and 2 * max(sizes) > budget
+    assert all(sum(sizes[k] for k in g) <= budget for g in groups)
+    for k in host:
+        np.testing.assert_array_equal(np.asarray(out[k]), host[k])
 
 
 def test_inside_jit_the_budget_is_checked_and_the_moves_are_exact(mesh, monkeypatch):
