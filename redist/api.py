@@ -375,9 +375,11 @@ def _moved(which, leaves, srcs, dsts, mesh, options, donate: bool) -> list:
     handed over together (:func:`redist.linear.hand_over`: one program, one batched transfer)."""
     out, across = [], []
     for k in which:
-        v = leaves[k]
-        move = None if isinstance(v, jax.core.Tracer) else \
-            _reshard_of(v, srcs[k], dsts[k], mesh, options)[0]  # fmt: skip
+        v, d = leaves[k], dsts[k]
+        # (every process must take the same path: a move to or from other processes' devices)
+        elsewhere = not isinstance(v, jax.core.Tracer) and isinstance(d, NamedSharding) and \
+            not (d.is_fully_addressable and getattr(v, "is_fully_addressable", True))  # fmt: skip
+        move = _reshard_of(v, srcs[k], d, mesh, options)[0] if elsewhere else None
         if move is not None and move.across_processes:
             move.check_uneven(eager=True)
             across.append((len(out), v, move))
