@@ -136,12 +136,12 @@ class Reshard:
         a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
         if a is not None and b is not None and a != b:
             if not _addressable(self.mesh, self.dst.mesh):
-                if m.num_devices != other.num_devices:
+                if m.num_devices % other.num_devices:
                     raise NotImplementedError(
                         f"moving across processes from x's mesh {m} to dst's mesh {other}: the "
-                        "pieces are handed over tile for tile, which needs meshes of as many "
-                        f"devices ({m.num_devices} and {other.num_devices}); move to a mesh of "
-                        f"{m.num_devices} devices"
+                        "tiles are made on x's devices and handed over whole, which needs dst's "
+                        f"devices ({other.num_devices}) to divide x's ({m.num_devices}); move "
+                        f"to a mesh of a divisor of {m.num_devices} devices"
                     )
                 return "stage", self.staged.plan, None
             return "transfer", None, None
@@ -168,11 +168,16 @@ class Reshard:
         """The move to ``dst``'s layout on a mesh of ``x``'s devices shaped and named as
         ``dst``'s: from there every tile is handed over whole to the device of ``dst`` at the
         same place in its mesh, the least a device set can receive from another (across processes
-        by ``jax.device_put``'s cross-host transfers)."""
+        by ``jax.device_put``'s cross-host transfers). Where ``x``'s mesh has ``k`` times
+        ``dst``'s devices, the stage has a leading axis of ``k`` copies, and the first copy's
+        tiles are handed over."""
+        copies = self.mesh.devices.size // self.dst.mesh.devices.size
+        lead = ((_COPIES,), (copies,), (self.dst.mesh.axis_types[0],)) if copies > 1 else \
+            ((), (), ())  # fmt: skip
         stage = jax.sharding.Mesh(
-            self.mesh.devices.reshape(self.dst.mesh.devices.shape),
-            tuple(self.dst.mesh.axis_names),
-            axis_types=tuple(self.dst.mesh.axis_types),
+            self.mesh.devices.reshape(*lead[1], *self.dst.mesh.devices.shape),
+            (*lead[0], *self.dst.mesh.axis_names),
+            axis_types=(*lead[2], *self.dst.mesh.axis_types),
         )
         spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)))
         return Reshard(self.mesh, self.src, NamedSharding(stage, spec), self.shape, self.dtype,
@@ -404,7 +409,8 @@ def hand_over(xs: list, moves: list[Reshard], donate: bool = False) -> list:
         >>> ys = hand_over([x], [move])  # doctest: +SKIP
     """
     staged = _staging(tuple(m.staged for m in moves), donate)(*xs)
-    ys = jax.device_put(staged, [m.dst for m in moves])
+    ys = jax.device_put([_first_copy(y, m) for y, m in zip(staged, moves)],
+                        [m.dst for m in moves])  # fmt: skip
     # staged is freed when dropped, once sent: deleting it by hand could free it before the
     # receiver reads it. A donated x whose buffers XLA could not use is freed here (never one
     # the program forwards: with donation jit copies or aliases, it does not forward).
@@ -412,6 +418,27 @@ def hand_over(xs: list, moves: list[Reshard], donate: bool = False) -> list:
         if not x.is_deleted():
             x.delete()
     return ys
+
+
+_COPIES = "redist_copies"
+"""The staging mesh's leading axis where the source has more devices than the destination."""
+
+
+def _first_copy(y: jax.Array, move: Reshard) -> jax.Array:
+    """``y`` (staged) itself, or where it is staged in copies the first copy's tiles as an array
+    on those devices alone (its buffers, nothing moved)."""
+    mesh = move.staged.dst.mesh
+    if _COPIES not in mesh.axis_names:
+        return y
+    first = mesh.devices[0]
+    mine = {d.id for d in first.flat}
+    sub = jax.sharding.Mesh(first, mesh.axis_names[1:], axis_types=mesh.axis_types[1:])
+    return jax.make_array_from_single_device_arrays(
+        y.shape,
+        NamedSharding(sub, move.staged.dst.spec),
+        [s.data for s in y.addressable_shards if s.device.id in mine],
+        dtype=y.dtype,
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -88,13 +88,21 @@ if len(sys.argv) > 3:
         assert "inside jax.jit" in str(e), e
     else:
         raise AssertionError("a move across processes inside jit must be refused")
+    # A server on half as many devices: the tiles are made in two copies on the trainer's
     small = NamedSharding(Mesh(own[1][:2], ("tp",)), P("tp"))
+    y = redist.redistribute(tree["embed"], small)
+    for shard in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), values["embed"][shard.index])
+    assert len(y.addressable_shards) == (2 if pid == 1 else 0)
+    few = Mesh(own[0][:2], ("fsdp",))
+    x = jax.make_array_from_callback((8, 4), NamedSharding(few, P("fsdp")),
+                                     lambda i: np.zeros((8, 4), np.float32)[i], dtype=np.float32)  # fmt: skip
     try:
-        redist.redistribute(tree["embed"], small)
+        redist.redistribute(x, dst["embed"].update(spec=P("tp")))
     except NotImplementedError as e:
-        assert "as many" in str(e), e
+        assert "divide" in str(e), e
     else:
-        raise AssertionError("meshes of different sizes across processes must be refused")
+        raise AssertionError("a server on more devices than the trainer must be refused")
     checked += 1
 print(f"process {pid} OK {checked}")
 jax.distributed.shutdown()
