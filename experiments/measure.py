@@ -64,6 +64,25 @@ class CompileStats:
     def collective_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
 
+    @property
+    def collective_kinds(self) -> dict[str, int]:
+        """How many collectives of each kind, e.g. ``{"all-to-all": 3}``."""
+        kinds: dict[str, int] = {}
+        for c in self.collectives:
+            kinds[c.kind] = kinds.get(c.kind, 0) + 1
+        return kinds
+
+
+def collectives_cell(kinds: dict[str, int], full_remat: bool = False) -> str:
+    """A table cell naming collectives by kind: ``"all-gather x2, all-to-all x1"`` (``-``: none).
+
+    Example:
+        >>> collectives_cell({"all-to-all": 1}, full_remat=True)
+        'all-to-all x1 (full rematerialization)'
+    """
+    cell = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-"
+    return cell + " (full rematerialization)" if full_remat else cell
+
     def sequence(self) -> str:
         return " ".join(f"{c.kind}({c.bytes / 2**20:.2f}MB)" for c in self.collectives)
 
@@ -158,3 +177,35 @@ def plain_log_ticks(ax) -> None:
     for target in (ax.xaxis, ax.yaxis):
         target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         target.set_minor_formatter(NullFormatter())
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a coordinator or a transfer socket)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(
+    commands: Sequence[Sequence[str]], timeout_s: float
+) -> list[tuple[int, str, str]]:
+    """Run ``commands`` at once (the processes of one multi-controller program, ``XLA_FLAGS``
+    left to each); ``(returncode, stdout, stderr)`` of each, all killed if one outlives
+    ``timeout_s``."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen(list(c), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for c in commands]  # fmt: skip
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs

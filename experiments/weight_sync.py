@@ -136,10 +136,8 @@ def run(config, workdir: str) -> dict:
     result["param_bytes"] = total
     for name, fn in programs.items():
         compiled, stats = compile_stats(fn, x)
-        kinds: dict[str, int] = {}
-        for c in stats.collectives:
-            kinds[c.kind] = kinds.get(c.kind, 0) + 1
-        result["methods"][name] = {"temp_bytes": stats.temp_bytes, "collectives": kinds,
+        result["methods"][name] = {"temp_bytes": stats.temp_bytes,
+                                   "collectives": stats.collective_kinds,
                                    "collective_bytes": stats.collective_bytes,
                                    "full_remat": stats.full_remat,
                                    "held_bytes": held_bytes(compiled)}  # fmt: skip
@@ -179,6 +177,8 @@ def run(config, workdir: str) -> dict:
 
 
 def markdown(result: dict) -> str:
+    from experiments.measure import collectives_cell
+
     c = result["config"]
     mib = 2**20
     model = (f"{c['layers']} layers, d_model {c['d_model']}, ffn {c['ffn']}, vocab {c['vocab']}"
@@ -205,9 +205,7 @@ def markdown(result: dict) -> str:
         held = f"{m['held_bytes'] / mib:.2f}" if "held_bytes" in m else "-"
         if "held_bytes_donated" in m:
             held += f" ({m['held_bytes_donated'] / mib:.2f} donated)"
-        colls = ", ".join(f"{k} x{v}" for k, v in sorted(m.get("collectives", {}).items())) or "-"
-        if m.get("full_remat"):
-            colls += " (full rematerialization)"
+        colls = collectives_cell(m.get("collectives", {}), m.get("full_remat", False))
         lines.append(f"| {name} | {m['exact']} | {m['placed']} | {m['time_s'] * 1e3:.2f} | "
                      f"{m['speedup_vs_xla']:.2f}x | {temp} | {held} | {colls} |")  # fmt: skip
     return "\n".join(lines) + "\n"

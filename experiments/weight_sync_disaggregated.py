@@ -29,45 +29,32 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.measure import force_host_devices, parse_mesh
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from experiments.measure import (
+    collectives_cell,
+    force_host_devices,
+    free_port,
+    parse_mesh,
+    run_processes,
+)
 
 
 def launch(config_path: str, overrides: list[str], workdir: str, timeout_s: float) -> dict:
     """Run the two processes and merge what they write under ``workdir``."""
     os.makedirs(workdir, exist_ok=True)
-    port, transfers = _free_port(), [_free_port(), _free_port()]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "experiments.weight_sync_disaggregated",
-                          f"--config={config_path}", *overrides, f"--workdir={workdir}",
-                          f"--process_id={pid}", f"--port={port}",
-                          f"--transfer_port={transfers[pid]}"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for pid in (0, 1)
-    ]  # fmt: skip
-    errors = []
-    for p in procs:
-        try:
-            errors.append(p.communicate(timeout=timeout_s)[1])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    failed = [pid for pid, p in enumerate(procs) if p.returncode]
+    port, transfers = free_port(), [free_port(), free_port()]
+    done = run_processes([[sys.executable, "-m", "experiments.weight_sync_disaggregated",
+                           f"--config={config_path}", *overrides, f"--workdir={workdir}",
+                           f"--process_id={pid}", f"--port={port}",
+                           f"--transfer_port={transfers[pid]}"] for pid in (0, 1)],
+                         timeout_s)  # fmt: skip
+    errors = [err for _, _, err in done]
+    failed = [pid for pid, (code, _, _) in enumerate(done) if code]
     if failed:  # the first to fail explains; the other dies waiting for it
         first = min(failed, key=lambda pid: "Traceback" not in errors[pid])
         raise RuntimeError(f"process {first} failed:\n{errors[first][-6000:]}")
@@ -135,11 +122,8 @@ def worker(config, workdir: str, pid: int, port: int, transfer_port: int) -> Non
         redist_stage = jax.jit(lambda p: redist.redistribute(p, src, staged))
         for name, fn in (("redist", redist_stage), ("xla", xla_stage)):
             _, stats = compile_stats(fn, x)
-            kinds: dict[str, int] = {}
-            for c in stats.collectives:
-                kinds[c.kind] = kinds.get(c.kind, 0) + 1
             result["methods"][name] |= {"trainer_temp_bytes": stats.temp_bytes,
-                                        "trainer_collectives": kinds,
+                                        "trainer_collectives": stats.collective_kinds,
                                         "full_remat": stats.full_remat}  # fmt: skip
     else:
         result |= {"param_bytes": sum(v.nbytes for v in params.values()), "leaves": len(params),
@@ -200,11 +184,9 @@ def markdown(result: dict) -> str:
     ]
     for name, m in result["methods"].items():
         temp = f"{m['trainer_temp_bytes'] / mib:.2f}" if "trainer_temp_bytes" in m else "-"
-        colls = ", ".join(f"{k} x{v}" for k, v in sorted(m.get("trainer_collectives", {}).items()))
-        if m.get("full_remat"):
-            colls += " (full rematerialization)"
+        colls = collectives_cell(m.get("trainer_collectives", {}), m.get("full_remat", False))
         lines.append(f"| {name} | {m['exact']} | {m['placed']} | {m['time_s'] * 1e3:.2f} | "
-                     f"{base / m['time_s']:.2f}x | {temp} | {colls or '-'} |")  # fmt: skip
+                     f"{base / m['time_s']:.2f}x | {temp} | {colls} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
