@@ -178,19 +178,19 @@ def held_over_sync(reports: list, train_bytes: int) -> list[int]:
 def bucketed(shapes, train, serve, src, dst, mesh, budget: int, calibration: str) -> list:
     """The sync's programs within ``budget`` as the eager budgeted path runs them: buckets
     (:func:`redist.buckets.buckets`) of ``(leaf, shape)`` pieces, a leaf whose move alone holds
-    more cut along a dimension neither layout splits (:func:`redist.buckets.slice_ranges`)."""
+    more cut along a dimension neither layout splits (:func:`redist.buckets.cut`)."""
     import math
 
     import redist
-    from redist.buckets import buckets, in_flight_bytes, index_bytes, slice_ranges, unsplit_dim
+    from redist.buckets import buckets, cut, in_flight_bytes, index_bytes
 
     pieces, sizes = [], []
     for k, shape in shapes.items():
         p = redist.plan(shape, train[k], serve[k], dict(mesh.shape), "bfloat16",
                         cost_model=f"calibrated:{calibration}")  # fmt: skip
         size = in_flight_bytes(p, math.prod(dst[k].shard_shape(shape)) * 2)
-        dim = unsplit_dim(tuple(train[k]), tuple(serve[k]), shape) if size > budget else None
-        ranges = None if dim is None else slice_ranges(shape[dim], size, budget)
+        dim, ranges = (cut(tuple(train[k]), tuple(serve[k]), shape, size, budget)
+                       if size > budget else None) or (None, None)  # fmt: skip
         for a, b in ranges or [(0, shape[0])]:
             piece = shape if ranges is None else (*shape[:dim], b - a, *shape[dim + 1 :])
             pieces.append((k, tuple(piece)))

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from redist.buckets import buckets, in_flight_bytes, index_bytes, slice_ranges, unsplit_dim
+from redist.buckets import buckets, cut, in_flight_bytes, index_bytes
 from redist.calibration import backend_calibration, device_kind_calibration
 from redist.cost import AUTO
 from redist.linear import (
@@ -448,14 +448,10 @@ def _in_buckets(x, leaves, srcs, dsts, mesh, options, donate: bool, budget: int)
 
 def _slices(x, move: Reshard, size: int, budget: int):
     """``(dimension, ranges)`` cutting ``x``'s move into slices within ``budget`` along a
-    dimension neither layout splits (:func:`redist.buckets.slice_ranges`), or ``None``."""
+    dimension neither layout splits (:func:`redist.buckets.cut`), or ``None``."""
     if not jax.numpy.issubdtype(x.dtype, jax.numpy.number) and x.dtype != bool:
         return None  # typed keys: no zeros to assemble into
-    dim = unsplit_dim(tuple(move.src), tuple(move.dst.spec), tuple(x.shape))
-    if dim is None:
-        return None
-    ranges = slice_ranges(x.shape[dim], size, budget)
-    return None if ranges is None else (dim, ranges)
+    return cut(tuple(move.src), tuple(move.dst.spec), tuple(x.shape), size, budget)
 
 
 def _moved_in_slices(x, src, dst, mesh, options, donate: bool, dim: int, ranges) -> jax.Array:

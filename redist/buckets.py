@@ -102,3 +102,17 @@ def unsplit_dim(src: Sequence, dst: Sequence, shape: Sequence[int]) -> int | Non
             and not (src[d] if d < len(src) else None)
             and not (dst[d] if d < len(dst) else None)]  # fmt: skip
     return max(free, key=lambda d: shape[d], default=None)
+
+
+def cut(src: Sequence, dst: Sequence, shape: Sequence[int], size: int, budget: int):
+    """``(dimension, ranges)`` cutting a move holding ``size`` into slices within ``budget``
+    along the largest dimension neither layout splits (:func:`unsplit_dim`,
+    :func:`slice_ranges`), or ``None`` where there is none or one index alone holds more.
+
+    Example:
+        >>> cut((None, "fsdp"), (None, "tp"), (10, 8), 1000, 300)
+        (0, [(0, 3), (3, 6), (6, 9), (9, 10)])
+    """
+    dim = unsplit_dim(src, dst, shape)
+    ranges = None if dim is None else slice_ranges(shape[dim], size, budget)
+    return None if ranges is None else (dim, ranges)
