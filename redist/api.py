@@ -171,8 +171,8 @@ def resolved_cost_model(model: str, mesh) -> str:
 
 def _redistribute_array(x, src, dst, mesh, options, donate: bool):
     move, mesh, s, target = _reshard_of(x, src, dst, mesh, options)
-    if isinstance(x, jax.core.Tracer):
-        move.check_traceable()
+    if isinstance(x, jax.core.Tracer) and (_known_value(x) is None or not move.eager_only):
+        move.check_traceable()  # (an eager jax.grad runs a transfer's moves eagerly)
     elif donate:
         return move.eager(x, donate=True)
     # Hints for jit's inference of shardings, where a trace has no values. Not for an eager

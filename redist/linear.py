@@ -184,6 +184,11 @@ class Reshard:
                        self.itemsize, self.options)  # fmt: skip
 
     @property
+    def eager_only(self) -> bool:
+        """Whether the move runs only eagerly (a transfer between device orders or processes)."""
+        return self._route[0] in ("transfer", "stage")
+
+    @property
     def across_processes(self) -> bool:
         """Whether the move reaches devices of other processes (see :func:`hand_over`)."""
         return self._route[0] == "stage"
@@ -219,7 +224,7 @@ class Reshard:
 
     def check_traceable(self) -> None:
         """Raises ``ValueError`` if this move cannot run inside ``jax.jit``."""
-        if self._route[0] in ("transfer", "stage"):
+        if self.eager_only:
             a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
             raise ValueError(
                 f"inside jax.jit, dst's mesh must list the devices of x's mesh in the same order "

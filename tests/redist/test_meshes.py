@@ -89,6 +89,9 @@ def test_other_devices_and_errors():
     for spec in (P(None, ("q", "p")), P("p"), P()):
         dst = NamedSharding(last, spec)
         _check(redist.redistribute(x, dst), arr, dst)
+        # an eager jax.grad runs the transfer and its reverse eagerly
+        g = jax.grad(lambda v, dst=dst: (redist.redistribute(v, dst) ** 2).sum())(x)
+        _check(g, 2 * arr, NamedSharding(first, P("i")))
     reordered = NamedSharding(Mesh(DEVICES[[1, 0, 3, 2]], ("i",)), P("i"))
     with pytest.raises(ValueError, match="same order"):
         jax.jit(lambda v: redist.redistribute(v, NamedSharding(first, P("i")), reordered))(x)

@@ -88,6 +88,13 @@ if len(sys.argv) > 3:
         assert "inside jax.jit" in str(e), e
     else:
         raise AssertionError("a move across processes inside jit must be refused")
+    # jax.grad through the move: the cotangent goes back to the trainer (the reverse move)
+    w = jax.make_array_from_callback((64, 16), src["embed"], lambda i: values["embed"][i],
+                                     dtype=np.float32)  # fmt: skip
+    g = jax.grad(lambda v: (redist.redistribute(v, dst["embed"]) ** 2).sum())(w)
+    assert g.sharding.is_equivalent_to(src["embed"], 2)
+    for shard in g.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), 2 * values["embed"][shard.index])
     # A server on half as many devices: the tiles are made in two copies on the trainer's
     small = NamedSharding(Mesh(own[1][:2], ("tp",)), P("tp"))
     y = redist.redistribute(tree["embed"], small)
