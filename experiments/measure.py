@@ -72,6 +72,9 @@ class CompileStats:
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         return kinds
 
+    def sequence(self) -> str:
+        return " ".join(f"{c.kind}({c.bytes / 2**20:.2f}MB)" for c in self.collectives)
+
 
 def collectives_cell(kinds: dict[str, int], full_remat: bool = False) -> str:
     """A table cell naming collectives by kind: ``"all-gather x2, all-to-all x1"`` (``-``: none).
@@ -82,9 +85,6 @@ def collectives_cell(kinds: dict[str, int], full_remat: bool = False) -> str:
     """
     cell = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "-"
     return cell + " (full rematerialization)" if full_remat else cell
-
-    def sequence(self) -> str:
-        return " ".join(f"{c.kind}({c.bytes / 2**20:.2f}MB)" for c in self.collectives)
 
 
 def compile_stats(jitted, *args) -> tuple[object, CompileStats]:
