@@ -281,8 +281,8 @@ def redistribute(
     other processes (a trainer and an inference server under JAX's multi-controller runtime;
     every process calls ``redistribute``), each leaf is moved to ``dst``'s layout on its own
     devices by the plan, then every tile is handed over whole by JAX's cross-host transfers, all
-    the leaves together (:func:`redist.linear.hand_over`; ``dst``'s devices must divide ``x``'s;
-    on CPU set ``jax_cross_host_transfer_socket_address``).
+    the leaves together (:func:`redist.linear.hand_over`; one device count must divide the
+    other, see :mod:`redist.handover`; on CPU set ``jax_cross_host_transfer_socket_address``).
 
     Memory. Every intermediate tile of the plan is at most ``max(src tile, dst tile)``. What a
     device holds during the call is more: without donation, the input tile and the output tile

@@ -33,6 +33,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from redist.execute import shard_mapped
+from redist.handover import Staging
 from redist.meshes import factor_spec, translate
 from redist.specs import dist_type, mesh_shape
 from redist.steps import Plan
@@ -136,13 +137,6 @@ class Reshard:
         a, b = device_ids(self.mesh), device_ids(self.dst.mesh)
         if a is not None and b is not None and a != b:
             if not _addressable(self.mesh, self.dst.mesh):
-                if m.num_devices % other.num_devices:
-                    raise NotImplementedError(
-                        f"moving across processes from x's mesh {m} to dst's mesh {other}: the "
-                        "tiles are made on x's devices and handed over whole, which needs dst's "
-                        f"devices ({other.num_devices}) to divide x's ({m.num_devices}); move "
-                        f"to a mesh of a divisor of {m.num_devices} devices"
-                    )
                 return "stage", self.staged.plan, None
             return "transfer", None, None
         if m.num_devices != other.num_devices:
@@ -164,24 +158,19 @@ class Reshard:
         return "plan", plan, run_mesh
 
     @functools.cached_property
+    def staging(self) -> Staging:
+        """How the move onto other processes' devices is staged (:mod:`redist.handover`)."""
+        return Staging.of(self.mesh.devices, self.dst, len(self.shape))
+
+    @functools.cached_property
     def staged(self) -> Reshard:
         """The move to ``dst``'s layout on a mesh of ``x``'s devices shaped and named as
-        ``dst``'s: from there every tile is handed over whole to the device of ``dst`` at the
-        same place in its mesh, the least a device set can receive from another (across processes
-        by ``jax.device_put``'s cross-host transfers). Where ``x``'s mesh has ``k`` times
-        ``dst``'s devices, the stage has a leading axis of ``k`` copies, and the first copy's
-        tiles are handed over."""
-        copies = self.mesh.devices.size // self.dst.mesh.devices.size
-        lead = ((_COPIES,), (copies,), (self.dst.mesh.axis_types[0],)) if copies > 1 else \
-            ((), (), ())  # fmt: skip
-        stage = jax.sharding.Mesh(
-            self.mesh.devices.reshape(*lead[1], *self.dst.mesh.devices.shape),
-            (*lead[0], *self.dst.mesh.axis_names),
-            axis_types=(*lead[2], *self.dst.mesh.axis_types),
-        )
-        spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)))
-        return Reshard(self.mesh, self.src, NamedSharding(stage, spec), self.shape, self.dtype,
-                       self.itemsize, self.options)  # fmt: skip
+        ``dst``'s (:attr:`staging`): from there every tile is handed over whole to the device of
+        ``dst`` that holds it, the least a device set can receive from another (across processes
+        by ``jax.device_put``'s cross-host transfers)."""
+        stage = NamedSharding(self.staging.mesh, self.staging.spec)
+        return Reshard(self.mesh, self.src, stage, self.shape, self.dtype, self.itemsize,
+                       self.options)  # fmt: skip
 
     @property
     def eager_only(self) -> bool:
@@ -406,16 +395,20 @@ def _factor_pspec(t) -> PartitionSpec:
 
 def hand_over(xs: list, moves: list[Reshard], donate: bool = False) -> list:
     """Moves across processes, all at once: every ``x`` moved to its destination's layout on its
-    own devices (:attr:`Reshard.staged`, one ``jit`` for all), then every tile handed over
-    whole by one batched ``jax.device_put`` (JAX's cross-host transfers; they need
-    ``jax_cross_host_transfer_socket_address`` where the backend has no transfers of its own).
+    own devices (:attr:`Reshard.staged`, cut into pieces where the destination has more devices:
+    one ``jit`` for all), then every tile handed over whole by one batched ``jax.device_put``
+    (JAX's cross-host transfers; they need ``jax_cross_host_transfer_socket_address`` where the
+    backend has no transfers of its own).
 
     Example:
         >>> ys = hand_over([x], [move])  # doctest: +SKIP
     """
-    staged = _staging(tuple(m.staged for m in moves), donate)(*xs)
-    ys = jax.device_put([_first_copy(y, m) for y, m in zip(staged, moves)],
-                        [m.dst for m in moves])  # fmt: skip
+    staged = iter(_staging(tuple(moves), donate)(*xs))
+    pieces = [[m.staging.handed(next(staged)) for _ in m.staging.pieces] for m in moves]
+    handed = iter(_handed([p for ps in pieces for p in ps],
+                          [t for m in moves for t in m.staging.targets()]))  # fmt: skip
+    ys = [m.staging.received([next(handed) for _ in ps], m.shape, ps[0].dtype)
+          for m, ps in zip(moves, pieces)]  # fmt: skip
     # staged is freed when dropped, once sent: deleting it by hand could free it before the
     # receiver reads it. A donated x whose buffers XLA could not use is freed here (never one
     # the program forwards: with donation jit copies or aliases, it does not forward).
@@ -425,36 +418,35 @@ def hand_over(xs: list, moves: list[Reshard], donate: bool = False) -> list:
     return ys
 
 
-_COPIES = "redist_copies"
-"""The staging mesh's leading axis where the source has more devices than the destination."""
-
-
-def _first_copy(y: jax.Array, move: Reshard) -> jax.Array:
-    """``y`` (staged) itself, or where it is staged in copies the first copy's tiles as an array
-    on those devices alone (its buffers, nothing moved)."""
-    mesh = move.staged.dst.mesh
-    if _COPIES not in mesh.axis_names:
-        return y
-    first = mesh.devices[0]
-    mine = {d.id for d in first.flat}
-    sub = jax.sharding.Mesh(first, mesh.axis_names[1:], axis_types=mesh.axis_types[1:])
-    return jax.make_array_from_single_device_arrays(
-        y.shape,
-        NamedSharding(sub, move.staged.dst.spec),
-        [s.data for s in y.addressable_shards if s.device.id in mine],
-        dtype=y.dtype,
-    )
+def _handed(xs: list[jax.Array], targets: list[NamedSharding]) -> list[jax.Array]:
+    """``xs`` put on ``targets`` across processes: one batched ``jax.device_put`` per pair of
+    source and destination device lists, in the order they first appear. (JAX's batch groups its
+    cross-host copies by that pair in an order of its own, which two processes need not share;
+    measured on CPU: a two-group batch swapped the groups' data on the receiver.)"""
+    groups: dict[tuple, list[int]] = {}
+    for i, (x, t) in enumerate(zip(xs, targets)):
+        groups.setdefault((device_ids(x.sharding.mesh), device_ids(t.mesh)), []).append(i)
+    out: list = [None] * len(xs)
+    for group in groups.values():
+        for i, y in zip(group, jax.device_put([xs[i] for i in group], [targets[i] for i in group])):
+            out[i] = y
+    return out
 
 
 @functools.lru_cache(maxsize=256)
 def _staging(moves: tuple[Reshard, ...], donate: bool):
-    """One ``jit`` running ``moves`` (on one device set, across meshes of those devices)."""
+    """One ``jit`` making every move's stage (:attr:`Reshard.staged`) and cutting it into the
+    pieces handed over (on one device set, across meshes of those devices)."""
 
     def run(*xs):
-        return [redistribute_p.bind(x, move=m) for x, m in zip(xs, moves)]
+        out = []
+        for x, m in zip(xs, moves):
+            out += m.staging.cut(redistribute_p.bind(x, move=m.staged), m.shape)
+        return out
 
+    shardings = [m.staged.dst for m in moves for _ in m.staging.pieces]
     donated = tuple(range(len(moves))) if donate else ()
-    return jax.jit(run, out_shardings=[m.dst for m in moves], donate_argnums=donated)
+    return jax.jit(run, out_shardings=shardings, donate_argnums=donated)
 
 
 @functools.lru_cache(maxsize=1024)

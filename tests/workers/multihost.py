@@ -101,15 +101,39 @@ if len(sys.argv) > 3:
     for shard in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), values["embed"][shard.index])
     assert len(y.addressable_shards) == (2 if pid == 1 else 0)
+    # A server on twice the trainer's devices: each trainer device stages the two tiles of one
+    # server position, handed over in two pieces (the tp axis, minor wherever it splits).
     few = Mesh(own[0][:2], ("fsdp",))
-    x = jax.make_array_from_callback((8, 4), NamedSharding(few, P("fsdp")),
-                                     lambda i: np.zeros((8, 4), np.float32)[i], dtype=np.float32)  # fmt: skip
+    spread = {
+        "embed": ((64, 16), P("fsdp"), P(None, ("dp", "tp"))),
+        "experts": ((4, 8, 16), P(None, "fsdp"), P("tp", None, "dp")),
+        "norm": ((16,), P(), P()),
+    }
+    for budget in (None, 4096):
+        tree = {k: jax.make_array_from_callback(s, NamedSharding(few, a),
+                                                lambda i, v=values[k]: v[i], dtype=np.float32)
+                for k, (s, a, _) in spread.items()}  # fmt: skip
+        wide = {k: NamedSharding(server, b) for k, (_, _, b) in spread.items()}
+        out = redist.redistribute(tree, wide, memory_budget=budget)
+        for k, y in out.items():
+            assert y.sharding == wide[k], (k, y.sharding)
+            assert len(y.addressable_shards) == (4 if pid == 1 else 0)
+            for shard in y.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), values[k][shard.index])
+    # jax.grad through it: the cotangent comes back from 4 devices to 2 (staged in copies)
+    g = jax.grad(lambda v: (redist.redistribute(v, wide["embed"]) ** 2).sum())(tree["embed"])
+    assert g.sharding.is_equivalent_to(tree["embed"].sharding, 2)
+    for shard in g.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), 2 * values["embed"][shard.index])
+    three = Mesh(own[0][:3], ("fsdp",))
+    x = jax.make_array_from_callback((6, 4), NamedSharding(three, P("fsdp")),
+                                     lambda i: np.zeros((6, 4), np.float32)[i], dtype=np.float32)  # fmt: skip
     try:
-        redist.redistribute(x, dst["embed"].update(spec=P("tp")))
+        redist.redistribute(x, dst["embed"].update(spec=P(None, "tp")))
     except NotImplementedError as e:
         assert "divide" in str(e), e
     else:
-        raise AssertionError("a server on more devices than the trainer must be refused")
+        raise AssertionError("3 devices to 4 across processes must be refused")
     checked += 1
 print(f"process {pid} OK {checked}")
 jax.distributed.shutdown()
