@@ -59,6 +59,16 @@ CODE_RECIPES = {
         published_mfu=314.5 / 459.0,
         # the recipe's DENSE_VMEM_LIMIT_FLAG: without it the splash kernel runs out of scoped VMEM
         libtpu_flags=("--xla_tpu_scoped_vmem_limit_kib=98304",)),
+    # maxtext_trillium_model_configs.py llama3_1_405b_8192_fsdp_dcn: two v6e-256 slices (512
+    # chips; fsdp 64 x tensor 4 in a slice, fsdp over the slices), 38.6 % MFU published
+    "llama3_1_405b_v6e_256": dict(model="llama3.1-405b", topology="v6e-256", overrides=dict(
+        compile_topology_num_slices=2, per_device_batch_size=1, ici_fsdp_parallelism=64,
+        ici_tensor_parallelism=4, dcn_fsdp_parallelism=2, allow_split_physical_axes=True,
+        custom_mesh="hybrid_ring_64x4", remat_policy="custom", decoder_layer_input="offload",
+        query_proj="offload", key_proj="offload", value_proj="offload", out_proj="offload",
+        max_target_length=8192, attention="flash", use_iota_embed=True, sa_block_q=1024,
+        sa_block_q_dkv=2048, sa_block_q_dq=2048), published_mfu=0.386,
+        libtpu_flags=("--xla_tpu_scoped_vmem_limit_kib=98304",)),
     # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
     # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
     # MaxText 0.2.5, which tiles by its own defaults

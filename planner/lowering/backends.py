@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import redist
 from planner.layout.dataflow import OpStep, input_spec, output_specs
-from planner.lowering.kernels import bind, pspec, spatially_split
+from planner.lowering.kernels import bind, pspec, spatially_split, with_literals
+from planner.lowering.on_factors import check_layouts, factor_axes, run_body
 from planner.lowering.pipelined import Micro
 from planner.lowering.walk import Walker
 from planner.lowering.xla_moves import MoveChoice, choose
@@ -75,11 +76,28 @@ class Explicit(Walker):
         return bind(op, *args, local_out=_result_tiles(self, op, step), step=step)
 
     def run_manual(self, op: Op, step: OpStep, args: list, micro: Micro | None) -> tuple:
-        raise NotImplementedError(
-            f"{op.name}: the 'explicit' backend does not run the program's own shard_map (its "
-            "body's collectives name the mesh's whole axes, the program's shard_map their prime "
-            "factors); use backend 'xla' (plan.jit's) or 'per-op'"
-        )
+        """The user's ``shard_map`` body on the tiles its specs give (the plan keeps them), its
+        collectives over the prime factors of their axes (:mod:`planner.lowering.on_factors`)."""
+        params = op.eqn.params
+        mesh = params["mesh"]
+        manual = params.get("newly_manual_axes", params.get("axis_names")) or mesh.axis_names
+        names = factor_axes(dict(mesh.shape))
+        if (
+            micro is not None
+            or set(manual) != set(mesh.axis_names)
+            or any(self.sizes.get(f) is None for fs in names.values() for f in fs)
+        ):
+            raise NotImplementedError(
+                f"{op.name}: the 'explicit' backend runs the program's shard_map where it is "
+                "manual over every axis of the plan's mesh and outside a pipeline (here: manual "
+                f"over {sorted(manual)} of {dict(mesh.shape)}, the plan's mesh factors "
+                f"{sorted(self.sizes)}); use backend 'xla' (plan.jit's) or 'per-op'"
+            )
+        ndims = [len(o.value.shape) for o in op.operands]
+        check_layouts(op.name, params["in_specs"], step.in_specs, names, ndims)
+        ndims = [len(r.value.shape) for r in op.results]
+        check_layouts(op.name, params["out_specs"], step.out_specs, names, ndims)
+        return tuple(run_body(params["jaxpr"], with_literals(op.eqn, args), names))
 
     def run_microbatched(self, op: Op, step: OpStep, args: list, micro: Micro) -> tuple:
         shapes = [micro.shapes.get(r.value.name, r.value.shape) for r in op.results]

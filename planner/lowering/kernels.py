@@ -49,7 +49,7 @@ def _first_device(axes):
     return functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in axes])
 
 
-def _with_literals(eqn, args) -> list:
+def with_literals(eqn, args) -> list:
     """``eqn``'s operands: ``args`` with its literals put back in their places."""
     it = iter(args)
     return [v.val if isinstance(v, jcore.Literal) else next(it) for v in eqn.invars]
@@ -59,7 +59,7 @@ def bind(op: Op, *args, local_out=None, step: OpStep | None = None):
     """Run ``op``'s primitive on ``args`` (local blocks when ``local_out`` is given)."""
     eqn = op.eqn
     if op.how == "manual":  # the user's shard_map, bound with its own body and layouts
-        return tuple(eqn.primitive.bind(*_with_literals(eqn, args),
+        return tuple(eqn.primitive.bind(*with_literals(eqn, args),
                                          **eqn.primitive.get_bind_params(eqn.params)))  # fmt: skip
     if eqn.primitive.name in SHARDING_PARAM:  # the plan lays the result out (program.constraints)
         it = iter(args)
@@ -89,7 +89,7 @@ def bind(op: Op, *args, local_out=None, step: OpStep | None = None):
         _local_groups(params, args, local_out)
     if pending and op.primitive in SCATTER_ADD:  # the operand is added once, not once per part
         args[0] = jnp.where(_first_device(pending), args[0], jnp.zeros_like(args[0]))
-    out = eqn.primitive.bind(*_with_literals(eqn, args), **params)
+    out = eqn.primitive.bind(*with_literals(eqn, args), **params)
     outs = list(out) if eqn.primitive.multiple_results else [out]
     for dim, start, size in crops:  # a max-pool gradient's rows that are this device's
         outs[0] = lax.slice_in_dim(outs[0], start, start + size, axis=dim)

@@ -128,12 +128,70 @@ def test_a_mesh_without_the_shard_maps_axes_is_refused_naming_them():
         planner.plan(_step, *_args(), mesh={"fsdp": 2, "tensor": 2})
 
 
-def test_the_explicit_backend_says_it_cannot_run_a_shard_map():
+def test_the_explicit_backend_runs_a_shard_maps_body_on_its_tiles():
+    """Its collectives (a psum over fsdp:4, two prime factors) over the factors: exact under
+    random schedules of the step and of its gradient."""
     args = _args()
-    prog = planner.analyze(_step, *args)
+    sizes = dict(MESH.shape)
+    for fn in (_step, jax.grad(_step)):  # the gradient's shard_maps: the bodies transposed
+        prog = planner.analyze(fn, *args)
+        want = jax.jit(fn)(*args)
+        for seed in range(3):
+            assign = random_schedule(prog, sizes, random.Random(seed))
+            sched = make_schedule(prog, assign, sizes, default="replicate")
+            assert_close(planner.lower(prog, sched, MESH, backend="explicit")(*args), want)
+
+
+def _collectives(x):
+    """Every collective a body may call, over a composite axis (fsdp: 4) and a prime one."""
+    i = jax.lax.axis_index("fsdp")
+    y = jax.lax.ppermute(x * (i + 1), "fsdp", [(k, (k + 1) % 4) for k in range(4)])
+    g = jax.lax.all_gather(y, "tensor", axis=1, tiled=True)
+    s = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=1, tiled=True)
+    t = jax.lax.all_to_all(s, "fsdp", 0, 1, tiled=True)
+    return jax.lax.pmax(t, "tensor") + jax.lax.psum(t.sum(), ("fsdp", "tensor"))
+
+
+def test_every_collective_of_a_body_runs_over_the_axis_factors():
+    def step(x):
+        f = jax.shard_map(_collectives, mesh=MESH, in_specs=P("fsdp", "tensor"),
+                          out_specs=P("fsdp", "tensor"), check_vma=False)  # fmt: skip
+        return jnp.sin(f(x))
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 32)), jnp.float32)
+    prog = planner.analyze(step, x)
     sched = make_schedule(prog, {}, dict(MESH.shape), default="replicate")
-    with pytest.raises(NotImplementedError, match="shard_map.*backend 'xla'"):
-        planner.lower(prog, sched, MESH, backend="explicit")(*args)
+    assert_close(planner.lower(prog, sched, MESH, backend="explicit")(x), jax.jit(step)(x))
+
+    # a collective inside a loop of the body is not rewritten: refused, naming it
+    def looped(x):
+        body = lambda c, _: (c + jax.lax.axis_index("fsdp"), None)  # noqa: E731
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    def step2(x):
+        return jax.shard_map(looped, mesh=MESH, in_specs=P("fsdp"), out_specs=P("fsdp"))(x)
+
+    prog = planner.analyze(step2, x)
+    sched = make_schedule(prog, {}, dict(MESH.shape), default="replicate")
+    with pytest.raises(
+        NotImplementedError, match="a collective inside a scan of the program's shard_map"
+    ):
+        planner.lower(prog, sched, MESH, backend="explicit")(x)
+
+    # a collective it has no rule for (XLA:CPU has no ragged all-to-all: refused as traced)
+    def ragged(x):
+        sizes = jnp.full((4,), 1, jnp.int32)
+        offsets = jnp.arange(4, dtype=jnp.int32)
+        return jax.lax.ragged_all_to_all(x, jnp.zeros_like(x), offsets, sizes, offsets, sizes,
+                                         axis_name="fsdp")  # fmt: skip
+
+    def step3(x):
+        return jax.shard_map(ragged, mesh=MESH, in_specs=P("fsdp"), out_specs=P("fsdp"))(x)
+
+    prog = planner.analyze(step3, x)
+    sched = make_schedule(prog, {}, dict(MESH.shape), default="replicate")
+    with pytest.raises(NotImplementedError, match="the collective ragged_all_to_all"):
+        jax.jit(planner.lower(prog, sched, MESH, backend="explicit")).lower(x)
 
 
 def _blocked_matmul(x, w):
@@ -180,3 +238,12 @@ def test_the_collectives_a_shard_map_calls_are_priced_over_its_axes():
     assert traffic.kind == "all-reduce" and traffic.count == 1
     assert traffic.bytes == 2 * tile * 3 / 4
     assert traffic.seconds == cal.collective_time("all-reduce", tile, 4)
+
+
+def test_tiles_other_than_a_shard_maps_specs_are_refused_by_the_explicit_backend():
+    from planner.lowering.on_factors import check_layouts, factor_axes
+
+    names = factor_axes(dict(MESH.shape))
+    check_layouts("sm", [P("fsdp", None)], [(("fsdp#0", "fsdp#1"), ())], names, [2])
+    with pytest.raises(NotImplementedError, match="sm: the plan lays an operand"):
+        check_layouts("sm", [P("fsdp", None)], [(("fsdp#0",), ())], names, [2])
