@@ -69,6 +69,11 @@ CODE_RECIPES = {
         max_target_length=8192, attention="flash", use_iota_embed=True, sa_block_q=1024,
         sa_block_q_dkv=2048, sa_block_q_dq=2048), published_mfu=0.386,
         libtpu_flags=("--xla_tpu_scoped_vmem_limit_kib=98304",)),
+    # MaxText's Qwen3 MoE guide (tests/end_to_end/tpu/qwen/moe/run_qwen_moe.md): training on
+    # v5p-512 (256 chips) with fsdp over all of them; no published MFU on v5p (about 27 % on
+    # Ironwood)
+    "qwen3_235b_v5p_512": dict(model="qwen3-235b-a22b", topology="v5p-512", overrides=dict(
+        per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256)),
     # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
     # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
     # MaxText 0.2.5, which tiles by its own defaults
