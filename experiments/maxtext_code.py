@@ -134,20 +134,13 @@ def unroll_scans(jaxpr):
     """
     from jax._src import core
 
-    jaxprs = (core.Jaxpr, *((core.ClosedJaxpr,) if hasattr(core, "ClosedJaxpr") else ()))
+    from planner.program.jaxpr_params import map_jaxprs
+
     if not isinstance(jaxpr, core.Jaxpr):  # a ClosedJaxpr: its constants apart
         return jaxpr.replace(jaxpr=unroll_scans(jaxpr.jaxpr))
-
-    def nested(v):
-        if isinstance(v, jaxprs):
-            return unroll_scans(v)
-        if isinstance(v, tuple) and v and all(isinstance(b, jaxprs) for b in v):
-            return tuple(map(unroll_scans, v))
-        return v
-
     eqns = []
     for eqn in jaxpr.eqns:
-        params = {k: nested(v) for k, v in eqn.params.items()}
+        params = {k: map_jaxprs(v, unroll_scans) for k, v in eqn.params.items()}
         if eqn.primitive.name == "scan":
             params["unroll"] = max(1, params["length"])
         eqns.append(eqn.replace(params=params))

@@ -30,19 +30,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from redist.specs import entry_axes, padded_entries
+
 COPIES = "redist_copies"
 """The staging mesh's leading axis where the source has more devices than the destination."""
-
-
-def _entries(spec: PartitionSpec, ndim: int) -> tuple:
-    parts = tuple(getattr(spec, "partitions", spec))
-    return parts + (None,) * (ndim - len(parts))
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def spread_axes(sizes: dict[str, int], entries: tuple, k: int) -> tuple[str, ...] | None:
@@ -57,16 +48,16 @@ def spread_axes(sizes: dict[str, int], entries: tuple, k: int) -> tuple[str, ...
         True
     """
     names = list(sizes)
-    named = {a for e in entries for a in _axes(e)}
+    named = {a for e in entries for a in entry_axes(e)}
     options = []
     for r in range(len(names) + 1):
         for chosen in itertools.combinations(names, r):
             if math.prod(sizes[a] for a in chosen) != k:
                 continue
             minor = all(
-                not any(a in chosen for a in _axes(e)[: len(_axes(e)) - n])
+                not any(a in chosen for a in entry_axes(e)[: len(entry_axes(e)) - n])
                 for e in entries
-                for n in [sum(a in chosen for a in _axes(e))]
+                for n in [sum(a in chosen for a in entry_axes(e))]
             )
             if minor:
                 options.append((sum(a in named for a in chosen), chosen))
@@ -106,7 +97,7 @@ class Staging:
                 raise self._refused(n, m)
             return ()
         sizes = dict(self.dst.mesh.shape)
-        chosen = spread_axes(sizes, _entries(self.dst.spec, self.ndim), m // n) if m % n == 0 \
+        chosen = spread_axes(sizes, padded_entries(self.dst.spec, self.ndim), m // n) if m % n == 0 \
             else None  # fmt: skip
         if chosen is None:
             raise self._refused(n, m)
@@ -140,8 +131,8 @@ class Staging:
     def spec(self) -> PartitionSpec:
         """The destination's layout less the :attr:`spread` axes."""
         out = []
-        for e in _entries(self.dst.spec, self.ndim):
-            kept = tuple(a for a in _axes(e) if a not in self.spread)
+        for e in padded_entries(self.dst.spec, self.ndim):
+            kept = tuple(a for a in entry_axes(e) if a not in self.spread)
             out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
         return PartitionSpec(*out)
 
@@ -164,8 +155,8 @@ class Staging:
             out = []
             for at in self.pieces:
                 piece = v
-                for d, e in enumerate(_entries(self.dst.spec, self.ndim)):
-                    spread = [a for a in _axes(e) if a in self.spread]
+                for d, e in enumerate(padded_entries(self.dst.spec, self.ndim)):
+                    spread = [a for a in entry_axes(e) if a in self.spread]
                     if not spread:
                         continue
                     q = math.prod(sizes[a] for a in spread)

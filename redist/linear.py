@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from redist.execute import shard_mapped
 from redist.handover import Staging
 from redist.meshes import factor_spec, translate
-from redist.specs import dist_type, mesh_shape
+from redist.specs import dist_type, entry_axes, mesh_shape, padded_entries
 from redist.steps import Plan
 from redist.synthesis import synthesize_uneven
 from redist.transfer import transfer
@@ -84,18 +84,6 @@ def _on_devices(mesh, like):
                              axis_types=tuple(mesh.axis_types))  # fmt: skip
 
 
-def _entries(spec: PartitionSpec, ndim: int) -> tuple:
-    """``spec``'s dimension entries, padded with ``None`` to ``ndim``."""
-    parts = tuple(getattr(spec, "partitions", spec))
-    return parts + (None,) * (ndim - len(parts))
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 @dataclasses.dataclass(frozen=True)
 class Reshard:
     """One redistribution as JAX sees it: an array of ``shape`` on ``mesh``, laid out as ``src``
@@ -123,7 +111,7 @@ class Reshard:
         s = dist_type(self.src, self.shape, m, argname="src", padded=True)
         if s.global_size == 0:  # a zero-size array: only its sharding changes
             return "place", None, None
-        dst_spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)))  # not `reduced`
+        dst_spec = PartitionSpec(*padded_entries(self.dst.spec, len(self.shape)))  # not `reduced`
         mesh, dst_mesh = (
             _on_devices(self.mesh, self.dst.mesh),
             _on_devices(self.dst.mesh, self.mesh),
@@ -266,17 +254,17 @@ class Reshard:
         receives the whole cotangent; JAX types such a cotangent ``reduced``), within the same
         memory bound."""
         pending = frozenset(getattr(self.src, "unreduced", ()) or ())
-        back = PartitionSpec(*_entries(self.src, len(self.shape)), reduced=pending)
+        back = PartitionSpec(*padded_entries(self.src, len(self.shape)), reduced=pending)
         return Reshard(self.dst.mesh, self.dst.spec, NamedSharding(self.mesh, back), self.shape,
                     self.dtype, self.itemsize, self.options)  # fmt: skip
 
     def batched(self, size: int, entry) -> Reshard:
         """The move of a stack of ``size`` such arrays (batch dimension first) whose batch
         dimension is split as ``entry``; it stays split where ``dst`` leaves its axes free."""
-        src = _entries(self.src, len(self.shape))
-        dst = _entries(self.dst.spec, len(self.shape))
-        taken = {a for e in dst for a in _axes_of(e)}
-        keep = entry if same_mesh(self.mesh, self.dst.mesh) and not taken & set(_axes_of(entry)) \
+        src = padded_entries(self.src, len(self.shape))
+        dst = padded_entries(self.dst.spec, len(self.shape))
+        taken = {a for e in dst for a in entry_axes(e)}
+        keep = entry if same_mesh(self.mesh, self.dst.mesh) and not taken & set(entry_axes(entry)) \
             else None  # fmt: skip
         return Reshard(
             self.mesh,
@@ -294,7 +282,7 @@ class Reshard:
             return aval.update(sharding=aval.sharding.update(spec=PartitionSpec()))
         mesh = getattr(self.dst.mesh, "abstract_mesh", self.dst.mesh)
         reduced = frozenset(getattr(self.dst.spec, "reduced", ()) or ())
-        spec = PartitionSpec(*_entries(self.dst.spec, len(self.shape)), reduced=reduced)
+        spec = PartitionSpec(*padded_entries(self.dst.spec, len(self.shape)), reduced=reduced)
         return aval.update(sharding=NamedSharding(mesh, spec))
 
 
@@ -326,8 +314,8 @@ def _leading_entry(x, move: Reshard):
         sharding = getattr(x, "sharding", None)
         if not isinstance(sharding, NamedSharding) or not same_mesh(sharding.mesh, move.mesh):
             return None
-    entry = _entries(sharding.spec, 1)[0]
-    return entry if _axes_of(entry) and dict(sharding.mesh.shape) == dict(move.mesh.shape) \
+    entry = padded_entries(sharding.spec, 1)[0]
+    return entry if entry_axes(entry) and dict(sharding.mesh.shape) == dict(move.mesh.shape) \
         else None  # fmt: skip
 
 

@@ -106,6 +106,29 @@ def spec_entries(spec: SpecLike, *, argname: str) -> tuple[SpecEntry, ...]:
     return tuple(out)
 
 
+def padded_entries(spec: SpecLike, ndim: int) -> tuple:
+    """``spec``'s dimension entries as given (not validated), padded with ``None`` to ``ndim``.
+
+    Example:
+        >>> padded_entries(("a", ("b", "c")), 3)
+        ('a', ('b', 'c'), None)
+    """
+    parts = tuple(getattr(spec, "partitions", spec))
+    return parts + (None,) * (ndim - len(parts))
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one dimension entry, major first.
+
+    Example:
+        >>> entry_axes(None), entry_axes("a"), entry_axes(("a", "b"))
+        ((), ('a',), ('a', 'b'))
+    """
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def unreduced_axes(spec: SpecLike, *, argname: str) -> tuple[str, ...]:
     """The mesh axes of a pending sum in a ``PartitionSpec`` (``P('a', unreduced={'c'})``)."""
     if hasattr(spec, "spec") and hasattr(spec, "mesh"):

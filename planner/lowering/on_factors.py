@@ -18,7 +18,7 @@ from jax._src import core
 
 import redist
 from planner.lowering.kernels import SHARDING_PARAMS
-from planner.program.jaxpr_params import inner_jaxpr
+from planner.program.jaxpr_params import inner_jaxpr, map_jaxprs
 
 _JAXPRS = (core.Jaxpr, *((core.ClosedJaxpr,) if hasattr(core, "ClosedJaxpr") else ()))
 
@@ -111,15 +111,7 @@ def _unsharded(jaxpr):
     where the tiles are typed on the plan's) dropped."""
     if not isinstance(jaxpr, core.Jaxpr):
         return jaxpr.replace(jaxpr=_unsharded(jaxpr.jaxpr))
-
-    def nested(v):
-        if isinstance(v, _JAXPRS):
-            return _unsharded(v)
-        if isinstance(v, tuple) and v and all(isinstance(b, _JAXPRS) for b in v):
-            return tuple(map(_unsharded, v))
-        return v
-
-    eqns = [e.replace(params={k: None if k in SHARDING_PARAMS else nested(v)
+    eqns = [e.replace(params={k: None if k in SHARDING_PARAMS else map_jaxprs(v, _unsharded)
                               for k, v in e.params.items()}) for e in jaxpr.eqns]  # fmt: skip
     return jaxpr.replace(eqns=eqns)
 

@@ -58,6 +58,23 @@ def inner_jaxpr(closed) -> tuple[object, tuple]:
     return getattr(closed, "jaxpr", closed), tuple(getattr(closed, "consts", ()))
 
 
+def map_jaxprs(value, fn):
+    """An equation's param ``value`` with ``fn`` applied to each jaxpr it is (a ``Jaxpr`` or a
+    ``ClosedJaxpr``) or holds (a tuple of them: ``cond``'s branches); other values as they are.
+
+    Example:
+        >>> params = {k: map_jaxprs(v, unroll) for k, v in eqn.params.items()}  # doctest: +SKIP
+    """
+    from jax._src import core
+
+    jaxprs = (core.Jaxpr, *((core.ClosedJaxpr,) if hasattr(core, "ClosedJaxpr") else ()))
+    if isinstance(value, jaxprs):
+        return fn(value)
+    if isinstance(value, tuple) and value and all(isinstance(b, jaxprs) for b in value):
+        return tuple(fn(b) for b in value)
+    return value
+
+
 OPEN_JAXPR_PRIMITIVES = frozenset({"checkpoint", "remat", "remat2"})  # jax.checkpoint's names
 
 
