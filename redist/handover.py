@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -88,7 +89,7 @@ class Staging:
         n, m = self.devices.size, self.dst.mesh.devices.size
         return n // m if n % m == 0 else 1
 
-    @property
+    @functools.cached_property
     def spread(self) -> tuple[str, ...]:
         """The destination's mesh axes left whole on the stage (where it has more devices)."""
         n, m = self.devices.size, self.dst.mesh.devices.size
@@ -96,9 +97,8 @@ class Staging:
             if n % m:
                 raise self._refused(n, m)
             return ()
-        sizes = dict(self.dst.mesh.shape)
-        chosen = spread_axes(sizes, padded_entries(self.dst.spec, self.ndim), m // n) if m % n == 0 \
-            else None  # fmt: skip
+        entries = padded_entries(self.dst.spec, self.ndim)
+        chosen = spread_axes(dict(self.dst.mesh.shape), entries, m // n) if m % n == 0 else None
         if chosen is None:
             raise self._refused(n, m)
         return chosen
@@ -113,7 +113,7 @@ class Staging:
             f"divides or is a multiple of {n}"
         )
 
-    @property
+    @functools.cached_property
     def mesh(self):
         """The stage: a mesh of the source devices, named and shaped as the destination's mesh
         (less the :attr:`spread` axes, plus a leading :data:`COPIES` axis of :attr:`copies`)."""
