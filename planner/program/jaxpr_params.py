@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 
@@ -65,8 +66,6 @@ def map_jaxprs(value, fn):
     Example:
         >>> params = {k: map_jaxprs(v, unroll) for k, v in eqn.params.items()}  # doctest: +SKIP
     """
-    from jax._src import core
-
     jaxprs = (core.Jaxpr, *((core.ClosedJaxpr,) if hasattr(core, "ClosedJaxpr") else ()))
     if isinstance(value, jaxprs):
         return fn(value)
