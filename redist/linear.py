@@ -384,8 +384,8 @@ def _factor_pspec(t) -> PartitionSpec:
 def hand_over(xs: list, moves: list[Reshard], donate: bool = False) -> list:
     """Moves across processes, all at once: every ``x`` moved to its destination's layout on its
     own devices (:attr:`Reshard.staged`, cut into pieces where the destination has more devices:
-    one ``jit`` for all), then every tile handed over whole by one batched ``jax.device_put``
-    (JAX's cross-host transfers; they need ``jax_cross_host_transfer_socket_address`` where the
+    one ``jit`` for all), then every tile handed over whole by batched ``jax.device_put``s, one
+    per pair of device lists (:func:`_handed`; JAX's cross-host transfers; they need ``jax_cross_host_transfer_socket_address`` where the
     backend has no transfers of its own).
 
     Example:

@@ -19,6 +19,7 @@ from jax._src import core
 import redist
 from planner.lowering.kernels import SHARDING_PARAMS
 from planner.program.jaxpr_params import inner_jaxpr, map_jaxprs
+from redist.specs import entry_axes, padded_entries
 
 _JAXPRS = (core.Jaxpr, *((core.ClosedJaxpr,) if hasattr(core, "ClosedJaxpr") else ()))
 
@@ -111,9 +112,13 @@ def _unsharded(jaxpr):
     where the tiles are typed on the plan's) dropped."""
     if not isinstance(jaxpr, core.Jaxpr):
         return jaxpr.replace(jaxpr=_unsharded(jaxpr.jaxpr))
-    eqns = [e.replace(params={k: None if k in SHARDING_PARAMS else map_jaxprs(v, _unsharded)
-                              for k, v in e.params.items()}) for e in jaxpr.eqns]  # fmt: skip
-    return jaxpr.replace(eqns=eqns)
+    return jaxpr.replace(eqns=[e.replace(params=_unsharded_params(e.params)) for e in jaxpr.eqns])
+
+
+def _unsharded_params(params: dict) -> dict:
+    """An equation's ``params`` without the result shardings (see :func:`_unsharded`)."""
+    return {k: None if k in SHARDING_PARAMS else map_jaxprs(v, _unsharded)
+            for k, v in params.items()}  # fmt: skip
 
 
 def run_body(jaxpr, args, names: dict[str, tuple[str, ...]], consts=()) -> list:
@@ -152,8 +157,8 @@ def run_body(jaxpr, args, names: dict[str, tuple[str, ...]], consts=()) -> list:
                 "'explicit'; use backend 'xla' (plan.jit's) or 'per-op'"
             )
         else:
-            params = _unsharded(jaxpr.replace(eqns=[eqn])).eqns[0].params
-            out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+            params = eqn.primitive.get_bind_params(_unsharded_params(eqn.params))
+            out = eqn.primitive.bind(*ins, **params)
             outs = list(out) if eqn.primitive.multiple_results else [out]
         for v, x in zip(eqn.outvars, outs):
             if not isinstance(v, core.DropVar):
@@ -165,12 +170,8 @@ def check_layouts(op_name: str, user_specs, step_specs, names, ndims) -> None:
     """Raises ``NotImplementedError`` unless the tiles the plan gives (``step_specs``, factor
     tuples per dimension) are those the ``shard_map``'s own specs (``user_specs``) ask for."""
     for user, step, ndim in zip(user_specs, step_specs, ndims):
-        parts = tuple(getattr(user, "partitions", user)) + (None,) * ndim
-        want = tuple(
-            () if e is None else tuple(f for a in ((e,) if isinstance(e, str) else e)
-                                       for f in names.get(a, (a,)))
-            for e in parts[:ndim]
-        )  # fmt: skip
+        want = tuple(tuple(f for a in entry_axes(e) for f in names.get(a, (a,)))
+                     for e in padded_entries(user, ndim)[:ndim])  # fmt: skip
         if tuple(map(tuple, step)) != want:
             raise NotImplementedError(
                 f"{op_name}: the plan lays an operand of the program's shard_map out as {step}, "
