@@ -195,7 +195,17 @@ def plan(
         # the reserve is for what the model does not see; the compiler's peak sees it all, so
         # under the default limit a compiled plan may use the device's whole memory
         capacity = limit / (1 - MEMORY_RESERVE) if memory_limit_bytes == AUTO else limit
-        p, checks = confirmed(search_under, plan_of, limit, margin, capacity)
+
+        def yours() -> AutoPlan | None:
+            """The layout the program asks for (constraints, inputs) as a plan, or None."""
+            sched = requested.asked(prog, shape, xla_only_splits, calibration)
+            return (
+                None
+                if sched is None
+                else plan_of((prog, sched, simulate(prog, sched, calibration), None))
+            )
+
+        p, checks = confirmed(search_under, plan_of, limit, margin, capacity, yours)
         return dataclasses.replace(p, memory_checks=checks)
     return plan_of(search_under(limit))
 

@@ -5,7 +5,11 @@ so a plan predicted under the limit may not fit. Where the mesh's devices are TP
 a :func:`planner.topology_mesh`), the compiler runs on this host: :func:`confirmed` compiles the
 plan (under ``"auto"`` one predicted over half the limit) and, while its compiled peak is over
 the compiled limit, searches again under the limit scaled by that plan's compiled / predicted
-ratio (the same plan is then excluded), at most :data:`ROUNDS` compiles. The compiled limit is
+ratio (the same plan is then excluded), at most :data:`ROUNDS` compiles. Where no searched plan
+compiles within the limit, the layout the program asks for (its sharding constraints and inputs'
+layouts, :func:`planner.price`'s plan) is compiled last and is the plan where it fits: a plan
+fits wherever the user's own layout does (MaxText's Llama 3.1 405B on two v6e-256 slices: the
+searched plans compile 5 % over the chip, MaxText's layout fits). The compiled limit is
 the user's ``memory_limit_bytes``, or under the default the device's whole memory: the default's
 reserve stands for what the model does not see, and the compiler's peak sees all of it (MaxText's
 Llama 3.1 8B recipe runs at 30.4 GB of a v6e's 31.25 GiB, over the default's 90 %). Each round is
@@ -47,16 +51,22 @@ class MemoryCheck:
     compiled_bytes: int | None
     compile_s: float = 0.0
     compiled_limit: float | None = None  # what the compiled bytes are held to (None: limit)
+    layout: str = "searched"  # or "yours": the layout the program asks for, not searched
 
     def describe(self, limit: float) -> str:
-        """``searched under 86.2 GB: predicted 83.4 GB, compiled 105 GB (over 86.2 GB)``"""
+        """``searched under 86.2 GB: predicted 83.4 GB, compiled 105 GB (over 86.2 GB)``; the
+        program's own layout: ``your layout: predicted ..., compiled ...``."""
         limit = self.compiled_limit or limit
+        what = (
+            "your layout"
+            if self.layout == "yours"
+            else f"searched under {_gb(self.searched_limit)}"
+        )
         if self.compiled_bytes is None:
-            return f"searched under {_gb(self.searched_limit)}: the compiler failed"
+            return f"{what}: the compiler failed"
         verdict = "over" if self.compiled_bytes > limit else "within"
-        return (f"searched under {_gb(self.searched_limit)}: predicted "
-                f"{_gb(self.predicted_bytes)}, compiled {_gb(self.compiled_bytes)} "
-                f"({verdict} {_gb(limit)})")  # fmt: skip
+        return (f"{what}: predicted {_gb(self.predicted_bytes)}, compiled "
+                f"{_gb(self.compiled_bytes)} ({verdict} {_gb(limit)})")  # fmt: skip
 
 
 def _gb(x: float) -> str:
@@ -82,15 +92,53 @@ def checks_compiled(check: str, devices, limit) -> bool:
 
 
 def confirmed(search_under: Callable, plan_of: Callable, limit: float, margin: float | None = None,
-              compiled_limit: float | None = None):  # fmt: skip
+              compiled_limit: float | None = None, yours: Callable | None = None):  # fmt: skip
     """The plan of ``search_under(limit)`` (``plan_of`` makes it an AutoPlan) whose compiled
     memory is within ``compiled_limit`` (default ``limit``), and the rounds it took (see the
     module docstring). Where the scaled limit leaves no plan, the round after takes the plan of
     least predicted memory (the search's smallest peak), the last one the model can offer. Given
     a ``margin``, a first plan predicted within ``limit / margin`` is not compiled (no rounds).
+    ``yours()``: the plan of the layout the program asks for (``None`` where it asks for none),
+    compiled where no searched plan fits (if predicted within :data:`UNSEEN` of the compiled
+    limit), and kept where it fits (with a warning saying so).
     Raises :class:`MemoryLimitError` when no plan the rounds find compiles within it."""
-    searched, rounds, frugal = limit, [], False
     target = limit if compiled_limit is None else compiled_limit
+    rounds: list[MemoryCheck] = []
+    try:
+        return _searched_rounds(search_under, plan_of, limit, margin, target, rounds)
+    except MemoryLimitError as e:
+        plan = None if yours is None else yours()
+        if plan is None or plan.prediction.peak_bytes > target * UNSEEN:
+            raise
+        check = _compiled_check(plan, limit, target, "yours")
+        rounds.append(check)
+        if check.compiled_bytes is None or check.compiled_bytes > target:
+            raise MemoryLimitError(limit, e.peak, note=_compiled_note(rounds, target)) from None
+        warnings.warn(
+            "planner: no searched plan compiles within the memory limit; the layout the program "
+            f"asks for does, and is the plan ({describe_checks(rounds)})",
+            stacklevel=3,
+        )
+        return plan, tuple(rounds)
+
+
+def _compiled_check(plan, searched: float, target: float, layout: str = "searched") -> MemoryCheck:
+    """``plan`` compiled: its :class:`MemoryCheck` (compiled bytes None where the compiler
+    failed for another reason than memory, which is warned)."""
+    start = time.perf_counter()
+    try:
+        compiled = plan.compiled_report().total_bytes
+    except Exception as e:  # noqa: BLE001  (a compile error other than memory: say, keep the plan)
+        warnings.warn(f"the plan could not be compiled to check its memory: {e}", stacklevel=4)
+        compiled = None
+    return MemoryCheck(searched, plan.prediction.peak_bytes, compiled,
+                       time.perf_counter() - start, target, layout)  # fmt: skip
+
+
+def _searched_rounds(search_under: Callable, plan_of: Callable, limit: float, margin, target,
+                     rounds: list):  # fmt: skip
+    """:func:`confirmed`'s rounds over searched plans, each appended to ``rounds``."""
+    searched, frugal = limit, False
     for _ in range(ROUNDS):
         try:
             plan = plan_of(search_under(searched))
@@ -109,18 +157,11 @@ def confirmed(search_under: Callable, plan_of: Callable, limit: float, margin: f
                 plan = plan_of(search_under(searched))
         if not rounds and margin and plan.prediction.peak_bytes * margin <= limit:
             return plan, ()
-        start = time.perf_counter()
-        try:
-            report = plan.compiled_report()
-        except Exception as e:  # noqa: BLE001  (a compile error other than memory: say, keep the plan)
-            warnings.warn(f"the plan could not be compiled to check its memory: {e}", stacklevel=3)
-            rounds.append(MemoryCheck(searched, plan.prediction.peak_bytes, None,
-                                      time.perf_counter() - start, target))  # fmt: skip
+        rounds.append(_compiled_check(plan, searched, target))
+        compiled = rounds[-1].compiled_bytes
+        if compiled is None:
             return plan, tuple(rounds)
-        compiled = report.total_bytes
-        rounds.append(MemoryCheck(searched, plan.prediction.peak_bytes, compiled,
-                                  time.perf_counter() - start, target))  # fmt: skip
-        if compiled is None or compiled <= target or frugal:
+        if compiled <= target or frugal:
             break
         searched = min(limit, target * plan.prediction.peak_bytes / compiled)
     if rounds[-1].compiled_bytes is None or rounds[-1].compiled_bytes <= target:

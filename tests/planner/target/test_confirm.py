@@ -59,3 +59,31 @@ def test_nothing_is_compiled_where_the_least_memory_is_beyond_the_models_error()
     with pytest.raises(MemoryLimitError, match="smallest predicted peak"):
         confirmed(search_under, lambda p: p, 92.5e9, 2.0, 102.8e9)
     assert asked == [92.5e9]
+
+
+def test_the_programs_own_layout_is_the_plan_where_only_it_compiles_within_the_limit():
+    """MaxText's Llama 3.1 405B on two v6e-256 slices: the searched plan is predicted at 28 GB and
+    compiles to 35.4 of 33.6; MaxText's layout compiles to 31.1: that layout is the plan."""
+    search_under, _ = _search(28.0e9, 35.4e9)
+    yours = _Plan(30.0e9, 31.1e9)
+    with pytest.warns(UserWarning, match="the layout the program asks for does"):
+        plan, rounds = confirmed(search_under, lambda p: p, 30.2e9, 2.0, 33.6e9, lambda: yours)
+    assert plan is yours and [r.layout for r in rounds][-1] == "yours"
+    assert rounds[0].compiled_bytes == 35.4e9 and rounds[-1].compiled_bytes == 31.1e9
+    assert "your layout: predicted 30 GB, compiled 31.1 GB (within 33.6 GB)" in rounds[-1].describe(
+        30.2e9
+    )
+
+
+def test_the_programs_own_layout_is_refused_where_it_compiles_over_too():
+    search_under, _ = _search(28.0e9, 35.4e9)
+    with pytest.raises(MemoryLimitError, match="your layout: predicted 30 GB, compiled 34 GB"):
+        confirmed(search_under, lambda p: p, 30.2e9, 2.0, 33.6e9, lambda: _Plan(30.0e9, 34.0e9))
+    compiled = []  # a layout predicted beyond the model's error is not compiled
+    far = _Plan(33.6e9 * UNSEEN * 1.01, 1.0)
+    far.compiled_report = lambda: compiled.append(1)
+    with pytest.raises(MemoryLimitError, match="compiled 35.4 GB"):
+        confirmed(search_under, lambda p: p, 30.2e9, 2.0, 33.6e9, lambda: far)
+    assert compiled == []
+    with pytest.raises(MemoryLimitError, match="compiled 35.4 GB"):  # the program asks for none
+        confirmed(search_under, lambda p: p, 30.2e9, 2.0, 33.6e9, lambda: None)
