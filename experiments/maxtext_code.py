@@ -31,7 +31,13 @@ import time
 
 from absl import logging
 
-CODE_STRATEGIES = ("recipe", "searched")
+CODE_STRATEGIES = ("recipe", "searched", "searched_variants", "recipe_at_variant")
+"""``searched_variants``: for a recipe with ``variants`` (MaxText settings that change what its
+``shard_map`` bodies compute, such as the expert-parallel degree: each device's experts and the
+sizes of its all-to-alls are fixed when the step is traced, so no plan of one trace can change
+them), the step traced at the recipe's own settings and at each variant, each trace planned, and
+the plan predicted fastest among those that fit kept; ``recipe_at_variant``: MaxText's own layout
+at the variant that plan chose (what the variant alone gives, without the planner's layout)."""
 
 PEAK_TFLOPS = {"v5p": 459.0, "v6e": 918.0, "v5e": 197.0, "v4": 275.0}
 """Published bf16 peak TFLOP/s per chip (Google Cloud's TPU pages)."""
@@ -72,8 +78,15 @@ CODE_RECIPES = {
     # MaxText's Qwen3 MoE guide (tests/end_to_end/tpu/qwen/moe/run_qwen_moe.md): training on
     # v5p-512 (256 chips) with fsdp over all of them; no published MFU on v5p (about 27 % on
     # Ironwood)
+    # The variants: MaxText's expert parallelism (its ``ici_expert_parallelism``, experts split
+    # over that axis in its MoE shard_map, tokens sent by all-to-all) at 8 and 64 chips (sizes
+    # v5p-512's 8 x 8 x 4 torus makes of whole physical axes), fsdp over the rest. (Its capped
+    # ragged buffer with the in-layer dropless fallback is no variant: the compiler's estimate, as
+    # XLA's cost analysis of any conditional, counts the dearer branch, the dropless one.)
     "qwen3_235b_v5p_512": dict(model="qwen3-235b-a22b", topology="v5p-512", overrides=dict(
-        per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256)),
+        per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256),
+        variants={f"expert {e}": dict(ici_fsdp_parallelism=256 // e, ici_expert_parallelism=e)
+                  for e in (8, 64)}),
     # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
     # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
     # MaxText 0.2.5, which tiles by its own defaults
@@ -95,13 +108,15 @@ def chip(topology: str) -> str:
     return topology.split("-")[0]
 
 
-def build(name: str, layers: int | None = None):
+def build(name: str, layers: int | None = None, variant: str | None = None):
     """Recipe ``name``'s step (:func:`experiments.libraries.maxtext_aot.build`); ``layers``
-    overrides the depth."""
+    overrides the depth, ``variant`` (a key of the recipe's ``variants``) its settings."""
     from experiments.libraries import maxtext_aot
 
     recipe = CODE_RECIPES[name]
     overrides = dict(recipe["overrides"])
+    if variant is not None:
+        overrides.update(recipe["variants"][variant])
     if layers is not None:
         overrides.update(base_num_decoder_layers=layers, override_model_config=True)
     return maxtext_aot.build(recipe["model"], recipe["topology"],
@@ -168,7 +183,8 @@ def _extended(times: list[float], at: tuple[int, int], layers: int) -> float:
     return times[0] + (layers - at[0]) * (times[1] - times[0])
 
 
-def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int]) -> float:
+def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int],
+                     variant: str | None = None) -> float:  # fmt: skip
     """The kernels' seconds of MaxText's layout at ``layers``: its own step at the depths ``at``
     (:func:`depths`), its scans unrolled (as the plan's are, :func:`_plan_kernels`), jitted with its own
     shardings, compiled, extended."""
@@ -178,7 +194,7 @@ def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int]) -> float:
 
     times = []
     for depth in at:
-        small = build(name, depth)
+        small = build(name, depth, variant)
         with small.context():
             jaxpr = unroll_scans(jax.make_jaxpr(small.step)(*small.args))
             out_tree = jax.tree.structure(jax.eval_shape(small.step, *small.args))
@@ -194,7 +210,8 @@ def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int]) -> float:
     return _extended(times, at, layers)
 
 
-def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int]) -> float | None:
+def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int],
+                  variant: str | None = None) -> float | None:  # fmt: skip
     """The kernels' seconds of ``plan`` at ``layers``: its schedule carried onto the same step
     at the depths ``at``, the layers unrolled, compiled, extended; None where it does not
     carry."""
@@ -209,7 +226,7 @@ def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int]) -> flo
 
     times = []
     for depth in at:
-        small = build(name, depth)
+        small = build(name, depth, variant)
         with small.context():
             sig = Signature.of(small.args, {})
             traced, values = sig.traced(small.step, small.args, {})
@@ -246,15 +263,55 @@ def _unless_over_hbm(row: dict, kernels, config) -> float | None:
         return None
 
 
-def measure_code(name: str, strategies, done: set, config) -> list[dict]:
-    """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``."""
+def _planned(built):
+    """The planner's plan of ``built``'s step with its defaults (memory limit from the chip's
+    HBM, confirmed by compiling), MaxText's input layouts priced beside it."""
     import planner
+
+    with built.context():
+        return planner.plan(built.step, *built.args, mesh=built.mesh,
+                            donate_argnums=built.donate_argnums, compare=built.in_shardings)  # fmt: skip
+
+
+def _variant_search(name: str, built) -> tuple[str | None, object, dict, float]:
+    """``(variant, plan, tried, seconds)``: the plan predicted fastest among the plans of the
+    recipe's own step (variant ``None``) and of each of its ``variants`` that fit; ``tried``: per
+    variant, the plan's predicted seconds and peak bytes, or the planner's error."""
+    from planner.cost.memory import MemoryLimitError
+
+    best, tried, seconds = None, {}, 0.0
+    for variant in [None, *CODE_RECIPES[name].get("variants", {})]:
+        start = time.perf_counter()
+        step = built if variant is None else build(name, variant=variant)
+        try:
+            p = _planned(step)
+        except MemoryLimitError as e:
+            tried[str(variant)] = {"error": str(e)[:300]}
+            continue
+        finally:
+            seconds += time.perf_counter() - start
+        pred = p.prediction
+        tried[str(variant)] = {"predicted_s": pred.time_s, "predicted_peak_bytes": pred.peak_bytes,
+                               "search_s": p.search_s}  # fmt: skip
+        logging.warning("%s %s: %s", name, variant, tried[str(variant)])
+        if best is None or pred.time_s < best[1].prediction.time_s:
+            best = (variant, p, step)
+    if best is None:
+        raise ValueError(f"{name}: no variant has a plan that fits: {tried}")
+    return best[0], best[1], tried, seconds
+
+
+def measure_code(name: str, strategies, done: set, config) -> list[dict]:
+    """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``
+    (the variant strategies only for recipes with ``variants``)."""
     from experiments.recipes import _row_of
     from planner.cost.memory import MemoryLimitError, default_calibration
     from planner.target.compiled import compile_and_report, input_structs
 
     recipe = CODE_RECIPES[name]
     todo = [s for s in strategies if (name, s) not in done]
+    if "variants" not in recipe:
+        todo = [s for s in todo if s in ("recipe", "searched")]
     if not todo:
         return []
     built = build(name)
@@ -274,44 +331,77 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
         logging.warning("%s", row)
         return row
 
-    if "recipe" in todo:
+    def authors(strategy: str, step, variant: str | None) -> dict:
         start = time.perf_counter()
-        compiled, report = compile_and_report(built.authors_compile())
-        row = {**base, "strategy": "recipe", "search_s": 0.0,
+        compiled, report = compile_and_report(step.authors_compile())
+        row = {**base, "strategy": strategy, "search_s": 0.0, "variant": variant,
                "compile_s": time.perf_counter() - start,
                **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = _unless_over_hbm(row, lambda: _authors_kernels(name, layers, cal, at), config)
-        rows.append(finish(row, kernels))
-    if "searched" in todo:
+        return finish(
+            row,
+            _unless_over_hbm(row, lambda: _authors_kernels(name, layers, cal, at, variant), config),
+        )
+
+    def planned(strategy: str, step, p, variant: str | None, extra: dict) -> dict:
         start = time.perf_counter()
-        try:
-            with built.context():
-                p = planner.plan(built.step, *built.args, mesh=mesh,
-                                 donate_argnums=built.donate_argnums,
-                                 compare=built.in_shardings)  # fmt: skip
-        except MemoryLimitError as e:
-            rows.append({**base, "strategy": "searched", "fits": False, "error": str(e)[:800],
-                         "planning_s": time.perf_counter() - start})  # fmt: skip
-            return rows
-        start = time.perf_counter()
-        with built.context():
+        with step.context():
             compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
-        row = {**base, "strategy": "searched", "search_s": p.search_s,
+        row = {**base, "strategy": strategy, "search_s": p.search_s, "variant": variant,
                "predicted_peak_bytes": p.prediction.peak_bytes, "predicted_s": p.prediction.time_s,
                "compile_s": time.perf_counter() - start,
                "memory_checks": [dataclasses.asdict(c) for c in p.memory_checks],
                "not_understood": sorted({o.primitive for o in p.program.ops
                                          if o.how == "replicated"}),
-               **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = _unless_over_hbm(row, lambda: _plan_kernels(name, p, layers, cal, at), config)
-        rows.append(finish(row, kernels))
+               **extra, **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
+        return finish(
+            row,
+            _unless_over_hbm(row, lambda: _plan_kernels(name, p, layers, cal, at, variant), config),
+        )
+
+    if "recipe" in todo:
+        rows.append(authors("recipe", built, None))
+    if "searched" in todo:
+        start = time.perf_counter()
+        try:
+            p = _planned(built)
+        except MemoryLimitError as e:
+            rows.append({**base, "strategy": "searched", "fits": False, "error": str(e)[:800],
+                         "planning_s": time.perf_counter() - start})  # fmt: skip
+            return rows
+        rows.append(planned("searched", built, p, None, {}))
+    if {"searched_variants", "recipe_at_variant"} & set(todo):
+        variant, p, tried, seconds = _variant_search(name, built)
+        if variant is None:  # the recipe's own step: those rows are the searched and recipe rows
+            return rows + [{**base, "strategy": s, "variant": None, "variants": tried,
+                            "planning_s": seconds, "same_as": s.split("_")[0],
+                            "search_s": sum(t.get("search_s", 0.0) for t in tried.values())}
+                           for s in ("searched_variants", "recipe_at_variant") if s in todo]  # fmt: skip
+        step = build(name, variant=variant)
+        if "searched_variants" in todo:
+            # the search's seconds: every variant's search (their traces not counted)
+            extra = {"variants": tried, "planning_s": seconds}
+            row = planned("searched_variants", step, p, variant, extra)
+            row["search_s"] = sum(t.get("search_s", 0.0) for t in tried.values())
+            rows.append(row)
+        if "recipe_at_variant" in todo:
+            rows.append(authors("recipe_at_variant", step, variant))
     return rows
+
+
+def _strategy(row: dict) -> str:
+    """``searched_variants (expert 8)``: the row's strategy and the variant it ran."""
+    if "variants" in row or row.get("variant"):
+        return f"{row['strategy']} ({row.get('variant') or 'its own settings'})"
+    return row["strategy"]
 
 
 def report_code(rows: list[dict]) -> str:
     """The table of the ``maxtext_code`` rows: per recipe, MaxText's compile against the plan."""
     from experiments.recipes import _checks, _gb, _seconds
 
+    by_strategy = {(r["recipe"], r["strategy"]): r for r in rows}
+    rows = [{**by_strategy.get((r["recipe"], r["same_as"]), {}), **r} if "same_as" in r else r
+            for r in rows]  # fmt: skip
     recipe_s = {r["recipe"]: r.get("estimate_s") for r in rows if r["strategy"] == "recipe"}
     lines = [
         "| recipe | strategy | compiled GB / chip | fits | predicted GB | predicted / compiled "
@@ -328,7 +418,7 @@ def report_code(rows: list[dict]) -> str:
         mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "n/a"
         pub = f"{100 * r['published_mfu']:.1f} %" if r.get("published_mfu") else "n/a"
         lines.append(
-            f"| {r['recipe']} | {r['strategy']} | {_gb(comp)} | "
+            f"| {r['recipe']} | {_strategy(r)} | {_gb(comp)} | "
             f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | "
             f"{f'{est:.4g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {_seconds(r)} | "
             f"{_checks(r.get('memory_checks'))} |"

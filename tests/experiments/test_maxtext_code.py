@@ -58,3 +58,30 @@ def test_the_table_compares_each_plan_with_its_recipe():
     table = report_code(rows[::-1]).splitlines()  # the recipe's row first
     assert table[2].startswith("| r | recipe | 50 | yes | n/a | n/a | 2 | 1.00x | 64.0 % | 65.0 %")
     assert table[3].startswith("| r | searched | 40 | yes | 38 | 0.95 | 1.8 | 0.90x | 71.0 % | n/a")
+
+
+def test_variant_rows_name_their_variant_or_repeat_the_rows_they_are():
+    """A variant search that kept the recipe's own settings repeats the searched and recipe rows
+    (``same_as``); one that chose a variant shows it, against the recipe's own estimate."""
+    rows = [
+        {"recipe": "r", "strategy": "recipe", "compiled_bytes": 50e9, "fits": True,
+         "estimate_s": 2.0, "search_s": 0.0},
+        {"recipe": "r", "strategy": "searched", "compiled_bytes": 40e9, "fits": True,
+         "estimate_s": 1.8, "search_s": 12.0},
+        {"recipe": "r", "strategy": "searched_variants", "variant": None, "same_as": "searched",
+         "variants": {"None": {"predicted_s": 1.0}, "expert 8": {"predicted_s": 1.5}},
+         "search_s": 30.0},
+        {"recipe": "r", "strategy": "recipe_at_variant", "variant": None, "same_as": "recipe",
+         "variants": {}, "search_s": 30.0},
+        {"recipe": "s", "strategy": "recipe", "compiled_bytes": 30e9, "fits": True,
+         "estimate_s": 4.0, "search_s": 0.0},
+        {"recipe": "s", "strategy": "searched_variants", "variant": "expert 8",
+         "compiled_bytes": 30e9, "fits": True, "estimate_s": 3.0, "search_s": 20.0},
+    ]  # fmt: skip
+    table = report_code(rows[::-1]).splitlines()[2:]
+    (own,) = [t for t in table if t.startswith("| r | searched_variants (its own settings) | ")]
+    assert own.startswith("| r | searched_variants (its own settings) | 40 | yes |")
+    assert "| 1.8 | 0.90x |" in own and own.split(" | ")[-2] == "30.0"
+    assert "| r | recipe_at_variant (its own settings) | 50 | yes |" in "\n".join(table)
+    (chosen,) = [t for t in table if t.startswith("| s | searched_variants (expert 8) | ")]
+    assert "| 30 | yes |" in chosen and "| 3 | 0.75x |" in chosen
