@@ -151,7 +151,7 @@ _FOLDERS = [
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the last five commands (MaxText's own step, code_*.{jsonl,md,json}, "
        "one process per recipe's libtpu flags; DeepSeek-V3's took 55 min, Llama 3.1 405B's "
-       "plan 57 min, Qwen3-235B's 29 min, 405B's on v6e 50 min) need Python >= 3.12 "
+       "plan 57 min, Qwen3-235B's 29 min and its variants 7 more, 405B's on v6e 50 min) need Python >= 3.12 "
        "with the libraries extra too"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 from absl import logging
@@ -372,9 +373,10 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
     if {"searched_variants", "recipe_at_variant"} & set(todo):
         variant, p, tried, seconds = _variant_search(name, built)
         if variant is None:  # the recipe's own step: those rows are the searched and recipe rows
+            searched = sum(t.get("search_s", 0.0) for t in tried.values())
             return rows + [{**base, "strategy": s, "variant": None, "variants": tried,
                             "planning_s": seconds, "same_as": s.split("_")[0],
-                            "search_s": sum(t.get("search_s", 0.0) for t in tried.values())}
+                            "search_s": searched if s == "searched_variants" else 0.0}
                            for s in ("searched_variants", "recipe_at_variant") if s in todo]  # fmt: skip
         step = build(name, variant=variant)
         if "searched_variants" in todo:
@@ -423,4 +425,28 @@ def report_code(rows: list[dict]) -> str:
             f"{f'{est:.4g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {_seconds(r)} | "
             f"{_checks(r.get('memory_checks'))} |"
         )
+    lines += [
+        _variants_line(r)
+        for r in rows
+        if r["strategy"] == "searched_variants" and r.get("variants")
+    ]
     return "\n".join(lines) + "\n"
+
+
+def _variants_line(row: dict) -> str:
+    """``- r, variants planned: its own settings 26.4 s (34.7 GB); expert 8: no plan fits
+    (smallest predicted peak 170 GB)``: what the variant search found, variant by variant."""
+    from experiments.recipes import _gb
+
+    parts = []
+    for name, found in row["variants"].items():
+        label = "its own settings" if name == "None" else name
+        if "predicted_s" in found:
+            parts.append(
+                f"{label} {found['predicted_s']:.3g} s ({_gb(found['predicted_peak_bytes'])} GB)"
+            )
+        else:
+            peak = re.search(r"smallest predicted peak seen is (\d+)", found.get("error", ""))
+            least = f" (smallest predicted peak {_gb(int(peak.group(1)))} GB)" if peak else ""
+            parts.append(f"{label}: no plan fits{least}")
+    return f"\n- {row['recipe']}, variants planned (predicted step, peak): " + "; ".join(parts)

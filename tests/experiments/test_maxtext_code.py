@@ -69,7 +69,10 @@ def test_variant_rows_name_their_variant_or_repeat_the_rows_they_are():
         {"recipe": "r", "strategy": "searched", "compiled_bytes": 40e9, "fits": True,
          "estimate_s": 1.8, "search_s": 12.0},
         {"recipe": "r", "strategy": "searched_variants", "variant": None, "same_as": "searched",
-         "variants": {"None": {"predicted_s": 1.0}, "expert 8": {"predicted_s": 1.5}},
+         "variants": {"None": {"predicted_s": 1.0, "predicted_peak_bytes": 34.7e9},
+                      "expert 8": {"error": "no schedule fits memory_limit_bytes=9; the smallest "
+                                            "predicted peak seen is 169754566564 bytes per"},
+                      "expert 64": {"predicted_s": 1.5, "predicted_peak_bytes": 51.4e9}},
          "search_s": 30.0},
         {"recipe": "r", "strategy": "recipe_at_variant", "variant": None, "same_as": "recipe",
          "variants": {}, "search_s": 30.0},
@@ -78,7 +81,12 @@ def test_variant_rows_name_their_variant_or_repeat_the_rows_they_are():
         {"recipe": "s", "strategy": "searched_variants", "variant": "expert 8",
          "compiled_bytes": 30e9, "fits": True, "estimate_s": 3.0, "search_s": 20.0},
     ]  # fmt: skip
-    table = report_code(rows[::-1]).splitlines()[2:]
+    text = report_code(rows[::-1])
+    assert (
+        "- r, variants planned (predicted step, peak): its own settings 1 s (34.7 GB); "
+        "expert 8: no plan fits (smallest predicted peak 170 GB); expert 64 1.5 s (51.4 GB)" in text
+    )
+    table = [t for t in text.splitlines()[2:] if t.startswith("|")]
     (own,) = [t for t in table if t.startswith("| r | searched_variants (its own settings) | ")]
     assert own.startswith("| r | searched_variants (its own settings) | 40 | yes |")
     assert "| 1.8 | 0.90x |" in own and own.split(" | ")[-2] == "30.0"
