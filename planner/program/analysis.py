@@ -258,6 +258,7 @@ class _Builder:
             self.walk(br.jaxpr, br_env, trips)
             results.append([self.read(br_env, v) for v in br.jaxpr.outvars])
         parts.append(len(self.ops))
+        self.price_dearest(parts)
         outs = []
         for k, outvar in enumerate(eqn.outvars):
             op = self.boundary("cond_merge", [r[k] for r in results], outvar, trips)
@@ -265,6 +266,19 @@ class _Builder:
             outs.append(env[outvar])
         self.regions.append(Region("cond", start, parts[0], len(self.ops), tuple(ins),
                                    tuple(outs), eqn, tuple(parts)))  # fmt: skip
+
+    def price_dearest(self, parts: list[int]) -> None:
+        """One run of a ``cond`` runs one branch: the ops of every branch but the dearest (the
+        most flops; the first of equals) are priced at zero trips, as XLA's cost analysis prices
+        a conditional by its dearest branch (a dropless fallback beside a capped fast path
+        costs the fallback, not both)."""
+        spans = list(zip(parts, parts[1:]))
+        dearest = max(spans, key=lambda s: sum(o.flops * o.trips for o in self.ops[s[0] : s[1]]))
+        for start, stop in spans:
+            if (start, stop) != dearest:
+                self.ops[start:stop] = [
+                    dataclasses.replace(o, trips=0) for o in self.ops[start:stop]
+                ]
 
     def describe(self, eqn, ins, outs, trips: int) -> Op:
         name = f"{eqn.primitive.name}_{len(self.ops)}"

@@ -207,7 +207,8 @@ class Region:
       the body and the carry handed back. Run an unknown number of times: priced as once.
     - ``"cond"``: entry = the operands (the branch index is read directly); branch ``b`` is
       ``[parts[b], parts[b + 1])``; ``[parts[-1], stop)`` = one merge op per result, reading
-      every branch's value. Priced as if every branch ran.
+      every branch's value. Priced as its dearest branch (the most flops): the other
+      branches' ops run zero trips, as XLA's cost analysis prices a conditional.
     - a call kept as a call so that its semantics survive (no boundary ops, ``body == start``):
       ``"checkpoint"`` (rematerialisation and its optimisation barriers), ``"custom_jvp"`` /
       ``"custom_vjp"`` (the user's differentiation rules).

@@ -71,6 +71,25 @@ def test_predicted_flops_of_random_mlp_plans_match_the_compiler():
     _check_flops(p, planner.topology_mesh("v5p:2x2x1", axes), scheds)
 
 
+def branching(x, w1, w2):
+    """Two branches of equal work (and a tanh more in the first): one runs."""
+    return jax.lax.cond(x.sum() > 0, lambda: jnp.tanh(x @ w1) @ w2, lambda: (x @ w1) @ w2)
+
+
+@needs_libtpu
+def test_a_cond_is_predicted_as_its_dearest_branch_as_the_compiler_counts_it():
+    """XLA's cost analysis counts a conditional as its dearest branch; priced as both branches,
+    the prediction would be twice the compiler's flops."""
+    axes = {"data": 2, "model": 2}
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((512, 256), (256, 1024), (1024, 256))]
+    p = planner.plan(branching, *shapes, mesh=axes, calibration=CAL)
+    prog = p.program
+    assert sorted(o.trips for o in prog.ops if o.primitive == "dot_general") == [0, 0, 1, 1]
+    random_plan = random_schedule(prog, axes, random.Random(1))
+    scheds = [p.schedule, make_schedule(prog, random_plan, axes, default="replicate")]
+    _check_flops(p, planner.topology_mesh("v5p:2x2x1", axes), scheds)
+
+
 @needs_libtpu
 def test_predicted_flops_of_random_lm_plans_match_the_compiler():
     """The flax LM (adamw, integer labels; layers scanned) on v5p:2x2x2: the searched plan and
