@@ -62,8 +62,9 @@ def test_nothing_is_compiled_where_the_least_memory_is_beyond_the_models_error()
 
 
 def test_the_programs_own_layout_is_the_plan_where_only_it_compiles_within_the_limit():
-    """MaxText's Llama 3.1 405B on two v6e-256 slices: the searched plan is predicted at 28 GB and
-    compiles to 35.4 of 33.6; MaxText's layout compiles to 31.1: that layout is the plan."""
+    """A searched plan predicted at 28 GB that compiles to 35.4 of 33.6 (MaxText's Llama 3.1 405B
+    on two v6e-256 slices), and the program's own layout that compiles to 31.1: that layout is
+    the plan."""
     search_under, _ = _search(28.0e9, 35.4e9)
     yours = _Plan(30.0e9, 31.1e9)
     with pytest.warns(UserWarning, match="the layout the program asks for does"):
