@@ -560,6 +560,34 @@ def _refine(
     return True
 
 
+def _refinable(op: Op) -> bool:
+    """Whether an op may split further from its operands' layouts: one with no reduction, or
+    one reducing every loop (a norm's sum: its partial sums are one number each)."""
+    return not op.reductions or len(op.reductions) == len(op.loops)
+
+
+def _refine_from(op: Op, mesh, result: dict, operands, layout: dict, xla: bool,
+                 as_wanted: bool, order: str) -> bool:  # fmt: skip
+    """Split ``op`` (partitioned already, :func:`_refinable`) further on loops its operands'
+    layouts split and it leaves whole, over axes it does not use, as XLA's propagation makes a sharding
+    more specific from an operand too: the square of a weight's gradient for the gradient norm
+    takes the FSDP split the gradient gained from its update (MaxText's fsdp x tensor layout),
+    rather than gathering it. Returns whether it changed."""
+    have = result[op.name]
+    used = {a for axes in have.values() for a in axes}
+    wanted = dict(have)
+    for acc in operands if order == "operands" else _largest_first(operands):
+        if acc.value.name in layout:
+            want_loops(acc, layout[acc.value.name], wanted, used)
+    if wanted == have:
+        return False
+    new = _try(op, mesh, wanted, xla, as_wanted)
+    if len(new) <= len(have):
+        return False
+    result[op.name] = new
+    return True
+
+
 def _returned_as_asked(prog: Program, fixed: set[str]) -> dict[str, tuple[Op, Access]]:
     """Scan carries (their entering op's name) whose body returns them from a fixed op (a
     sharding constraint, a ``shard_map``) -> that op and its result: the carry takes that
@@ -625,6 +653,8 @@ def _propagate(
                 new = _try(o, mesh, wanted, xla, as_wanted)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
+            elif o.name not in fixed and _refinable(o):
+                changed |= _refine_from(o, mesh, result, o.operands, layout, xla, as_wanted, order)
             for acc in o.results:
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.

@@ -10,8 +10,8 @@ compiles within the limit, the layout the program asks for (its sharding constra
 layouts, :func:`planner.price`'s plan) is compiled last and is the plan where it fits: a plan
 fits wherever the user's own layout, as the planner completes it, does. (Not yet on MaxText's
 Llama 3.1 405B on two v6e-256 slices: the searched plans compile 5 % over the chip, and the
-completion of MaxText's fsdp x tensor layout leaves the stacked MLP gradients split by tensor
-alone, priced at 571-674 GB, where XLA's fits in 31.1.) The compiled limit is
+completion of MaxText's fsdp x tensor layout leaves the attention weights' stacked gradients
+split by tensor alone, priced at 131-414 GB, where XLA's fits in 31.1.) The compiled limit is
 the user's ``memory_limit_bytes``, or under the default the device's whole memory: the default's
 reserve stands for what the model does not see, and the compiler's peak sees all of it (MaxText's
 Llama 3.1 8B recipe runs at 30.4 GB of a v6e's 31.25 GiB, over the default's 90 %). Each round is
