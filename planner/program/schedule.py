@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from planner.program.halo import split
@@ -547,17 +547,8 @@ def _refine(
     before it becomes a reduce-scatter. Returns whether it changed."""
     if op.reductions:
         return False
-    have = result[op.name]
-    used = {a for axes in have.values() for a in axes}
-    wanted = dict(have)
-    _users_want(op, consumers, result, sched, wanted, used)
-    if wanted == have:
-        return False
-    new = _try(op, mesh, wanted, xla, as_wanted)
-    if len(new) <= len(have):
-        return False
-    result[op.name] = new
-    return True
+    return _more_specific(op, mesh, result, xla, as_wanted, lambda wanted, used: _users_want(
+        op, consumers, result, sched, wanted, used))  # fmt: skip
 
 
 def _refinable(op: Op) -> bool:
@@ -569,16 +560,27 @@ def _refinable(op: Op) -> bool:
 def _refine_from(op: Op, mesh, result: dict, operands, layout: dict, xla: bool,
                  as_wanted: bool, order: str) -> bool:  # fmt: skip
     """Split ``op`` (partitioned already, :func:`_refinable`) further on loops its operands'
-    layouts split and it leaves whole, over axes it does not use, as XLA's propagation makes a sharding
-    more specific from an operand too: the square of a weight's gradient for the gradient norm
-    takes the FSDP split the gradient gained from its update (MaxText's fsdp x tensor layout),
-    rather than gathering it. Returns whether it changed."""
+    layouts split and it leaves whole, over axes it does not use, as XLA's propagation makes a
+    sharding more specific from an operand too: the square of a weight's gradient for the
+    gradient norm takes the FSDP split the gradient gained from its update (MaxText's fsdp x
+    tensor layout), rather than gathering it. Returns whether it changed."""
+
+    def operands_want(wanted: dict, used: set) -> None:
+        for acc in operands if order == "operands" else _largest_first(operands):
+            if acc.value.name in layout:
+                want_loops(acc, layout[acc.value.name], wanted, used)
+
+    return _more_specific(op, mesh, result, xla, as_wanted, operands_want)
+
+
+def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,
+                   add_wants: Callable[[dict, set], None]) -> bool:  # fmt: skip
+    """``op``'s assignment with the loops ``add_wants(wanted, used)`` adds (over axes it does
+    not use) where :func:`_try` keeps more of them than it has; returns whether it changed."""
     have = result[op.name]
     used = {a for axes in have.values() for a in axes}
     wanted = dict(have)
-    for acc in operands if order == "operands" else _largest_first(operands):
-        if acc.value.name in layout:
-            want_loops(acc, layout[acc.value.name], wanted, used)
+    add_wants(wanted, used)
     if wanted == have:
         return False
     new = _try(op, mesh, wanted, xla, as_wanted)
