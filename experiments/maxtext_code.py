@@ -274,8 +274,8 @@ def _planned(built):
                             donate_argnums=built.donate_argnums, compare=built.in_shardings)  # fmt: skip
 
 
-def _variant_search(name: str, built) -> tuple[str | None, object, dict, float]:
-    """``(variant, plan, tried, seconds)``: the plan predicted fastest among the plans of the
+def _variant_search(name: str, built) -> tuple[str | None, object, object, dict, float]:
+    """``(variant, plan, its step, tried, seconds)``: the plan predicted fastest among the plans of the
     recipe's own step (variant ``None``) and of each of its ``variants`` that fit; ``tried``: per
     variant, the plan's predicted seconds and peak bytes, or the planner's error."""
     from planner.cost.memory import MemoryLimitError
@@ -299,7 +299,7 @@ def _variant_search(name: str, built) -> tuple[str | None, object, dict, float]:
             best = (variant, p, step)
     if best is None:
         raise ValueError(f"{name}: no variant has a plan that fits: {tried}")
-    return best[0], best[1], tried, seconds
+    return best[0], best[1], best[2], tried, seconds
 
 
 def measure_code(name: str, strategies, done: set, config) -> list[dict]:
@@ -371,14 +371,13 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
             return rows
         rows.append(planned("searched", built, p, None, {}))
     if {"searched_variants", "recipe_at_variant"} & set(todo):
-        variant, p, tried, seconds = _variant_search(name, built)
+        variant, p, step, tried, seconds = _variant_search(name, built)
         if variant is None:  # the recipe's own step: those rows are the searched and recipe rows
             searched = sum(t.get("search_s", 0.0) for t in tried.values())
             return rows + [{**base, "strategy": s, "variant": None, "variants": tried,
                             "planning_s": seconds, "same_as": s.split("_")[0],
                             "search_s": searched if s == "searched_variants" else 0.0}
                            for s in ("searched_variants", "recipe_at_variant") if s in todo]  # fmt: skip
-        step = build(name, variant=variant)
         if "searched_variants" in todo:
             # the search's seconds: every variant's search (their traces not counted)
             extra = {"variants": tried, "planning_s": seconds}

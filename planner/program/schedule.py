@@ -557,20 +557,24 @@ def _refinable(op: Op) -> bool:
     return not op.reductions or len(op.reductions) == len(op.loops)
 
 
-def _refine_from(op: Op, mesh, result: dict, operands, layout: dict, xla: bool,
-                 as_wanted: bool, order: str) -> bool:  # fmt: skip
+def _refine_from(op: Op, mesh, result: dict, layout: dict, xla: bool, as_wanted: bool,
+                 order: str) -> bool:  # fmt: skip
     """Split ``op`` (partitioned already, :func:`_refinable`) further on loops its operands'
     layouts split and it leaves whole, over axes it does not use, as XLA's propagation makes a
     sharding more specific from an operand too: the square of a weight's gradient for the
     gradient norm takes the FSDP split the gradient gained from its update (MaxText's fsdp x
     tensor layout), rather than gathering it. Returns whether it changed."""
 
-    def operands_want(wanted: dict, used: set) -> None:
-        for acc in operands if order == "operands" else _largest_first(operands):
-            if acc.value.name in layout:
-                want_loops(acc, layout[acc.value.name], wanted, used)
+    return _more_specific(op, mesh, result, xla, as_wanted, lambda wanted, used: _operands_want(
+        op, layout, order, wanted, used))  # fmt: skip
 
-    return _more_specific(op, mesh, result, xla, as_wanted, operands_want)
+
+def _operands_want(op: Op, layout: dict, order: str, wanted: dict, used: set | None = None) -> None:
+    """Add to ``wanted`` the loops of ``op`` its operands' ``layout``s split (:func:`want_loops`),
+    the operands taken in ``order``'s order (:data:`ORDERS`)."""
+    for acc in op.operands if order == "operands" else _largest_first(op.operands):
+        if acc.value.name in layout:
+            want_loops(acc, layout[acc.value.name], wanted, used)
 
 
 def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,
@@ -649,14 +653,12 @@ def _propagate(
                 if o.name in returned:  # a carry the body returns as a constraint asks
                     p, acc = returned[o.name]
                     want_loops(o.results[0], sched.spec(p, acc), wanted)
-                for acc in o.operands if order == "operands" else _largest_first(o.operands):
-                    if acc.value.name in layout:
-                        want_loops(acc, layout[acc.value.name], wanted)
+                _operands_want(o, layout, order, wanted)
                 new = _try(o, mesh, wanted, xla, as_wanted)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
             elif o.name not in fixed and _refinable(o):
-                changed |= _refine_from(o, mesh, result, o.operands, layout, xla, as_wanted, order)
+                changed |= _refine_from(o, mesh, result, layout, xla, as_wanted, order)
             for acc in o.results:
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.
