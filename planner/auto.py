@@ -51,8 +51,9 @@ from planner.program.ir import Program
 from planner.program.manual import check_mesh
 from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
 from planner.solver.requested import Requested
-from planner.solver.schedule_search import TIME_TIE, search_within
+from planner.solver.schedule_search import search_within
 from planner.solver.staged import search_staged
+from planner.solver.ties import TIME_TIE
 from planner.target.compiled import on_context_devices
 from planner.target.confirm import MARGIN, checks_compiled, confirmed
 from redist.calibration import Calibration

@@ -526,15 +526,20 @@ def want_loops(access: Access, spec: Spec, wanted: dict, used: set[str] | None =
         wanted[d[0]] = axes
 
 
-def _users_want(op: Op, consumers, result: dict, sched: Schedule, wanted: dict,
-                used: set[str] | None = None) -> dict:  # fmt: skip
+def _users_want(op: Op, consumers, result: dict, sched: Schedule, wanted: dict) -> dict:
     """Add to ``wanted`` the loops of ``op`` its results' partitioned consumers split, as each
     reads them (:func:`want_loops`); returns ``wanted``."""
-    for res in op.results:
-        for c, acc in consumers.get(res.value.name, ()):
-            if result.get(c.name):
-                want_loops(res, sched.spec(c, acc), wanted, used)
+    for wants in _each_user(op, consumers, result, sched):
+        wants(wanted, None)
     return wanted
+
+
+def _each_user(op: Op, consumers, result: dict, sched: Schedule) -> list[Callable]:
+    """Per partitioned consumer of ``op``'s results, ``wants(wanted, used)``: adds the loops it
+    splits as it reads them (:func:`want_loops`)."""
+    return [functools.partial(want_loops, res, sched.spec(c, acc))
+            for res in op.results for c, acc in consumers.get(res.value.name, ())
+            if result.get(c.name)]  # fmt: skip
 
 
 def _refine(
@@ -547,8 +552,9 @@ def _refine(
     before it becomes a reduce-scatter. Returns whether it changed."""
     if op.reductions:
         return False
-    return _more_specific(op, mesh, result, xla, as_wanted, lambda wanted, used: _users_want(
-        op, consumers, result, sched, wanted, used))  # fmt: skip
+    return _more_specific(
+        op, mesh, result, xla, as_wanted, _each_user(op, consumers, result, sched)
+    )
 
 
 def _refinable(op: Op) -> bool:
@@ -565,33 +571,64 @@ def _refine_from(op: Op, mesh, result: dict, layout: dict, xla: bool, as_wanted:
     gradient norm takes the FSDP split the gradient gained from its update (MaxText's fsdp x
     tensor layout), rather than gathering it. Returns whether it changed."""
 
-    return _more_specific(op, mesh, result, xla, as_wanted, lambda wanted, used: _operands_want(
-        op, layout, order, wanted, used))  # fmt: skip
+    each = [functools.partial(want_loops, acc, layout[acc.value.name])
+            for acc in _in_order(op, order) if acc.value.name in layout]  # fmt: skip
+    return _more_specific(op, mesh, result, xla, as_wanted, each)
 
 
 def _operands_want(op: Op, layout: dict, order: str, wanted: dict, used: set | None = None) -> None:
     """Add to ``wanted`` the loops of ``op`` its operands' ``layout``s split (:func:`want_loops`),
     the operands taken in ``order``'s order (:data:`ORDERS`)."""
-    for acc in op.operands if order == "operands" else _largest_first(op.operands):
+    for acc in _in_order(op, order):
         if acc.value.name in layout:
             want_loops(acc, layout[acc.value.name], wanted, used)
 
 
+def _in_order(op: Op, order: str) -> list[Access]:
+    """``op``'s operands in the order ``order`` settles their wants in (:data:`ORDERS`)."""
+    return list(op.operands) if order == "operands" else _largest_first(op.operands)
+
+
 def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,
-                   add_wants: Callable[[dict, set], None]) -> bool:  # fmt: skip
-    """``op``'s assignment with the loops ``add_wants(wanted, used)`` adds (over axes it does
-    not use) where :func:`_try` keeps more of them than it has; returns whether it changed."""
+                   each: Sequence[Callable[[dict, set], None]]) -> bool:  # fmt: skip
+    """``op``'s assignment with the loops its neighbours want (``each``: one per neighbour,
+    ``wants(wanted, used)`` adding its wants over axes not ``used``) where :func:`_try` keeps
+    more of them than it has, over axes it does not use; else the loops one neighbour wants
+    alone, where they split ``op`` into more parts than it has, the most of those (XLA keeps the
+    more specific of two shardings that conflict: an Adam update's split over fsdp x tensor
+    reaches back through the gradient's elementwise ops, which their product first split over
+    tensor alone). Returns whether it changed."""
     have = result[op.name]
     used = {a for axes in have.values() for a in axes}
     wanted = dict(have)
-    add_wants(wanted, used)
-    if wanted == have:
+    for wants in each:
+        wants(wanted, used)
+    if wanted != have:
+        new = _try(op, mesh, wanted, xla, as_wanted)
+        if len(new) > len(have):
+            result[op.name] = new
+            return True
+    best = have
+    for wants in each:
+        alone: dict[str, Axes] = {}
+        wants(alone, set())
+        new = _try(op, mesh, alone, xla, as_wanted) if alone else {}
+        if _parts(new, mesh) > _parts(best, mesh):
+            best = new
+    if best is have:
         return False
-    new = _try(op, mesh, wanted, xla, as_wanted)
-    if len(new) <= len(have):
-        return False
-    result[op.name] = new
+    result[op.name] = best
     return True
+
+
+def _parts(loops: Mapping[str, Axes], mesh) -> int:
+    """How many parts an op's assignment ``loops`` splits it into.
+
+    Example:
+        >>> _parts({"m": ("a",), "n": ("b", "c")}, {"a": 2, "b": 2, "c": 3})
+        12
+    """
+    return math.prod(mesh[a] for axes in loops.values() for a in axes)
 
 
 def _returned_as_asked(prog: Program, fixed: set[str]) -> dict[str, tuple[Op, Access]]:

@@ -28,7 +28,7 @@ from planner.program.schedule import (
     xla_splits,
 )
 from planner.report.leaves import state_pairs
-from planner.solver.schedule_search import TIME_TIE
+from planner.solver.ties import TIME_TIE
 from redist.types import MeshShape
 
 _FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}

@@ -32,6 +32,7 @@ from planner.program.schedule import (
     make_schedule,
     want_loops,
 )
+from planner.solver.ties import best_of
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
 from redist.types import MeshShape
@@ -122,14 +123,14 @@ class Requested:
         calibration: Calibration | None = None,
     ) -> Schedule:  # fmt: skip
         """The user's layout (:meth:`completions`): with a ``calibration``, the completion
-        predicted fastest (then in least memory), since XLA's own propagation, which knows more
+        predicted fastest, or leanest of those as fast (:func:`planner.solver.ties.best_of`), since XLA's own propagation, which knows more
         rules than ours, finds at least as good a layout (MaxText's DeepSeek-V3 tiny: 715.8 ms
         the fastest way, 779.5 XLA's rule for products); else that rule (``"largest"``)."""
         found = self.completions(prog, mesh, xla)
         if calibration is None or len(found) == 1:
             return found[0]
         predicted = [simulate(prog, s, calibration) for s in found]
-        return min(zip(predicted, found), key=lambda p: (p[0].time_s, p[0].peak_bytes))[1]
+        return best_of([(p.time_s, p.peak_bytes, s, p) for p, s in zip(predicted, found)])[2]
 
     def asked(
         self, prog: Program, mesh: MeshShape | dict[str, int], xla: bool = True,

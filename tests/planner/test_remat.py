@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 
 import planner
 from planner.program.remat import DEFAULT_CANDIDATES, RematChoice, choosing
-from planner.solver.schedule_search import TIME_TIE
+from planner.solver.ties import TIME_TIE
 
 L, D, B = 4, 64, 128
 
