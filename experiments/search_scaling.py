@@ -129,7 +129,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("meshes", "a:2,b:2,c:2", "meshes, ';'-separated, each axis:size,...")
     flags.DEFINE_list("methods", ["dp", "greedy"], "search methods: dp, greedy")
     flags.DEFINE_string("calibration", "cpu", "calibration file the search prices with: cpu, "
-                        "h100_sxm, tpu_v5p, tpu_v5e, tpu_v6e, tpu_v4 "
+                        "h100_sxm, tpu_v5p, tpu_v5e, tpu_v6e, tpu_v7x, tpu_v4 "
                         "(redist/calibrations)")  # fmt: skip
     flags.DEFINE_integer("greedy_max_ops", 1200, "greedy passes only up to this many ops")
     flags.DEFINE_string("workdir", "workdir/search_scaling", "where outputs go")

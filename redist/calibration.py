@@ -1,8 +1,8 @@
 """A calibrated cost model: compute throughput, local copy bandwidth, and per collective kind a
 latency + bandwidth line. Calibrate on the current backend with ``python -m
 experiments.calibrate``; ``Calibration.default()`` loads the file shipped for CPU, and
-``Calibration.named("h100_sxm")`` / ``named("tpu_v5p")`` (``tpu_v5e``, ``tpu_v6e``, ``tpu_v4``) /
-``for_backend()`` / ``for_device_kind()`` the ones written from published figures (each file lists
+``Calibration.named("h100_sxm")`` / ``named("tpu_v5p")`` (``tpu_v5e``, ``tpu_v6e``,
+``tpu_v7x``, ``tpu_v4``) / ``for_backend()`` / ``for_device_kind()`` the ones written from published figures (each file lists
 its sources).
 
 Memory per device: ``memory_bytes`` (with ``memory_source``, where the figure comes from). The TPU
@@ -226,7 +226,7 @@ class Calibration:
     @classmethod
     def named(cls, name: str) -> Calibration:
         """A shipped calibration by name: ``"cpu"``, ``"h100_sxm"``, ``"tpu_v5p"``, ``"tpu_v5e"``,
-        ``"tpu_v6e"`` or ``"tpu_v4"``."""
+        ``"tpu_v6e"``, ``"tpu_v7x"`` (Ironwood, per TensorCore) or ``"tpu_v4"``."""
         path = os.path.join(os.path.dirname(__file__), "calibrations", f"{name}.json")
         if not os.path.exists(path):
             names = sorted(f[:-5] for f in os.listdir(os.path.dirname(path)) if f.endswith(".json"))
@@ -242,7 +242,8 @@ class Calibration:
     @classmethod
     def for_device_kind(cls, kind: str) -> Calibration | None:
         """The shipped calibration for a JAX ``device.device_kind`` (``"TPU v5"`` -> v5p, ``"TPU v5
-        lite"`` -> v5e, ``"TPU v6 lite"`` -> v6e, ``"TPU v4"``, H100s, ``"cpu"``); None if none."""
+        lite"`` -> v5e, ``"TPU v6 lite"`` -> v6e, ``"TPU7x"`` -> Ironwood, ``"TPU v4"``, H100s,
+        ``"cpu"``); None if none."""
         name = device_kind_calibration(kind)
         return cls.named(name) if name else None
 
@@ -270,6 +271,7 @@ HOST = "host"  # "memory_bytes": "host" in a file: this machine's memory, shared
 DEVICE_KINDS = {
     "tpu v5": "tpu_v5p", "tpu v5p": "tpu_v5p", "tpu v5 lite": "tpu_v5e", "tpu v5e": "tpu_v5e",
     "tpu v6 lite": "tpu_v6e", "tpu v6e": "tpu_v6e", "tpu v4": "tpu_v4", "cpu": "cpu",
+    "tpu7x": "tpu_v7x", "tpu v7x": "tpu_v7x",
 }  # fmt: skip
 
 

@@ -23,7 +23,7 @@ ARGS = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((1024, 128), (128, 512), 
 MESH = {"data": 2, "model": 4}
 
 
-@pytest.mark.parametrize("name", ["tpu_v5p", "tpu_v5e", "tpu_v6e", "tpu_v4", "h100_sxm"])
+@pytest.mark.parametrize("name", ["tpu_v5p", "tpu_v5e", "tpu_v6e", "tpu_v7x", "tpu_v4", "h100_sxm"])
 def test_accelerator_calibrations_state_their_memory_with_a_source(name):
     cal = Calibration.named(name)
     assert cal.memory_bytes > 10e9 and cal.memory_source and not cal.host_memory
@@ -36,7 +36,8 @@ def test_tpu_memory_is_what_the_compiler_reports_as_available():
     assert Calibration.named("tpu_v5p").memory_bytes / 2**30 == pytest.approx(95.74, abs=0.005)
     assert Calibration.named("tpu_v5e").memory_bytes / 2**30 == pytest.approx(15.75, abs=0.005)
     assert Calibration.named("tpu_v6e").memory_bytes / 2**30 == pytest.approx(31.25, abs=0.005)
-    kinds = {"TPU v5": "tpu_v5p", "TPU v5 lite": "tpu_v5e", "TPU v6 lite": "tpu_v6e",
+    assert Calibration.named("tpu_v7x").memory_bytes / 2**30 == pytest.approx(94.74, abs=0.005)
+    kinds = {"TPU v5": "tpu_v5p", "TPU v5 lite": "tpu_v5e", "TPU v6 lite": "tpu_v6e", "TPU7x": "tpu_v7x",
              "TPU v4": "tpu_v4", "cpu": "cpu"}  # fmt: skip
     for kind, name in kinds.items():
         assert Calibration.for_device_kind(kind) == Calibration.named(name)
