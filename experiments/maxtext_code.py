@@ -40,8 +40,9 @@ them), the step traced at the recipe's own settings and at each variant, each tr
 the plan predicted fastest among those that fit kept; ``recipe_at_variant``: MaxText's own layout
 at the variant that plan chose (what the variant alone gives, without the planner's layout)."""
 
-PEAK_TFLOPS = {"v5p": 459.0, "v6e": 918.0, "v5e": 197.0, "v4": 275.0}
-"""Published bf16 peak TFLOP/s per chip (Google Cloud's TPU pages)."""
+PEAK_TFLOPS = {"v5p": 459.0, "v6e": 918.0, "v5e": 197.0, "v4": 275.0, "tpu7x": 2307.0 / 2}
+"""Published bf16 peak TFLOP/s per device (Google Cloud's TPU pages): per chip, but for Ironwood
+(``tpu7x``), whose chip is two devices (TensorCores) of 1,153.5 each."""
 
 CODE_RECIPES = {
     # MaxText benchmarks/maxtext_v5p_model_configs.py llama2_7b_v5p_128 (64 chips)
@@ -88,6 +89,11 @@ CODE_RECIPES = {
         per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256),
         variants={f"expert {e}": dict(ici_fsdp_parallelism=256 // e, ici_expert_parallelism=e)
                   for e in (8, 64)}),
+    # The same guide's settings on Ironwood: tpu7x-256 is 128 chips, two devices (TensorCores)
+    # each. No published recipe of its settings there (tpu-recipes has DeepSeek-V3's, not
+    # Qwen3's), and no published MFU found to set beside it
+    "qwen3_235b_tpu7x_256": dict(model="qwen3-235b-a22b", topology="tpu7x-256", overrides=dict(
+        per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256)),
     # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
     # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
     # MaxText 0.2.5, which tiles by its own defaults
@@ -99,8 +105,11 @@ CODE_RECIPES = {
         sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048,
         remat_policy="custom", decoder_layer_input="offload", out_proj="offload",
         sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0,
-        # the recipe's MOE_VMEM_LIMIT_FLAG: without it the splash kernel runs out of scoped VMEM
-        libtpu_flags=("--xla_tpu_scoped_vmem_limit_kib=81920",)),
+        # the recipe's MOE_VMEM_LIMIT_FLAG: without it the splash kernel runs out of scoped VMEM.
+        # no_crash_on_oom: the compiler finishes a program over HBM rather than refusing it (its
+        # unrolled 4 and 5 layers, which keep more alive than the 61 scanned, for the estimate);
+        # whether a program fits is still its compiled bytes against the chip's HBM
+        libtpu_flags=("--xla_tpu_scoped_vmem_limit_kib=81920", "--xla_tpu_no_crash_on_oom=true")),
 }  # fmt: skip
 
 
@@ -251,7 +260,8 @@ def _unless_over_hbm(row: dict, kernels, config) -> float | None:
     """``kernels()`` (the layer estimate's seconds) where ``config.layer_estimate``; ``None``
     where it is off, or where the compiler refuses the unrolled program as over HBM (an unrolled
     step keeps more alive than its scan: DeepSeek-V3's 4 layers on v5p-1024 need 105 GB, its 61
-    scanned 102), which ``row["estimate_note"]`` then says."""
+    scanned 102, which its recipe's ``--xla_tpu_no_crash_on_oom`` lets compile), which
+    ``row["estimate_note"]`` then says."""
     if not config.layer_estimate:
         return None
     try:
@@ -262,6 +272,59 @@ def _unless_over_hbm(row: dict, kernels, config) -> float | None:
         row["estimate_note"] = "unrolled layers over HBM: " + str(e).splitlines()[0][:300]
         logging.warning("%s: %s", row["strategy"], row["estimate_note"])
         return None
+
+
+def estimate_rows(name: str, rows: list[dict]) -> int:
+    """Add, in place, the compiled estimate to recipe ``name``'s compiled ``rows`` that have none
+    (measured with ``layer_estimate`` off, or refused as over HBM before the recipe's flags let
+    the compiler finish such programs), from their layouts at the depths :func:`depths`: MaxText's
+    own, or the plan searched again under the row's searched limit, which must predict what the
+    row's plan predicted. Returns how many rows it filled."""
+    from planner.cost.memory import default_calibration
+
+    todo = [r for r in rows if r["recipe"] == name and "compiled_collective_s" in r
+            and "estimate_s" not in r]  # fmt: skip
+    if not todo:
+        return 0
+    built = build(name)
+    cal = default_calibration(built.mesh)
+    layers, at = built.config.num_decoder_layers, depths(built.config)
+    peak = PEAK_TFLOPS[chip(CODE_RECIPES[name]["topology"])]
+    for row in todo:
+        variant = row.get("variant")
+        if row["strategy"].startswith("recipe"):
+            kernels = _authors_kernels(name, layers, cal, at, variant)
+        else:
+            step = built if variant is None else build(name, variant=variant)
+            kernels = _plan_kernels(name, _planned_again(step, row), layers, cal, at, variant)
+        if kernels is None:
+            continue
+        row.pop("estimate_note", None)
+        row["estimate_s"] = kernels + row["compiled_collective_s"]
+        row["mfu"] = row["model_tflops"] / row["estimate_s"] / peak
+        logging.warning("%s %s: estimate %.2f s", name, row["strategy"], row["estimate_s"])
+    return len(todo)
+
+
+def _planned_again(built, row: dict):
+    """The plan of ``row`` searched again (the limit of its last memory check, trusted): raises
+    ``ValueError`` where it predicts other than the row's plan did."""
+    import planner
+
+    checks = row.get("memory_checks") or []
+    limit = checks[-1]["searched_limit"] if checks else "auto"
+    with built.context():
+        p = planner.plan(built.step, *built.args, mesh=built.mesh, memory_limit_bytes=limit,
+                         check_memory="predicted", donate_argnums=built.donate_argnums,
+                         compare=built.in_shardings)  # fmt: skip
+    got = (p.prediction.time_s, p.prediction.peak_bytes)
+    if got != (row["predicted_s"], row["predicted_peak_bytes"]):
+        raise ValueError(
+            f"{row['recipe']} {row['strategy']}: searched again, the plan predicts {got} (seconds, "
+            f"bytes), the row's {(row['predicted_s'], row['predicted_peak_bytes'])}; measure "
+            "the row again"
+        )
+    return p
 
 
 def _planned(built):

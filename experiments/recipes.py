@@ -431,6 +431,12 @@ def _read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _write_rows(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def _append_rows(path: str, rows: list[dict]) -> None:
     with open(path, "a") as f:
         for row in rows:
@@ -445,7 +451,7 @@ def run(config, workdir: str) -> list[dict]:
     source = config.get("source", "model")
     code = source == "maxtext_code"
     if code:
-        from experiments.maxtext_code import CODE_RECIPES, measure_code, report_code
+        from experiments.maxtext_code import CODE_RECIPES, estimate_rows, measure_code, report_code
     elif source != "model":
         raise ValueError(f"config.source must be 'model' or 'maxtext_code', not {source!r}")
     known = CODE_RECIPES if code else RECIPES
@@ -460,6 +466,8 @@ def run(config, workdir: str) -> list[dict]:
         new = (measure_code if code else measure)(name, strategies, done, config)
         _append_rows(path, new)
         rows += new
+        if code and config.get("fill_estimates", False) and estimate_rows(name, rows):
+            _write_rows(path, rows)
     with open(os.path.join(workdir, "code_report.md" if code else "report.md"), "w") as f:
         f.write(report_code(rows) if code else report(rows))
     depths = [int(d) for d in config.get("depths", "").split(",") if d]

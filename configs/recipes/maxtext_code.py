@@ -15,4 +15,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.strategies = "recipe,searched,searched_variants,recipe_at_variant"
     c.depths = ""
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
+    # the estimate of compiled rows that have none (measured without it), added in place
+    c.fill_estimates = False
     return c

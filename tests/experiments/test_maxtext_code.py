@@ -6,6 +6,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from experiments.maxtext_code import depths, evaluate, report_code, unroll_scans
 
@@ -93,3 +94,51 @@ def test_variant_rows_name_their_variant_or_repeat_the_rows_they_are():
     assert "| r | recipe_at_variant (its own settings) | 50 | yes |" in "\n".join(table)
     (chosen,) = [t for t in table if t.startswith("| s | searched_variants (expert 8) | ")]
     assert "| 30 | yes |" in chosen and "| 3 | 0.75x |" in chosen
+
+
+def test_rows_without_an_estimate_get_one_in_place(monkeypatch):
+    """``fill_estimates``: a compiled row with no estimate gets its layout's kernels (MaxText's
+    for a recipe row, the plan searched again for a searched row) plus its collectives; rows
+    with one, rows that did not compile and other recipes' rows are left as they are."""
+    import experiments.maxtext_code as mc
+
+    config = types.SimpleNamespace(num_decoder_layers=61, num_experts=256, first_num_dense_layers=3)
+    monkeypatch.setattr(mc, "build", lambda *a, **k: types.SimpleNamespace(mesh={"d": 8},
+                                                                         config=config))  # fmt: skip
+    monkeypatch.setattr(mc, "_authors_kernels", lambda name, layers, cal, at, variant: 10.0)
+    monkeypatch.setattr(mc, "_planned_again", lambda step, row: "plan")
+    monkeypatch.setattr(mc, "_plan_kernels", lambda name, p, layers, cal, at, v: 8.0 if p else None)
+    name = "deepseek3_671b_v5p_1024"
+    base = {"recipe": name, "model_tflops": 6.0}
+    rows = [{**base, "strategy": "recipe", "compiled_collective_s": 50.0},
+            {**base, "strategy": "searched", "compiled_collective_s": 40.0},
+            {**base, "strategy": "searched", "fits": False},
+            {**base, "strategy": "recipe", "compiled_collective_s": 1.0, "estimate_s": 3.0},
+            {"recipe": "other", "strategy": "recipe", "compiled_collective_s": 1.0}]  # fmt: skip
+    assert mc.estimate_rows(name, rows) == 2
+    assert [r.get("estimate_s") for r in rows] == [60.0, 48.0, None, 3.0, None]
+    assert rows[0]["mfu"] == 6.0 / 60.0 / mc.PEAK_TFLOPS["v5p"]
+
+
+def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
+    import contextlib
+
+    import planner
+    from experiments.maxtext_code import _planned_again
+
+    predicted = types.SimpleNamespace(time_s=117.0, peak_bytes=108)
+    limits = []
+
+    def plan(*args, memory_limit_bytes, **kwargs):
+        limits.append(memory_limit_bytes)
+        return types.SimpleNamespace(prediction=predicted)
+
+    monkeypatch.setattr(planner, "plan", plan)
+    built = types.SimpleNamespace(context=contextlib.nullcontext, step=None, args=(), mesh=None,
+                                  donate_argnums=(), in_shardings=None)  # fmt: skip
+    row = {"recipe": "r", "strategy": "searched", "predicted_s": 117.0,
+           "predicted_peak_bytes": 108, "memory_checks": [{"searched_limit": 100}]}  # fmt: skip
+    assert _planned_again(built, row).prediction is predicted and limits == [100]
+    row["predicted_s"] = 116.0
+    with pytest.raises(ValueError, match="measure the row again"):
+        _planned_again(built, row)
