@@ -546,10 +546,11 @@ def _refine(
     op: Op, mesh, result: dict, consumers, sched: Schedule, xla: bool, as_wanted: bool = True
 ) -> bool:
     """Split ``op`` (partitioned already, no reduction) further on loops its consumers split
-    and it leaves whole, over axes it does not use (a local slice, no communication), as
-    XLA's propagation makes a sharding more specific: the transpose of a weight's gradient
-    takes the weight's FSDP split from the update that reads it, and the product's partial sum
-    before it becomes a reduce-scatter. Returns whether it changed."""
+    and it leaves whole, over axes it does not use (a local slice, no communication), or as one
+    consumer splits it where that cuts it into more parts (:func:`_more_specific`), as XLA's
+    propagation makes a sharding more specific: the transpose of a weight's gradient takes the
+    weight's FSDP split from the update that reads it, and the product's partial sum before it
+    becomes a reduce-scatter. Returns whether it changed."""
     if op.reductions:
         return False
     return _more_specific(
@@ -566,11 +567,11 @@ def _refinable(op: Op) -> bool:
 def _refine_from(op: Op, mesh, result: dict, layout: dict, xla: bool, as_wanted: bool,
                  order: str) -> bool:  # fmt: skip
     """Split ``op`` (partitioned already, :func:`_refinable`) further on loops its operands'
-    layouts split and it leaves whole, over axes it does not use, as XLA's propagation makes a
+    layouts split and it leaves whole, over axes it does not use, or as one operand is split
+    where that cuts it into more parts (:func:`_more_specific`), as XLA's propagation makes a
     sharding more specific from an operand too: the square of a weight's gradient for the
     gradient norm takes the FSDP split the gradient gained from its update (MaxText's fsdp x
     tensor layout), rather than gathering it. Returns whether it changed."""
-
     each = [functools.partial(want_loops, acc, layout[acc.value.name])
             for acc in _in_order(op, order) if acc.value.name in layout]  # fmt: skip
     return _more_specific(op, mesh, result, xla, as_wanted, each)
