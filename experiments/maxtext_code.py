@@ -290,6 +290,7 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
     cal = default_calibration(built.mesh)
     layers, at = built.config.num_decoder_layers, depths(built.config)
     peak = PEAK_TFLOPS[chip(CODE_RECIPES[name]["topology"])]
+    filled = 0
     for row in todo:
         variant = row.get("variant")
         if row["strategy"].startswith("recipe"):
@@ -303,7 +304,8 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
         row["estimate_s"] = kernels + row["compiled_collective_s"]
         row["mfu"] = row["model_tflops"] / row["estimate_s"] / peak
         logging.warning("%s %s: estimate %.2f s", name, row["strategy"], row["estimate_s"])
-    return len(todo)
+        filled += 1
+    return filled
 
 
 def _planned_again(built, row: dict):
@@ -338,8 +340,8 @@ def _planned(built):
 
 
 def _variant_search(name: str, built) -> tuple[str | None, object, object, dict, float]:
-    """``(variant, plan, its step, tried, seconds)``: the plan predicted fastest among the plans of the
-    recipe's own step (variant ``None``) and of each of its ``variants`` that fit; ``tried``: per
+    """``(variant, plan, its step, tried, seconds)``: the plan predicted fastest among the plans
+    of the recipe's own step (variant ``None``) and of each of its ``variants`` that fit; ``tried``: per
     variant, the plan's predicted seconds and peak bytes, or the planner's error."""
     from planner.cost.memory import MemoryLimitError
 

@@ -431,14 +431,9 @@ def _read_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _write_rows(path: str, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def _append_rows(path: str, rows: list[dict]) -> None:
-    with open(path, "a") as f:
+def _write_rows(path: str, rows: list[dict], mode: str = "w") -> None:
+    """``rows`` as the lines of a ``.jsonl`` file (``mode="a"``: after the lines it has)."""
+    with open(path, mode) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
 
@@ -464,7 +459,7 @@ def run(config, workdir: str) -> list[dict]:
             raise ValueError(f"recipe {name!r} is unknown; known: {sorted(known)}")
         strategies = [s for s in config.strategies.split(",") if s]
         new = (measure_code if code else measure)(name, strategies, done, config)
-        _append_rows(path, new)
+        _write_rows(path, new, "a")
         rows += new
         if code and config.get("fill_estimates", False) and estimate_rows(name, rows):
             _write_rows(path, rows)
@@ -476,7 +471,7 @@ def run(config, workdir: str) -> list[dict]:
         swept = _read_rows(path)
         for name in names:
             new = depth_rows(name, depths, {(r["recipe"], r["layers"]) for r in swept})
-            _append_rows(path, new)
+            _write_rows(path, new, "a")
             swept += new
         with open(os.path.join(workdir, "depths.md"), "w") as f:
             f.write(depth_report(swept))

@@ -572,22 +572,22 @@ def _refine_from(op: Op, mesh, result: dict, layout: dict, xla: bool, as_wanted:
     sharding more specific from an operand too: the square of a weight's gradient for the
     gradient norm takes the FSDP split the gradient gained from its update (MaxText's fsdp x
     tensor layout), rather than gathering it. Returns whether it changed."""
-    each = [functools.partial(want_loops, acc, layout[acc.value.name])
-            for acc in _in_order(op, order) if acc.value.name in layout]  # fmt: skip
-    return _more_specific(op, mesh, result, xla, as_wanted, each)
+    return _more_specific(op, mesh, result, xla, as_wanted, _each_operand(op, layout, order))
 
 
-def _operands_want(op: Op, layout: dict, order: str, wanted: dict, used: set | None = None) -> None:
+def _operands_want(op: Op, layout: dict, order: str, wanted: dict) -> None:
     """Add to ``wanted`` the loops of ``op`` its operands' ``layout``s split (:func:`want_loops`),
     the operands taken in ``order``'s order (:data:`ORDERS`)."""
-    for acc in _in_order(op, order):
-        if acc.value.name in layout:
-            want_loops(acc, layout[acc.value.name], wanted, used)
+    for wants in _each_operand(op, layout, order):
+        wants(wanted, None)
 
 
-def _in_order(op: Op, order: str) -> list[Access]:
-    """``op``'s operands in the order ``order`` settles their wants in (:data:`ORDERS`)."""
-    return list(op.operands) if order == "operands" else _largest_first(op.operands)
+def _each_operand(op: Op, layout: dict, order: str) -> list[Callable]:
+    """Per operand of ``op`` with a ``layout``, in ``order``'s order (:data:`ORDERS`),
+    ``wants(wanted, used)``: adds the loops that layout splits (:func:`want_loops`)."""
+    accesses = op.operands if order == "operands" else _largest_first(op.operands)
+    return [functools.partial(want_loops, acc, layout[acc.value.name])
+            for acc in accesses if acc.value.name in layout]  # fmt: skip
 
 
 def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,

@@ -123,8 +123,9 @@ class Requested:
         calibration: Calibration | None = None,
     ) -> Schedule:  # fmt: skip
         """The user's layout (:meth:`completions`): with a ``calibration``, the completion
-        predicted fastest, or leanest of those as fast (:func:`planner.solver.ties.best_of`), since XLA's own propagation, which knows more
-        rules than ours, finds at least as good a layout (MaxText's DeepSeek-V3 tiny: 715.8 ms
+        predicted fastest, or the leanest of those as fast (:func:`planner.solver.ties.best_of`),
+        since XLA's own propagation, which knows more rules than ours, finds at least as good a
+        layout (MaxText's DeepSeek-V3 tiny: 715.8 ms
         the fastest way, 779.5 XLA's rule for products); else that rule (``"largest"``)."""
         found = self.completions(prog, mesh, xla)
         if calibration is None or len(found) == 1:
