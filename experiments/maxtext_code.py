@@ -87,8 +87,10 @@ CODE_RECIPES = {
     # XLA's cost analysis of any conditional, counts the dearer branch, the dropless one.)
     "qwen3_235b_v5p_512": dict(model="qwen3-235b-a22b", topology="v5p-512", overrides=dict(
         per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256),
-        variants={f"expert {e}": dict(ici_fsdp_parallelism=256 // e, ici_expert_parallelism=e)
-                  for e in (8, 64)}),
+        variants={**{f"expert {e}": dict(ici_fsdp_parallelism=256 // e, ici_expert_parallelism=e)
+                     for e in (8, 64)},
+                  # tensor parallelism over v5p's 4-chip axis (8 is past Qwen3's 4 KV heads)
+                  "tensor 4": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4)}),
     # The same guide's settings on Ironwood: tpu7x-256 is 128 chips, two devices (TensorCores)
     # each. No published recipe of its settings there (tpu-recipes has DeepSeek-V3's, not
     # Qwen3's), and no published MFU found to set beside it
@@ -279,7 +281,8 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
     (measured with ``layer_estimate`` off, or refused as over HBM before the recipe's flags let
     the compiler finish such programs), from their layouts at the depths :func:`depths`: MaxText's
     own, or the plan searched again under the row's searched limit, which must predict what the
-    row's plan predicted. Returns how many rows it filled."""
+    row's plan predicted (where it does not, ``row["estimate_note"]`` says so and the row is left
+    to be measured again). Returns how many rows it filled."""
     from planner.cost.memory import default_calibration
 
     todo = [r for r in rows if r["recipe"] == name and "compiled_collective_s" in r
@@ -297,7 +300,13 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
             kernels = _authors_kernels(name, layers, cal, at, variant)
         else:
             step = built if variant is None else build(name, variant=variant)
-            kernels = _plan_kernels(name, _planned_again(step, row), layers, cal, at, variant)
+            try:
+                again = _planned_again(step, row)
+            except ValueError as e:  # the planner changed since the row: it is measured again
+                row["estimate_note"] = str(e)[:300]
+                logging.warning("%s", row["estimate_note"])
+                continue
+            kernels = _plan_kernels(name, again, layers, cal, at, variant)
         if kernels is None:
             continue
         row.pop("estimate_note", None)

@@ -461,8 +461,11 @@ def run(config, workdir: str) -> list[dict]:
         new = (measure_code if code else measure)(name, strategies, done, config)
         _write_rows(path, new, "a")
         rows += new
-        if code and config.get("fill_estimates", False) and estimate_rows(name, rows):
-            _write_rows(path, rows)
+        if code and config.get("fill_estimates", False):
+            try:
+                estimate_rows(name, rows)
+            finally:  # the estimates filled before an error are kept
+                _write_rows(path, rows)
     with open(os.path.join(workdir, "code_report.md" if code else "report.md"), "w") as f:
         f.write(report_code(rows) if code else report(rows))
     depths = [int(d) for d in config.get("depths", "").split(",") if d]

@@ -120,6 +120,31 @@ def test_rows_without_an_estimate_get_one_in_place(monkeypatch):
     assert rows[0]["mfu"] == 6.0 / 60.0 / mc.PEAK_TFLOPS["v5p"]
 
 
+def test_a_row_whose_plan_changed_is_noted_and_the_others_still_estimated(monkeypatch):
+    """A searched row whose plan the planner no longer makes is left for measuring again, with a
+    note saying why; the recipe's other rows are still estimated."""
+    from experiments import maxtext_code as mc
+
+    config = types.SimpleNamespace(num_decoder_layers=61, num_experts=256, first_num_dense_layers=3)
+    monkeypatch.setattr(mc, "build", lambda *a, **k: types.SimpleNamespace(mesh={"d": 8},
+                                                                         config=config))  # fmt: skip
+
+    def again(step, row):
+        if row["predicted_s"] == 1.0:
+            raise ValueError("searched again, the plan predicts 2.0; measure the row again")
+        return "plan"
+
+    monkeypatch.setattr(mc, "_planned_again", again)
+    monkeypatch.setattr(mc, "_plan_kernels", lambda name, p, layers, cal, at, v: 8.0)
+    name = "deepseek3_671b_v5p_1024"
+    base = {"recipe": name, "model_tflops": 6.0, "strategy": "searched",
+            "compiled_collective_s": 4.0}  # fmt: skip
+    rows = [{**base, "predicted_s": 1.0}, {**base, "predicted_s": 3.0}]
+    assert mc.estimate_rows(name, rows) == 1
+    assert "estimate_s" not in rows[0] and "measure the row again" in rows[0]["estimate_note"]
+    assert rows[1]["estimate_s"] == 12.0
+
+
 def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
     import contextlib
 
