@@ -11,7 +11,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.source = "maxtext_code"
     # experiments/maxtext_code.py CODE_RECIPES
     c.recipes = "llama2_7b_v5p_128,llama2_70b_v5p_512"
-    # the variant strategies run for recipes with variants only (Qwen3-235B's expert parallelism)
+    # the variant strategies run for recipes with variants only (Qwen3-235B's expert and tensor
+    # parallelism)
     c.strategies = "recipe,searched,searched_variants,recipe_at_variant"
     c.depths = ""
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
