@@ -302,7 +302,7 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
             step = built if variant is None else build(name, variant=variant)
             try:
                 again = _planned_again(step, row)
-            except ValueError as e:  # the planner changed since the row: it is measured again
+            except PlanChanged as e:  # the row is to be measured again
                 row["estimate_note"] = str(e)[:300]
                 logging.warning("%s", row["estimate_note"])
                 continue
@@ -317,9 +317,13 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
     return filled
 
 
+class PlanChanged(ValueError):
+    """A row's plan searched again predicts other than it did: the planner changed since."""
+
+
 def _planned_again(built, row: dict):
     """The plan of ``row`` searched again (the limit of its last memory check, trusted): raises
-    ``ValueError`` where it predicts other than the row's plan did."""
+    :class:`PlanChanged` where it predicts other than the row's plan did."""
     import planner
 
     checks = row.get("memory_checks") or []
@@ -330,7 +334,7 @@ def _planned_again(built, row: dict):
                          compare=built.in_shardings)  # fmt: skip
     got = (p.prediction.time_s, p.prediction.peak_bytes)
     if got != (row["predicted_s"], row["predicted_peak_bytes"]):
-        raise ValueError(
+        raise PlanChanged(
             f"{row['recipe']} {row['strategy']}: searched again, the plan predicts {got} (seconds, "
             f"bytes), the row's {(row['predicted_s'], row['predicted_peak_bytes'])}; measure "
             "the row again"

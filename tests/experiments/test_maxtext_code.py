@@ -131,7 +131,7 @@ def test_a_row_whose_plan_changed_is_noted_and_the_others_still_estimated(monkey
 
     def again(step, row):
         if row["predicted_s"] == 1.0:
-            raise ValueError("searched again, the plan predicts 2.0; measure the row again")
+            raise mc.PlanChanged("searched again, the plan predicts 2.0; measure the row again")
         return "plan"
 
     monkeypatch.setattr(mc, "_planned_again", again)
