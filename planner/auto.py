@@ -51,7 +51,7 @@ from planner.program.ir import Program
 from planner.program.manual import check_mesh
 from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
 from planner.solver.requested import Requested
-from planner.solver.schedule_search import search_within
+from planner.solver.schedule_search import Evaluations, search_within
 from planner.solver.staged import search_staged
 from planner.solver.ties import TIME_TIE
 from planner.target.compiled import on_context_devices
@@ -147,6 +147,7 @@ def plan(
     choices, searching = choices_in(prog.jaxpr), [0.0]
     traces: dict[str, Program] = {}
     searches: dict[str | None, list] = {}  # candidate -> [(limit, result or MemoryLimitError)]
+    made: dict[str | None, Evaluations] = {}  # candidate -> the schedules its searches made
 
     def traced_as(name):
         if name not in traces:
@@ -166,12 +167,12 @@ def plan(
             fastest = next((r for b, r in tried if b == math.inf and isinstance(r, tuple)), None)
             return _remembered(tried, bound, lambda: _search(
                 p, shape, calibration, given, pipeline_axis, (microbatches, pipeline_repeats),
-                fastest, xla_only_splits, requested))  # fmt: skip
+                fastest, xla_only_splits, requested, made.setdefault(name, Evaluations())))  # fmt: skip
 
         def free_for(name, p):
             return _remembered(searches.setdefault(name, []), math.inf, lambda: _search(
                 p, shape, calibration, None, pipeline_axis, (microbatches, pipeline_repeats),
-                None, xla_only_splits, requested))  # fmt: skip
+                None, xla_only_splits, requested, made.setdefault(name, Evaluations())))  # fmt: skip
 
         try:
             if choices:
@@ -277,25 +278,27 @@ def _faster(a, b, tie: float = TIME_TIE) -> bool:
 
 
 def _search(prog, shape: MeshShape, calibration, memory_limit_bytes, pipeline_axis, pipelining,
-            fastest=None, xla=True, requested=None):  # fmt: skip
+            fastest=None, xla=True, requested=None, memo=None):  # fmt: skip
     """The best schedule, with a pipeline over ``pipeline_axis`` where that is better
     (``pipelining``: the microbatch and repeat counts to try); ``fastest``: the search's result
     without a memory limit, where it was made already; ``xla``: splits only XLA's partitioner
     runs are allowed (:func:`planner.solver.search`); ``requested``: the layout the program asks
-    for (:mod:`planner.solver.requested`)."""
+    for (:mod:`planner.solver.requested`); ``memo``: the schedules earlier searches of ``prog``
+    made (:class:`planner.solver.schedule_search.Evaluations`)."""
     microbatches, repeats = pipelining
     if pipeline_axis is None:
         if microbatches is not None:
             raise ValueError("microbatches needs a pipeline_axis to pipeline over")
         if repeats is not None:
             raise ValueError("pipeline_repeats needs a pipeline_axis to pipeline over")
-        return search_within(prog, shape, calibration, memory_limit_bytes, fastest, xla, requested)
+        return search_within(prog, shape, calibration, memory_limit_bytes, fastest, xla, requested,
+                             memo)  # fmt: skip
 
     limit = resolve_memory_limit(memory_limit_bytes, calibration, shape.num_devices)
     flat, error = None, None
     try:
         flat = search_within(prog, shape, calibration, memory_limit_bytes, xla=xla,
-                             requested=requested)  # fmt: skip
+                             requested=requested, memo=memo)  # fmt: skip
     except MemoryLimitError as e:
         error = e
     piped = search_staged(prog, shape, calibration, limit, pipeline_axis, microbatches, repeats)

@@ -103,40 +103,89 @@ def _options(op: Op, current: Mapping[str, tuple[str, ...]], size: int, sizes,
     return out
 
 
+def _assign_key(assign: Assignment) -> tuple:
+    """``assign`` as a hashable key (ops and loops sorted)."""
+    return tuple(sorted((op, tuple(sorted(lp.items()))) for op, lp in assign.items()))
+
+
+class Evaluations:
+    """Schedules made and simulated for a program, kept across the searches of one plan: each
+    search's memory limit only decides which of them fit, so a search under a tighter limit
+    (:func:`leaner`'s rounds, the compile check's, the search after the one without a limit)
+    makes and simulates each schedule once (MaxText's DeepSeek-V3 on v5p-1024: three searches
+    under limits made the same 745 schedules each). A table per program, mesh, calibration,
+    ``priced_as``, ``xla`` and pinned loops, as the evaluator that reads it has them.
+
+    Example:
+        >>> memo = Evaluations()
+        >>> fast = search(prog, mesh, cal, None, memo=memo)   # doctest: +SKIP
+        >>> lean = search(prog, mesh, cal, 60e9, memo=memo)   # doctest: +SKIP
+    """
+
+    def __init__(self):
+        self._tables: dict[tuple, tuple[tuple, dict]] = {}
+
+    def table(self, prog: Program, mesh: Mapping[str, int], cal: Calibration, priced_as, xla: bool,
+              pinned: Assignment) -> dict:  # fmt: skip
+        """The table of schedules made with these settings (kept with the objects it is keyed
+        by, so that their ids are not reused while it lives)."""
+        key = (id(prog), tuple(sorted(mesh.items())), id(cal), id(priced_as), xla,
+               _assign_key(pinned))  # fmt: skip
+        if key not in self._tables:
+            self._tables[key] = ((prog, cal, priced_as), {})
+        return self._tables[key][1]
+
+
 class _Evaluator:
-    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, xla=False, pinned=None):
+    def __init__(self, prog, mesh, cal, limit, groups, priced_as=None, xla=False, pinned=None,
+                 memo: Evaluations | None = None):  # fmt: skip
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
         self.groups, self.priced_as, self.xla = groups, priced_as, xla
         self.pinned = pinned or {}  # op -> loops every schedule keeps (constraints="keep")
-        self.cache: dict = {}
+        # key -> (schedule, what it was priced as, prediction), or None (no valid schedule)
+        self.made = (memo or Evaluations()).table(prog, self.mesh, cal, priced_as, xla, self.pinned)
         self.best_peak = math.inf
         self.best_peak_schedule: Schedule | None = None
 
     def __call__(
         self, assign: Assignment, default: str = "propagate", stored: dict | None = None
     ) -> tuple[float, int, Schedule | None, Prediction | None]:
-        key = (default, tuple(sorted((op, tuple(sorted(lp.items()))) for op, lp in assign.items())),
-               tuple(sorted(stored.items())) if stored else ())  # fmt: skip
-        if key not in self.cache:
+        stored_key = tuple(sorted(stored.items())) if stored else ()
+        key = ("made", default, _assign_key(assign), stored_key)
+        if key not in self.made:
             try:
                 named = {k: v for k, v in with_siblings(assign, self.groups).items() if v}
                 named.update(self.pinned)
                 sched = make_schedule(self.prog, named, self.mesh, default=default, stored=stored,
                                       xla=self.xla)  # fmt: skip
             except ValueError:
-                self.cache[key] = (math.inf, math.inf, None, None)
-                return self.cache[key]
-            self.cache[key] = self.schedule(sched)
-        return self.cache[key]
+                self.made[key] = None
+            else:
+                self.made[key] = self._priced(sched)
+        return self._score(self.made[key])
 
     def schedule(self, sched: Schedule) -> tuple[float, int, Schedule, Prediction]:
         """A complete schedule (one made elsewhere too, an expert strategy's), scored; its donated
         state stored as the step leaves it (:func:`planner.layout.donation.keep_state_layouts`)."""
+        key = ("given", _assign_key(sched.assign), tuple(sorted(sched.stored.items())),
+               sched.stages)  # fmt: skip
+        if key not in self.made:
+            self.made[key] = self._priced(sched)
+        return self._score(self.made[key])
+
+    def _priced(self, sched: Schedule) -> tuple[Schedule, Schedule, Prediction]:
         if any(sched.assign.get(op) != loops for op, loops in self.pinned.items()):
             sched = dataclasses.replace(sched, assign={**sched.assign, **self.pinned})
         sched = keep_state_layouts(self.prog, sched)
         priced = self.priced_as(sched) if self.priced_as else sched
-        pred = simulate(self.prog, priced, self.cal)
+        return sched, priced, simulate(self.prog, priced, self.cal)
+
+    def _score(self, made) -> tuple[float, int, Schedule | None, Prediction | None]:
+        """``(time, peak, schedule, prediction)`` of a schedule made (time infinite over the
+        limit; all infinite where no schedule was valid)."""
+        if made is None:
+            return (math.inf, math.inf, None, None)
+        sched, priced, pred = made
         if pred.peak_bytes < self.best_peak:
             self.best_peak, self.best_peak_schedule = pred.peak_bytes, priced
         if self.limit is not None and pred.peak_bytes > self.limit:
@@ -215,6 +264,7 @@ def search(
     priced_as: Callable[[Schedule], Schedule] | None = None,
     xla: bool = True,
     requested: Requested | None = None,
+    memo: Evaluations | None = None,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
@@ -230,6 +280,9 @@ def search(
     ``"keep"`` every schedule priced keeps its constraints; otherwise it is one more starting
     point, so the plan is never predicted slower than the user's own layout.
 
+    ``memo``: the schedules earlier searches of ``prog`` made and simulated (:class:`Evaluations`),
+    read and added to.
+
     Raises:
         planner.cost.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
             ``memory_limit_bytes`` (the message gives the smallest peak seen and its largest
@@ -242,7 +295,7 @@ def search(
     ops = [g[0] for g in grouped]
     requested = requested or Requested()
     evaluate = _Evaluator(prog, shape.sizes, cal, memory_limit_bytes, grouped, priced_as, xla,
-                          requested.pinned(prog, shape, xla))  # fmt: skip
+                          requested.pinned(prog, shape, xla), memo)  # fmt: skip
     asked = _asked(prog, shape, requested, evaluate)
     empty: Assignment = {o.name: {} for o in ops}
 
@@ -524,19 +577,21 @@ LEANER_FROM = 0.5
 
 
 def leaner(prog, shape: MeshShape, calibration: Calibration, found: tuple, limit: float,
-           xla: bool = True, requested: Requested | None = None, rounds: int = 2) -> tuple:  # fmt: skip
+           xla: bool = True, requested: Requested | None = None, rounds: int = 2,
+           memo: Evaluations | None = None) -> tuple:  # fmt: skip
     """``found`` (a ``(schedule, prediction)`` the search chose under the memory ``limit``), or
     where it takes over :data:`LEANER_FROM` of the limit, a plan as fast (within
     :data:`TIME_TIE`) in less memory: the search under :data:`LEANER` of its peak, up to
     ``rounds`` times. The search trades memory for time only until its fastest plan fits, and
     keeps what that plan holds (MaxText's Llama 2 7B on 64 v5p chips: 75.8 GiB at 2.501 s,
-    where 47.2 GiB runs in 2.509 s); memory left free is batch or sequence for the user."""
+    where 47.2 GiB runs in 2.509 s); memory left free is batch or sequence for the user.
+    ``memo``: as :func:`search`'s."""
     if found[1].peak_bytes <= LEANER_FROM * limit:
         return found
     for _ in range(rounds):
         try:
             tighter = search(prog, shape, calibration, found[1].peak_bytes * LEANER, xla=xla,
-                             requested=requested)  # fmt: skip
+                             requested=requested, memo=memo)  # fmt: skip
         except MemoryLimitError:
             break
         if tighter[1].time_s > found[1].time_s * (1 + TIME_TIE):
@@ -547,24 +602,26 @@ def leaner(prog, shape: MeshShape, calibration: Calibration, found: tuple, limit
 
 def search_within(prog, mesh: MeshShape | dict, calibration: Calibration, memory_limit_bytes=AUTO,
                   fastest: tuple | None = None, xla: bool = True,
-                  requested: Requested | None = None):  # fmt: skip
+                  requested: Requested | None = None, memo: Evaluations | None = None):  # fmt: skip
     """:func:`search` under ``plan``'s ``memory_limit_bytes`` (see :mod:`planner.cost.memory`);
     ``fastest``: the ``(schedule, prediction)`` of the search without a limit, where the caller
-    has it already; ``xla``, ``requested``: as :func:`search`'s."""
+    has it already; ``xla``, ``requested``, ``memo``: as :func:`search`'s (one memo serves
+    every search made here)."""
+    memo = Evaluations() if memo is None else memo
     shape = mesh_shape(mesh)
     num_devices = shape.num_devices
     limit = resolve_memory_limit(memory_limit_bytes, calibration, num_devices)
     if memory_limit_bytes != AUTO or limit is None:
-        found = search(prog, shape, calibration, limit, xla=xla, requested=requested)
+        found = search(prog, shape, calibration, limit, xla=xla, requested=requested, memo=memo)
         return found if limit is None else leaner(prog, shape, calibration, found, limit, xla,
-                                                  requested)  # fmt: skip
+                                                  requested, memo=memo)  # fmt: skip
     sched, pred = fastest or search(prog, shape, calibration, None, xla=xla,
-                                    requested=requested)  # fmt: skip
+                                    requested=requested, memo=memo)  # fmt: skip
     if pred.peak_bytes <= limit:
-        return leaner(prog, shape, calibration, (sched, pred), limit, xla, requested)
+        return leaner(prog, shape, calibration, (sched, pred), limit, xla, requested, memo=memo)
     try:
-        found = search(prog, shape, calibration, limit, xla=xla, requested=requested)
-        return leaner(prog, shape, calibration, found, limit, xla, requested)
+        found = search(prog, shape, calibration, limit, xla=xla, requested=requested, memo=memo)
+        return leaner(prog, shape, calibration, found, limit, xla, requested, memo=memo)
     except MemoryLimitError as e:
         capacity = limit / (1 - MEMORY_RESERVE)
         note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "

@@ -68,6 +68,39 @@ def test_memory_limit_is_respected_and_explained(mesh):
         search(prog, mesh, memory_limit_bytes=1000)
 
 
+def test_searches_under_several_limits_share_the_schedules_they_make(mesh, monkeypatch):
+    """One memo across searches under different memory limits: each schedule is made once, and
+    every search finds what it finds alone (the limit is applied per search, not remembered)."""
+    from planner.solver import schedule_search as ss
+
+    prog = planner.analyze(sgd_step, *mlp_args())
+    made = []
+    real = ss.make_schedule
+    monkeypatch.setattr(ss, "make_schedule", lambda *a, **k: made.append(1) or real(*a, **k))
+    free = search(prog, mesh)[1].peak_bytes
+    limits = [None, int(free * 0.9), int(free * 0.3)]
+    made.clear()
+    alone = [search(prog, mesh, memory_limit_bytes=b) for b in limits]
+    made_alone = len(made)
+    memo = ss.Evaluations()
+    made.clear()
+    shared = [search(prog, mesh, memory_limit_bytes=b, memo=memo) for b in limits]
+    for (s1, p1), (s2, p2) in zip(alone, shared):
+        assert s2.assign == s1.assign
+        assert (p2.time_s, p2.peak_bytes) == (p1.time_s, p1.peak_bytes)
+    assert alone[2][1].peak_bytes <= limits[2] < alone[1][1].peak_bytes  # the limits bite
+    tables = [table for _, table in memo._tables.values()]
+    assert len(made) == sum(key[0] == "made" for t in tables for key in t)  # each made once
+    assert len(made) < made_alone
+    made.clear()
+    assert (
+        search(prog, mesh, memory_limit_bytes=limits[1], memo=memo)[0].assign == alone[1][0].assign
+    )
+    assert not made
+    with pytest.raises(ValueError, match="the smallest predicted peak seen"):  # seen in the memo
+        search(prog, mesh, memory_limit_bytes=1000, memo=memo)
+
+
 def test_plan_and_auto_shard_end_to_end(mesh):
     params, x, y = mlp_args()
     p = planner.plan(sgd_step, params, x, y, mesh=mesh)
