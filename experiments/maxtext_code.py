@@ -317,6 +317,62 @@ def estimate_rows(name: str, rows: list[dict]) -> int:
     return filled
 
 
+def replay_search_rows(name: str, rows: list[dict]) -> int:
+    """Search recipe ``name``'s ``searched`` rows again on today's planner, in place, without
+    compiling: each compile of the plan's memory check (:mod:`planner.target.confirm`) answers
+    what the row recorded for that plan (the same layout, predicted at the same bytes), so the
+    search takes the row's path. Where it finds the row's plan (its predicted seconds and bytes),
+    ``row["search_s"]`` becomes today's seconds (the first measurement kept as
+    ``"search_s_measured"``); where it asks for a compile the row did not record or finds another
+    plan, ``row["replay_note"]`` says so and the row keeps its seconds. Returns how many rows
+    it replayed. (The search is what the planner's changes make faster; the compiles are the
+    compiler's, minutes to half an hour each here.)"""
+    from unittest import mock
+
+    from planner.target import confirm
+
+    todo = [r for r in rows if r["recipe"] == name and r["strategy"] == "searched"
+            and "predicted_s" in r]  # fmt: skip
+    if not todo:
+        return 0
+    built = build(name)
+    replayed = 0
+    for row in todo:
+        recorded = {(c.get("layout", "searched"), c["predicted_bytes"]): c
+                    for c in row.get("memory_checks") or []}  # fmt: skip
+
+        def compiled(plan, searched, target, layout="searched", recorded=recorded):
+            check = recorded.get((layout, plan.prediction.peak_bytes))
+            if check is None:
+                raise PlanChanged(
+                    f"{name}: the replayed search compiles a plan the row did not ({layout}, "
+                    f"predicted {plan.prediction.peak_bytes} bytes); measure the row again"
+                )
+            return confirm.MemoryCheck(searched, plan.prediction.peak_bytes,
+                                       check["compiled_bytes"], 0.0, target, layout)  # fmt: skip
+
+        try:
+            with mock.patch.object(confirm, "_compiled_check", compiled):
+                p = _planned(built)
+            got = (p.prediction.time_s, p.prediction.peak_bytes)
+            if got != (row["predicted_s"], row["predicted_peak_bytes"]):
+                raise PlanChanged(
+                    f"{name}: the replayed search finds a plan predicting {got} (seconds, bytes), "
+                    f"the row's {(row['predicted_s'], row['predicted_peak_bytes'])}"
+                )
+        except PlanChanged as e:
+            row["replay_note"] = str(e)[:300]
+            logging.warning("%s", row["replay_note"])
+            continue
+        row.setdefault("search_s_measured", row["search_s"])
+        row["search_s"] = p.search_s
+        row.pop("replay_note", None)
+        logging.warning("%s searched: search replayed in %.1f s (measured %.1f s)", name,
+                        p.search_s, row["search_s_measured"])  # fmt: skip
+        replayed += 1
+    return replayed
+
+
 class PlanChanged(ValueError):
     """A row's plan searched again predicts other than it did: the planner changed since."""
 

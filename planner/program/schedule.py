@@ -609,13 +609,19 @@ def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,
         if len(new) > len(have):
             result[op.name] = new
             return True
-    best = have
+    best, most = have, _parts(have, mesh)
+    seen: set[tuple] = set()  # many users often want one thing: each want tried once
     for wants in each:
         alone: dict[str, Axes] = {}
         wants(alone, set())
-        new = _try(op, mesh, alone, xla, as_wanted) if alone else {}
-        if _parts(new, mesh) > _parts(best, mesh):
-            best = new
+        key = tuple(alone.items())
+        if not alone or key in seen:
+            continue
+        seen.add(key)
+        new = _try(op, mesh, alone, xla, as_wanted)
+        parts = _parts(new, mesh)
+        if parts > most:
+            best, most = new, parts
     if best is have:
         return False
     result[op.name] = best

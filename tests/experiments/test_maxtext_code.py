@@ -167,3 +167,42 @@ def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
     row["predicted_s"] = 116.0
     with pytest.raises(ValueError, match="measure the row again"):
         _planned_again(built, row)
+
+
+def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
+    """The replay answers each compile of the memory check from the row (the plan's layout and
+    predicted bytes) and records today's search seconds only where it finds the row's plan."""
+    from experiments import maxtext_code as mc
+    from experiments.recipes import _seconds
+    from planner.target import confirm
+
+    def plan_of(peak, seconds):
+        return types.SimpleNamespace(search_s=12.5, prediction=types.SimpleNamespace(
+            time_s=seconds, peak_bytes=peak))  # fmt: skip
+
+    answered = []
+
+    def planned(built):  # a searched plan compiled over the limit, then the program's own layout
+        first = confirm._compiled_check(plan_of(90, 2.0), 100, 95)
+        yours = confirm._compiled_check(plan_of(80, 2.1), 100, 95, "yours")
+        answered.append((first.compiled_bytes, yours.compiled_bytes))
+        return plan_of(80, 2.1)
+
+    monkeypatch.setattr(mc, "build", lambda *a, **k: "built")
+    monkeypatch.setattr(mc, "_planned", planned)
+    check = {"searched_limit": 100, "compile_s": 600.0, "compiled_limit": 95}
+    checks = [{**check, "predicted_bytes": 90, "compiled_bytes": 99, "layout": "searched"},
+              {**check, "predicted_bytes": 80, "compiled_bytes": 94, "layout": "yours"}]  # fmt: skip
+    row = {"recipe": "r", "strategy": "searched", "predicted_s": 2.1, "predicted_peak_bytes": 80,
+           "search_s": 600.0, "memory_checks": checks}  # fmt: skip
+    unrecorded = {**row, "memory_checks": checks[1:]}  # the first compile is not the row's
+    other_plan = {**row, "predicted_s": 2.2}
+    recipe = {**row, "strategy": "recipe"}
+    rows = [row, unrecorded, other_plan, recipe]
+    assert mc.replay_search_rows("r", rows) == 1
+    assert answered == [(99, 94), (99, 94)]
+    assert row["search_s"] == 12.5 and row["search_s_measured"] == 600.0
+    assert _seconds(row) == "12.5 (replayed; 600.0 measured)"
+    assert "did not" in unrecorded["replay_note"] and unrecorded["search_s"] == 600.0
+    assert "the row's (2.2, 80)" in other_plan["replay_note"] and other_plan["search_s"] == 600.0
+    assert "replay_note" not in recipe and recipe["search_s"] == 600.0
