@@ -93,9 +93,11 @@ CODE_RECIPES = {
                   "tensor 4": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4)}),
     # The same guide's settings on Ironwood: tpu7x-256 is 128 chips, two devices (TensorCores)
     # each. No published recipe of its settings there (tpu-recipes has DeepSeek-V3's, not
-    # Qwen3's), and no published MFU found to set beside it
+    # Qwen3's), and no published MFU found to set beside it. Its variant: the tensor parallelism
+    # the v5p search chose (expert parallelism lost there by 1.3-2.4x, predicted)
     "qwen3_235b_tpu7x_256": dict(model="qwen3-235b-a22b", topology="tpu7x-256", overrides=dict(
-        per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256)),
+        per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256),
+        variants={"tensor 4": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4)}),
     # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
     # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
     # MaxText 0.2.5, which tiles by its own defaults
