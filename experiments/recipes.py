@@ -475,7 +475,8 @@ def run(config, workdir: str) -> list[dict]:
                 estimate_rows(name, rows)
             finally:  # the estimates filled before an error are kept
                 _write_rows(path, rows)
-        if code and config.get("replay_search", False) and replay_search_rows(name, rows):
+        if code and config.get("replay_search", False):
+            replay_search_rows(name, rows)  # seconds, or a note saying why not
             _write_rows(path, rows)
     with open(os.path.join(workdir, "code_report.md" if code else "report.md"), "w") as f:
         f.write(report_code(rows) if code else report(rows))
