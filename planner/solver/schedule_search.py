@@ -142,8 +142,9 @@ class _Evaluator:
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
         self.groups, self.priced_as, self.xla = groups, priced_as, xla
         self.pinned = pinned or {}  # op -> loops every schedule keeps (constraints="keep")
+        memo = Evaluations() if memo is None else memo
         # key -> (schedule, what it was priced as, prediction), or None (no valid schedule)
-        self.made = (memo or Evaluations()).table(prog, self.mesh, cal, priced_as, xla, self.pinned)
+        self.made = memo.table(prog, self.mesh, cal, priced_as, xla, self.pinned)
         self.best_peak = math.inf
         self.best_peak_schedule: Schedule | None = None
 
