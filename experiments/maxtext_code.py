@@ -90,7 +90,13 @@ CODE_RECIPES = {
         variants={**{f"expert {e}": dict(ici_fsdp_parallelism=256 // e, ici_expert_parallelism=e)
                      for e in (8, 64)},
                   # tensor parallelism over v5p's 4-chip axis (8 is past Qwen3's 4 KV heads)
-                  "tensor 4": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4)}),
+                  "tensor 4": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4),
+                  # and the two of MaxText's remat policies predicted fastest at tensor 4 that
+                  # fit ("full" is the recipe's; "minimal" is predicted over HBM,
+                  # "save_qkv_proj" and "save_out_proj" slower)
+                  **{f"tensor 4, remat {r}": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4,
+                                                  remat_policy=r)
+                     for r in ("save_dot_except_mlp", "save_dot_with_context_except_mlp")}}),
     # The same guide's settings on Ironwood: tpu7x-256 is 128 chips, two devices (TensorCores)
     # each. No published recipe of its settings there (tpu-recipes has DeepSeek-V3's, not
     # Qwen3's), and no published MFU found to set beside it. Its variant: the tensor parallelism

@@ -34,6 +34,7 @@ from planner.program.ir import Program
 from planner.program.jaxpr_params import inner_jaxpr, live, scan_split
 from planner.program.ops import Access, Loop, Op, Region, Value, is_key
 from planner.program.pad_folding import fold_zero_pads
+from planner.program.scattered_sums import scatter_sums
 
 INLINED = frozenset("pjit jit closed_call core_call custom_lin eval_jaxpr".split())
 KEPT = {
@@ -150,7 +151,7 @@ class _Builder:
 
     def walk(self, jaxpr, env: dict, trips: int = 1) -> None:
         outer = self.where
-        for eqn in fold_zero_pads(jaxpr):
+        for eqn in scatter_sums(fold_zero_pads(jaxpr)):
             self.where = _source(eqn, outer)  # nested bodies fall back on their construct's
             name = eqn.primitive.name
             if name in ("scan", "while", "cond"):
