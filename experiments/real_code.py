@@ -25,6 +25,7 @@ that is not installed is reported as skipped.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -55,12 +56,16 @@ class Case:
     donate_argnums: tuple[int, ...] = ()
 
 
+#: MaxText's tiny models (:data:`experiments.libraries.maxtext_step.TINY`) by case name: llama2,
+#: DeepSeek-V3, Qwen3 (experts as dense matmuls) and Qwen3 with MaxText's sparse MoE ``shard_map``
+MAXTEXT = ("maxtext", "maxtext_deepseek3", "maxtext_qwen3", "maxtext_qwen3sparse")
+
+
 def build_case(library: str, dtype: str, mesh: str) -> Case:
-    """The case of ``library`` (``maxtext``, ``maxtext_deepseek3``, ``maxtext_qwen3``, ``keras`` or
-    ``gemma``) in
+    """The case of ``library`` (one of :data:`MAXTEXT`, ``keras`` or ``gemma``) in
     ``dtype`` on ``mesh`` (``maxtext``: MaxText's own 12-axis mesh; ``2axis``: a plain fsdp 4 x
     tensor 2 one)."""
-    if library in ("maxtext", "maxtext_deepseek3", "maxtext_qwen3"):  # llama2, DeepSeek-V3, Qwen3
+    if library in MAXTEXT:
         from experiments.libraries import maxtext_step
 
         b = maxtext_step.build(dtype, mesh, library.partition("_")[2] or "llama2")
@@ -77,10 +82,7 @@ def build_case(library: str, dtype: str, mesh: str) -> Case:
 
         b = gemma_step.build(dtype)
     else:
-        raise ValueError(
-            "library must be maxtext, maxtext_deepseek3, maxtext_qwen3, keras or gemma, got "
-            f"{library!r}"
-        )
+        raise ValueError(f"library must be one of {MAXTEXT}, keras or gemma, got {library!r}")
     return Case(b.step, b.state, b.batch, b.mesh, b.authors_shardings, b.authors_jit)
 
 
@@ -112,6 +114,7 @@ def measure(case: Case, repeats: int) -> dict:
 
     import planner
     from experiments.measure import interleaved_times
+    from planner.cost.simulator import BODY_COLLECTIVES
 
     def fresh():
         return jax.tree.map(lambda x: x.copy(), case.state)
@@ -165,6 +168,9 @@ def measure(case: Case, repeats: int) -> dict:
                                  if o.source})[:12]  # fmt: skip
         out["not_understood"] = sorted({o.primitive for o in p.program.ops
                                         if o.how == "replicated"})  # fmt: skip
+        out["shard_map_collectives"] = dict(collections.Counter(
+            b.primitive for o in p.program.ops if o.how == "manual" for b in o.body
+            if b.primitive in BODY_COLLECTIVES))  # fmt: skip
     return out
 
 

@@ -8,6 +8,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.cases = (
         "maxtext:float32:maxtext,maxtext_deepseek3:float32:maxtext,maxtext_qwen3:float32:maxtext,"
+        "maxtext_qwen3sparse:float32:maxtext,"
         "keras:float32:2axis,"
         "gemma:float32:2axis"
     )

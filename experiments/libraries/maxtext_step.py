@@ -109,8 +109,15 @@ TINY_QWEN3 = dict(
     **DENSE_EXPERTS,
 )
 
+#: :data:`TINY_QWEN3` with MaxText's own mixture of experts: its sparse ``shard_map`` (tokens
+#: sorted by expert, each device's experts' weights read whole, the weight gradients summed over
+#: fsdp in its backward pass) with ``jax.lax.ragged_dot`` for the grouped matmuls, which runs on
+#: CPU (``megablox=False``; megablox's Pallas kernels are TPU kernels).
+TINY_QWEN3_SPARSE = dict(TINY_QWEN3, sparse_matmul=True, megablox=False)
+
 #: The tiny models :func:`build` makes, by name.
-TINY = {"llama2": TINY_LLAMA, "deepseek3": TINY_DEEPSEEK, "qwen3": TINY_QWEN3}
+TINY = {"llama2": TINY_LLAMA, "deepseek3": TINY_DEEPSEEK, "qwen3": TINY_QWEN3,
+        "qwen3sparse": TINY_QWEN3_SPARSE}  # fmt: skip
 
 #: Overrides that keep MaxText off the disk and the network.
 QUIET = dict(
@@ -226,7 +233,7 @@ def build(dtype: str = "float32", mesh_axes: str = "maxtext", tiny: str = "llama
     ``tensor`` 2 only: ``base.yml``'s logical axis rules with the other axes dropped). The
     learning rate follows MaxText's cosine schedule over ``steps=10`` without warmup (MaxText's
     warmup would make the first step's learning rate 0). ``tiny``: the model, a key of
-    :data:`TINY` (``"llama2"``, ``"deepseek3"``, ``"qwen3"``).
+    :data:`TINY` (``"llama2"``, ``"deepseek3"``, ``"qwen3"``, ``"qwen3sparse"``).
 
     Example:
         >>> built = build("bfloat16", "2axis")  # doctest: +SKIP
