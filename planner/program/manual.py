@@ -22,20 +22,18 @@ import math
 from collections.abc import Mapping, Sequence
 
 from planner.program.ops import Access, Loop, Op, Value
+from redist.specs import entry_axes, padded_entries
 from redist.types import MeshShape
 
 
-def _entries(spec, rank: int) -> list[tuple[str, ...]]:
-    """A ``PartitionSpec``'s mesh axes per dimension (``()`` where whole)."""
-    out = []
-    for entry in tuple(spec)[:rank]:
-        if entry is None:
-            out.append(())
-        elif isinstance(entry, str):
-            out.append((entry,))
-        else:
-            out.append(tuple(entry))
-    return out + [()] * (rank - len(out))
+def spec_axes(spec, rank: int) -> list[tuple[str, ...]]:
+    """A ``PartitionSpec``'s mesh axes per dimension (``()`` where whole), ``rank`` of them.
+
+    Example:
+        >>> spec_axes(("a", ("b", "c")), 3)
+        [('a',), ('b', 'c'), ()]
+    """
+    return [entry_axes(e) for e in padded_entries(spec, rank)[:rank]]
 
 
 def mesh_sizes(eqn) -> dict[str, int]:
@@ -55,7 +53,7 @@ def shard_map_op(name: str, eqn, ins: Sequence[Value | None], outs: Sequence[Val
 
     def dims(v: Value, spec, tag: str) -> tuple[tuple[str, ...], ...]:
         out = []
-        for d, axes in enumerate(_entries(spec, len(v.shape))):
+        for d, axes in enumerate(spec_axes(spec, len(v.shape))):
             factors = [f for a in axes if sizes.get(a, 1) > 1 for f in shape.axis_factors(a)]
             parts = math.prod(shape.factor_size[f] for f in factors)
             for f in factors:

@@ -32,18 +32,13 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from planner.program.manual import mesh_sizes
-from redist.specs import entry_axes, padded_entries
-
-
-def _axes(spec, ndim: int) -> list[tuple[str, ...]]:
-    """``spec``'s mesh axes per dimension (``()`` where whole)."""
-    return [entry_axes(e) for e in padded_entries(spec, ndim)[:ndim]]
+from planner.program.manual import mesh_sizes, spec_axes
+from redist.specs import padded_entries
 
 
 def _scatter_dim(shape, spec, parts: int) -> int | None:
     """The longest dimension whole in ``spec`` that ``parts`` divides (first of equals)."""
-    whole = [d for d, axes in enumerate(_axes(spec, len(shape)))
+    whole = [d for d, axes in enumerate(spec_axes(spec, len(shape)))
              if not axes and shape[d] % parts == 0 and shape[d] >= parts]  # fmt: skip
     return max(whole, key=lambda d: (shape[d], -d)) if whole else None
 
@@ -85,7 +80,7 @@ def _scattered(eqn):
                 or sum_.params.get("axis_index_groups") is not None):  # fmt: skip
             continue
         axes = tuple(sum_.params["axes"])
-        mentioned = {a for entry in _axes(specs[k], len(v.aval.shape)) for a in entry}
+        mentioned = {a for entry in spec_axes(specs[k], len(v.aval.shape)) for a in entry}
         if getattr(specs[k], "unreduced", None) or getattr(specs[k], "reduced", None):
             continue
         if not axes or not all(isinstance(a, str) and a in sizes for a in axes) \

@@ -416,9 +416,9 @@ def refine(score, evaluate: _Evaluator, shape: MeshShape, ops: int = REFINED_OPS
         options = [o for o in arriving_layouts(op, step.moves) if o != current]
         if factors:
             parts = math.prod(shape.factor_size[a] for a in factors)
-            options += [{}] + [{lp.name: factors} for lp in op.loops
-                               if {lp.name: factors} != current
-                               and splits(op, lp.name, parts, evaluate.xla)]  # fmt: skip
+            options += [o for o in [{}] + [{lp.name: factors} for lp in op.loops
+                                           if splits(op, lp.name, parts, evaluate.xla)]
+                        if o != current and o not in options]  # fmt: skip
         for loops in options:
             try:
                 loops = check_assignment(shape, op, loops, evaluate.xla)
