@@ -381,6 +381,46 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
     return replayed
 
 
+def replay_variant_rows(name: str, rows: list[dict]) -> int:
+    """Search each variant of recipe ``name``'s ``searched_variants`` rows again on today's
+    planner, in place, without compiling: every variant the row planned
+    (``row["variants"]``) is searched again under the limit it was searched under (the chosen
+    one's last memory check's, trusted; the others' the default, whose compile checks the row
+    did not record: a variant whose check had made it search again predicts otherwise here and
+    stops the replay). Where each finds the plan it found (its predicted seconds and bytes),
+    ``row["search_s"]`` becomes today's sum (the first measurement kept as
+    ``"search_s_measured"``); else ``row["replay_note"]`` says why not. Returns how many rows it
+    replayed."""
+    todo = [r for r in rows if r["recipe"] == name and r["strategy"] == "searched_variants"
+            and r.get("variant") and r.get("variants")]  # fmt: skip
+    replayed = 0
+    for row in todo:
+        seconds = 0.0
+        try:
+            for key, tried in row["variants"].items():
+                if "predicted_s" not in tried:  # no plan fitted: not counted in the row's sum
+                    continue
+                variant = None if key == "None" else key
+                chosen = variant == row["variant"]
+                p = _planned_again(build(name, variant=variant), {
+                    "recipe": name, "strategy": f"searched_variants ({key})",
+                    "memory_checks": row.get("memory_checks") if chosen else [],
+                    "predicted_s": tried["predicted_s"],
+                    "predicted_peak_bytes": tried["predicted_peak_bytes"]})  # fmt: skip
+                seconds += p.search_s
+        except PlanChanged as e:
+            row["replay_note"] = str(e)[:300]
+            logging.warning("%s", row["replay_note"])
+            continue
+        row.setdefault("search_s_measured", row["search_s"])
+        row["search_s"] = seconds
+        row.pop("replay_note", None)
+        logging.warning("%s searched_variants: searches replayed in %.1f s (measured %.1f s)",
+                        name, seconds, row["search_s_measured"])  # fmt: skip
+        replayed += 1
+    return replayed
+
+
 class PlanChanged(ValueError):
     """A row's plan searched again predicts other than it did: the planner changed since."""
 

@@ -454,6 +454,7 @@ def run(config, workdir: str) -> list[dict]:
             estimate_rows,
             measure_code,
             replay_search_rows,
+            replay_variant_rows,
             report_code,
         )
     elif source != "model":
@@ -477,6 +478,7 @@ def run(config, workdir: str) -> list[dict]:
                 _write_rows(path, rows)
         if code and config.get("replay_search", False):
             replay_search_rows(name, rows)  # seconds, or a note saying why not
+            replay_variant_rows(name, rows)
             _write_rows(path, rows)
     with open(os.path.join(workdir, "code_report.md" if code else "report.md"), "w") as f:
         f.write(report_code(rows) if code else report(rows))

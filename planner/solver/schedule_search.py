@@ -266,6 +266,7 @@ def search(
     xla: bool = True,
     requested: Requested | None = None,
     memo: Evaluations | None = None,
+    greedy_fallback: bool = True,
 ) -> tuple[Schedule, Prediction]:
     """The best schedule found for ``prog`` on ``mesh`` and its prediction.
 
@@ -283,6 +284,10 @@ def search(
 
     ``memo``: the schedules earlier searches of ``prog`` made and simulated (:class:`Evaluations`),
     read and added to.
+
+    ``greedy_fallback``: on programs of more than ``greedy_ops`` ops, run the greedy passes
+    where every other candidate breaks the memory limit (``False``: raise instead, as
+    :func:`leaner` wants).
 
     Raises:
         planner.cost.memory.MemoryLimitError: a ``ValueError``, if no schedule fits
@@ -345,7 +350,8 @@ def search(
         tables = ChainDP(prog, grouped, shape.sizes, cal, xla)
         results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]
     # The DP prices time only: when its plans break the memory limit, the greedy passes run too.
-    if len(prog.ops) <= greedy_ops or all(math.isinf(r[0]) for r in results):
+    over = greedy_fallback and all(math.isinf(r[0]) for r in results)
+    if len(prog.ops) <= greedy_ops or over:
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     if memory_limit_bytes is not None:
         results += _zero(prog, shape, results, evaluate)
@@ -618,13 +624,16 @@ def leaner(prog, shape: MeshShape, calibration: Calibration, found: tuple, limit
     ``rounds`` times. The search trades memory for time only until its fastest plan fits, and
     keeps what that plan holds (MaxText's Llama 2 7B on 64 v5p chips: 75.8 GiB at 2.501 s,
     where 47.2 GiB runs in 2.509 s); memory left free is batch or sequence for the user.
-    ``memo``: as :func:`search`'s."""
+    The tighter searches run without the greedy fallback (``search``'s ``greedy_fallback``): a
+    plan that fits only as the greedy passes trade time for memory is no plan as fast, and on
+    MaxText's Qwen3-235B at tensor 4 with ``save_dot_with_context_except_mlp`` those passes
+    took 221 s of the search's 244 to find none. ``memo``: as :func:`search`'s."""
     if found[1].peak_bytes <= LEANER_FROM * limit:
         return found
     for _ in range(rounds):
         try:
             tighter = search(prog, shape, calibration, found[1].peak_bytes * LEANER, xla=xla,
-                             requested=requested, memo=memo)  # fmt: skip
+                             requested=requested, memo=memo, greedy_fallback=False)  # fmt: skip
         except MemoryLimitError:
             break
         if tighter[1].time_s > found[1].time_s * (1 + TIME_TIE):

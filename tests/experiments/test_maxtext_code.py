@@ -206,3 +206,35 @@ def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
     assert "did not" in unrecorded["replay_note"] and unrecorded["search_s"] == 600.0
     assert "the row's (2.2, 80)" in other_plan["replay_note"] and other_plan["search_s"] == 600.0
     assert "replay_note" not in recipe and recipe["search_s"] == 600.0
+
+
+def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
+    """Each variant the row planned is searched again (the chosen one under its memory check's
+    limit, the others under the default); today's sum replaces the row's seconds only where
+    every variant finds the plan it found."""
+    from experiments import maxtext_code as mc
+
+    predicted = {None: (3.0, 30), "a": (2.0, 60), "b": (2.5, 40)}
+    limits = []
+
+    def again(built, row):
+        limits.append((built, [c["searched_limit"] for c in row["memory_checks"]]))
+        if predicted[built] != (row["predicted_s"], row["predicted_peak_bytes"]):
+            raise mc.PlanChanged(f"{row['strategy']}: measure the row again")
+        return types.SimpleNamespace(search_s=10.0)
+
+    monkeypatch.setattr(mc, "build", lambda name, variant=None: variant)
+    monkeypatch.setattr(mc, "_planned_again", again)
+    tried = {"None": {"predicted_s": 3.0, "predicted_peak_bytes": 30},
+             "a": {"predicted_s": 2.0, "predicted_peak_bytes": 60},
+             "b": {"predicted_s": 2.5, "predicted_peak_bytes": 40},
+             "c": {"error": "no plan fits"}}  # fmt: skip
+    row = {"recipe": "r", "strategy": "searched_variants", "variant": "a", "variants": tried,
+           "search_s": 400.0, "memory_checks": [{"searched_limit": 90}]}  # fmt: skip
+    changed = {**row, "variants": {**tried, "b": {"predicted_s": 2.4, "predicted_peak_bytes": 40}}}
+    own = {**row, "variant": None}  # the recipe's own settings chosen: the searched row's
+    assert mc.replay_variant_rows("r", [row, changed, own]) == 1
+    assert row["search_s"] == 30.0 and row["search_s_measured"] == 400.0
+    assert limits[:3] == [(None, []), ("a", [90]), ("b", [])]
+    assert "searched_variants (b)" in changed["replay_note"] and changed["search_s"] == 400.0
+    assert "search_s_measured" not in own

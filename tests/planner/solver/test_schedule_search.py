@@ -101,6 +101,34 @@ def test_searches_under_several_limits_share_the_schedules_they_make(mesh, monke
         search(prog, mesh, memory_limit_bytes=1000, memo=memo)
 
 
+def test_the_greedy_fallback_runs_only_where_asked(mesh, monkeypatch):
+    """On a program past ``greedy_ops``, the greedy passes run only where every other candidate
+    breaks the limit, and not at all without ``greedy_fallback`` (what :func:`leaner` asks for:
+    a plan found only so trades time for memory); that search raises where nothing else fits."""
+    from planner.solver import schedule_search as ss
+
+    prog = planner.analyze(sgd_step, *mlp_args())
+    calls = []
+    real = ss._greedy
+    monkeypatch.setattr(ss, "_greedy", lambda *a: calls.append(1) or real(*a))
+    free = search(prog, mesh, greedy_ops=0)[1]
+    assert not calls
+    for fallback in (True, False):  # nothing fits 1000 bytes: the greedy passes run, or not
+        with pytest.raises(ValueError, match="memory_limit_bytes=1000"):
+            search(prog, mesh, memory_limit_bytes=1000, greedy_ops=0, greedy_fallback=fallback)
+        assert bool(calls) == fallback
+        calls.clear()
+    asked = []
+    monkeypatch.setattr(
+        ss,
+        "search",
+        lambda *a, **k: asked.append(k) or (_ for _ in ()).throw(planner.MemoryLimitError(1)),
+    )
+    found = (None, free)
+    assert ss.leaner(prog, ss.mesh_shape(mesh), None, found, free.peak_bytes * 1.5) is found
+    assert asked and all(k["greedy_fallback"] is False for k in asked)
+
+
 def test_plan_and_auto_shard_end_to_end(mesh):
     params, x, y = mlp_args()
     p = planner.plan(sgd_step, params, x, y, mesh=mesh)
