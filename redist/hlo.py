@@ -79,15 +79,48 @@ def _group_size(line: str) -> int:
     return 0
 
 
+RAGGED = "ragged-all-to-all"
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+[a-z][a-z0-9\-]*\(")
+_OPERANDS = re.compile(r"ragged-all-to-all\(([^)]*)\)")
+
+
+def ragged_bytes(operand_bytes: tuple[int, ...], result_bytes: int) -> int:
+    """The bytes a ragged all-to-all is priced at: the smaller of its input and output buffers
+    (its first two operands), what each device sends and receives when the rows it routes are
+    spread evenly over the group (MaxText sizes one buffer for the worst case: every row to one
+    device); its result's bytes where the operands are not known.
+
+    Example:
+        >>> ragged_bytes((4096, 65536, 256, 256), 65536)
+        4096
+    """
+    if len(operand_bytes) >= 2 and all(operand_bytes[:2]):
+        return min(operand_bytes[:2])
+    return result_bytes
+
+
 def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
-    """Collectives of an optimized HLO module in program order, with their result bytes."""
+    """Collectives of an optimized HLO module in program order, with their result bytes (a ragged
+    all-to-all as an all-to-all of :func:`ragged_bytes`)."""
     out = []
+    shapes: dict[str, str] = {}  # instruction name -> its result's shape text
     for line in hlo_text.splitlines():
+        named = _NAMED.match(line)
+        if named:
+            shapes[named.group(1)] = named.group(2)
         m = _INSTR.match(line)
         if not m:
             continue
         result, op = m.groups()
         kind = op.removesuffix("-start")
+        if kind == RAGGED and "-done" not in op:
+            found = _OPERANDS.search(line)
+            names = [re.sub(r"/\*.*?\*/", "", a).strip().lstrip("%")
+                     for a in (found.group(1).split(",") if found else [])]  # fmt: skip
+            known = tuple(shape_bytes(shapes.get(a, "")) for a in names)
+            nbytes = ragged_bytes(known, shape_bytes(result))
+            out.append(Collective(CollectiveKind.ALL_TO_ALL.value, nbytes, _group_size(line)))
+            continue
         if kind not in KINDS or "-done" in op:
             continue
         out.append(Collective(kind, shape_bytes(result), _group_size(line)))

@@ -77,6 +77,7 @@ from planner.program.schedule import (
 from redist.calibration import Calibration, wire_bytes
 from redist.collectives import CollectiveKind
 from redist.cost import step_costs
+from redist.hlo import ragged_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +252,9 @@ prices them."""
 
 def body_traffic(op: Op, sizes, m, cal: Calibration) -> list[Traffic]:
     """The collectives the body of the user's ``shard_map`` ``op`` calls, one :class:`Traffic`
-    each (times its trips), over the mesh factors its axes are (``sizes``: factor -> size)."""
+    each (times its trips), over the mesh factors its axes are (``sizes``: factor -> size); a
+    ragged all-to-all at the smaller of its input and output buffers, as the compiled step is
+    priced (:func:`redist.hlo.ragged_bytes`)."""
     out = []
     for b in op.body:
         kind = BODY_COLLECTIVES.get(b.primitive)
@@ -260,7 +263,8 @@ def body_traffic(op: Op, sizes, m, cal: Calibration) -> list[Traffic]:
         if kind is None or n <= 1:
             continue
         named = b.results if kind == CollectiveKind.ALL_GATHER else b.operands
-        nbytes = sum(math.prod(a.value.shape) * itemsize(a.value.dtype) for a in named)
+        each = tuple(math.prod(a.value.shape) * itemsize(a.value.dtype) for a in named)
+        nbytes = ragged_bytes(each, 0) if b.primitive == "ragged_all_to_all" else sum(each)
         seconds = cal.collective_time(kind, nbytes, n, cal.crosses(m, factors))
         out.append(Traffic(kind, 1, wire_bytes(kind, nbytes, n), seconds).times(b.trips))
     return out

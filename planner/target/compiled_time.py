@@ -1,7 +1,8 @@
 """A compiled program's step time as the calibration prices it: the compiler's own estimate of its
 kernels (``cost_analysis()["optimal_seconds"]``) plus every collective of its optimized HLO at
 the calibration's latency + wire bytes / bandwidth, counted as often as it runs (a collective in a
-loop body times the loop's trip count). This is the reference the simulator's predicted time is
+loop body times the loop's trip count; a ragged all-to-all, MaxText's expert dispatch, as an
+all-to-all of the smaller of its buffers: :func:`redist.hlo.ragged_bytes`). This is the reference the simulator's predicted time is
 checked against (``experiments/time_check.py``).
 
 Where ``optimal_seconds`` is not positive (libtpu's v6e estimate reads negative, e.g. -20 s for

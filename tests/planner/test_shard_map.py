@@ -240,6 +240,36 @@ def test_the_collectives_a_shard_map_calls_are_priced_over_its_axes():
     assert traffic.seconds == cal.collective_time("all-reduce", tile, 4)
 
 
+def test_a_ragged_all_to_all_is_priced_at_its_smaller_buffer():
+    """MaxText's expert dispatch sends each device's rows into a buffer sized for the worst
+    case (all rows to one device): priced as an all-to-all of the rows it sends when they
+    spread evenly, the smaller of its two buffers, not of the two and its offsets together."""
+    from planner.cost.simulator import body_traffic
+    from redist.calibration import Calibration, wire_bytes
+    from redist.types import MeshShape
+
+    def dispatch(x):
+        sizes = jnp.full((4,), 1, jnp.int32)
+        offsets = jnp.arange(4, dtype=jnp.int32)
+        buffer = jnp.zeros((4 * x.shape[0], x.shape[1]), x.dtype)  # 4x: the worst case
+        return jax.lax.ragged_all_to_all(x, buffer, offsets, sizes, offsets, sizes,
+                                         axis_name="fsdp")  # fmt: skip
+
+    def step(x):
+        return jax.shard_map(dispatch, mesh=MESH, in_specs=P("fsdp"), out_specs=P("fsdp"),
+                             check_vma=False)(x)  # fmt: skip
+
+    x = jnp.ones((32, 16), jnp.float32)
+    (op,) = [o for o in planner.analyze(step, x).ops if o.how == "manual"]
+    mesh = MeshShape.of(dict(MESH.shape))
+    cal = Calibration.default()
+    (traffic,) = body_traffic(op, mesh.factor_size, mesh, cal)
+    rows = 32 // 4 * 16 * 4  # a device's (8, 16) float32 rows
+    assert traffic.kind == "all-to-all"
+    assert traffic.bytes == wire_bytes("all-to-all", rows, 4)
+    assert traffic.seconds == cal.collective_time("all-to-all", rows, 4)
+
+
 def test_tiles_other_than_a_shard_maps_specs_are_refused_by_the_explicit_backend():
     from planner.lowering.on_factors import check_layouts, factor_axes
 

@@ -164,3 +164,19 @@ ENTRY %main (x: f32[4,4]) -> f32[4,4] {
 }
 """
     assert kernel_counts(hlo).dot_flops == {"float32": 2 * 2.0 * 4 * 4 * 4}
+
+
+def test_a_ragged_all_to_all_is_an_all_to_all_of_its_smaller_buffer():
+    """As libtpu writes it (operands by name only): the input and the worst-case output buffer
+    are known from their definitions, and the smaller is what a device sends when its rows are
+    spread evenly; without them, the result's bytes."""
+    hlo = """
+  %copy-done = bf16[16,2,128]{2,1,0} copy-done(%copy-start)
+  %buf = bf16[64,2,128]{2,1,0} broadcast(%pad), dimensions={1,2}
+  %r = bf16[64,2,128]{2,1,0} ragged-all-to-all(%copy-done, %buf, %o, %s, %o, /*index=5*/%s), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  %q = bf16[64,2,128]{2,1,0} ragged-all-to-all(%unknown, %buf, %o, %s, %o, %s), replica_groups=[1,8]<=[8]
+"""
+    assert hlo_collectives(hlo) == (
+        Collective("all-to-all", 16 * 2 * 128 * 2, 8),
+        Collective("all-to-all", 64 * 2 * 128 * 2, 8),
+    )
