@@ -152,6 +152,8 @@ def dense_kind(op: Op) -> tuple[str, str]:
 def op_flops(op: Op, extents: Mapping[str, int] | None = None) -> tuple[float, float]:
     """``(flops, transcendentals)`` of one run of ``op`` on one device, as XLA counts them (see
     the module's table); ``extents``: each loop's local extent (default: the whole op)."""
+    if op.kernel_flops is not None:  # a kernel sized at run time: its own estimate
+        return op.kernel_flops
     if op.body:  # an opaque op: what its body does on each device, whatever the extents
         return body_flops(op)
     if extents is None:

@@ -289,7 +289,8 @@ class _Builder:
             grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
             runs = math.prod(n for n in grid if isinstance(n, int))
             op = dataclasses.replace(_replicated(name, eqn, ins, outs),
-                                     body=body_ops(eqn.params["jaxpr"], runs))  # fmt: skip
+                                     body=body_ops(eqn.params["jaxpr"], runs),
+                                     kernel_flops=_estimated_flops(eqn, grid))  # fmt: skip
         elif any(is_key(v.dtype) for v in [*ins, *outs] if v is not None):
             op = rules.read_whole(name, eqn, ins, outs)  # PRNG keys: random ops run whole
         else:
@@ -300,6 +301,16 @@ class _Builder:
             if op is None:
                 op = _replicated(name, eqn, ins, outs)
         return dataclasses.replace(op, eqn=eqn, trips=trips, source=self.where)
+
+
+def _estimated_flops(eqn, grid) -> tuple[float, float] | None:
+    """``(flops, transcendentals)`` of a Pallas kernel's own cost estimate where its ``grid`` has
+    a dimension sized at run time (megablox's ``gmm``: ``(1, DynamicGridDim, 1)``, its row tiles
+    as many as the groups fill); ``None`` for a static grid or no estimate."""
+    estimate = eqn.params.get("cost_estimate")
+    if estimate is None or all(isinstance(n, int) for n in grid):
+        return None
+    return float(estimate.flops), float(estimate.transcendentals)
 
 
 def body_ops(closed, trips: int = 1) -> tuple[Op, ...]:

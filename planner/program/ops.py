@@ -118,6 +118,10 @@ class Op:
         body: the ops one run of an opaque op performs on each device, analysed at the shapes
             they see (a ``shard_map``'s body on its tiles, a Pallas kernel's body times its
             grid), which price it; ``()`` for every other op.
+        kernel_flops: a Pallas kernel whose grid is sized at run time (megablox's grouped
+            matmul: its row tiles follow the groups' sizes): ``(flops, transcendentals)`` of one
+            run from the kernel's own cost estimate, as the compiler prices it, which its body
+            (counted once per static grid point) cannot give; ``None`` otherwise.
     """
 
     name: str
@@ -133,6 +137,7 @@ class Op:
     windows: tuple[Window, ...] = ()
     manual: tuple[tuple[str, tuple[str, ...]], ...] = ()
     body: tuple[Op, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    kernel_flops: tuple[float, float] | None = None
 
     @property
     def loop(self) -> dict[str, Loop]:
@@ -160,7 +165,7 @@ class Op:
         return (self.primitive, self.how, self.loops, self.reductions,
                 tuple(map(access, self.operands)), tuple(map(access, self.results)),
                 self.windows, self.manual,
-                tuple((b.signature, b.trips) for b in self.body))  # fmt: skip
+                tuple((b.signature, b.trips) for b in self.body), self.kernel_flops)  # fmt: skip
 
     @functools.cached_property
     def signature_id(self) -> int:
@@ -172,7 +177,10 @@ class Op:
     def flops(self) -> int:
         """Arithmetic of one run of the whole op: 2 per loop point for products, else 1 (a looked-up
         dimension, :attr:`Loop.masked`, adds none); an opaque op's, its :attr:`body`'s on every
-        device of its mesh (``devices``: the product of its :attr:`manual` loops)."""
+        device of its mesh (``devices``: the product of its :attr:`manual` loops); a kernel
+        sized at run time, its own estimate's (:attr:`kernel_flops`)."""
+        if self.kernel_flops is not None:
+            return int(self.kernel_flops[0])
         if self.body:
             devices = math.prod(self.loop[lp].extent for lp, _ in self.manual)
             return devices * sum(b.flops * b.trips for b in self.body)

@@ -224,6 +224,32 @@ def test_a_pallas_kernel_is_priced_by_its_body_times_its_grid_and_runs_whole():
     assert_close(plan.jit()(x, w), jax.jit(fn)(x, w))
 
 
+def test_a_kernel_whose_grid_is_sized_at_run_time_is_priced_by_its_own_estimate():
+    """megablox's grouped matmul tiles its rows as the groups fill them (a grid dimension
+    sized at run time): its body once per static grid point would be one row tile of 8, so it
+    is priced as its own cost estimate says, as the compiler prices it."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    from planner.cost.costs import body_flops, op_flops
+
+    lhs = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    prog = planner.analyze(lambda a, b, g: gmm(a, b, g, tiling=(512, 512, 256)), lhs, rhs, sizes)
+    (kernel,) = [o for o in prog.ops if o.primitive == "pallas_call"]
+    assert kernel.how == "replicated"
+    assert op_flops(kernel)[0] == kernel.flops == 2 * 4096 * 512 * 256
+    assert body_flops(kernel)[0] < op_flops(kernel)[0] / 4  # what its grid alone gave
+    assert op_flops(_static_kernel())[0] == body_flops(_static_kernel())[0]
+
+
+def _static_kernel():
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+    w = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    prog = planner.analyze(_blocked_matmul, x, w)
+    return next(o for o in prog.ops if o.primitive == "pallas_call")
+
+
 def test_the_collectives_a_shard_map_calls_are_priced_over_its_axes():
     from planner.cost.simulator import body_traffic
     from redist.calibration import Calibration
