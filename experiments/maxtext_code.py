@@ -377,13 +377,19 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
             row["replay_note"] = str(e)[:300]
             logging.warning("%s", row["replay_note"])
             continue
-        row.setdefault("search_s_measured", row["search_s"])
-        row["search_s"] = p.search_s
-        row.pop("replay_note", None)
-        logging.warning("%s searched: search replayed in %.1f s (measured %.1f s)", name,
-                        p.search_s, row["search_s_measured"])  # fmt: skip
+        _replayed(row, p.search_s)
         replayed += 1
     return replayed
+
+
+def _replayed(row: dict, seconds: float) -> None:
+    """``row``'s search seconds replaced by today's ``seconds`` (its first measurement kept as
+    ``"search_s_measured"``), its replay note dropped."""
+    row.setdefault("search_s_measured", row["search_s"])
+    row["search_s"] = seconds
+    row.pop("replay_note", None)
+    logging.warning("%s %s: searches replayed in %.1f s (measured %.1f s)", row["recipe"],
+                    row["strategy"], seconds, row["search_s_measured"])  # fmt: skip
 
 
 def replay_variant_rows(name: str, rows: list[dict]) -> int:
@@ -417,11 +423,7 @@ def replay_variant_rows(name: str, rows: list[dict]) -> int:
             row["replay_note"] = str(e)[:300]
             logging.warning("%s", row["replay_note"])
             continue
-        row.setdefault("search_s_measured", row["search_s"])
-        row["search_s"] = seconds
-        row.pop("replay_note", None)
-        logging.warning("%s searched_variants: searches replayed in %.1f s (measured %.1f s)",
-                        name, seconds, row["search_s_measured"])  # fmt: skip
+        _replayed(row, seconds)
         replayed += 1
     return replayed
 

@@ -80,8 +80,6 @@ def _group_size(line: str) -> int:
 
 
 RAGGED = "ragged-all-to-all"
-_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+[a-z][a-z0-9\-]*\(")
-_OPERANDS = re.compile(r"ragged-all-to-all\(([^)]*)\)")
 
 
 def ragged_bytes(operand_bytes: tuple[int, ...], result_bytes: int) -> int:
@@ -103,22 +101,18 @@ def hlo_collectives(hlo_text: str) -> tuple[Collective, ...]:
     """Collectives of an optimized HLO module in program order, with their result bytes (a ragged
     all-to-all as an all-to-all of :func:`ragged_bytes`)."""
     out = []
-    shapes: dict[str, str] = {}  # instruction name -> its result's shape text
-    for line in hlo_text.splitlines():
-        named = _NAMED.match(line)
-        if named:
-            shapes[named.group(1)] = named.group(2)
+    lines = hlo_text.splitlines()
+    known = _instructions(lines) if RAGGED in hlo_text else {}  # operands' shapes, by name
+    for line in lines:
         m = _INSTR.match(line)
         if not m:
             continue
         result, op = m.groups()
         kind = op.removesuffix("-start")
         if kind == RAGGED and "-done" not in op:
-            found = _OPERANDS.search(line)
-            names = [re.sub(r"/\*.*?\*/", "", a).strip().lstrip("%")
-                     for a in (found.group(1).split(",") if found else [])]  # fmt: skip
-            known = tuple(shape_bytes(shapes.get(a, "")) for a in names)
-            nbytes = ragged_bytes(known, shape_bytes(result))
+            instr = known.get(_LINE.match(line).group(1))
+            sizes = tuple(map(shape_bytes, instr.operand_shapes)) if instr else ()
+            nbytes = ragged_bytes(sizes, shape_bytes(result))
             out.append(Collective(CollectiveKind.ALL_TO_ALL.value, nbytes, _group_size(line)))
             continue
         if kind not in KINDS or "-done" in op:

@@ -2,8 +2,8 @@
 kernels (``cost_analysis()["optimal_seconds"]``) plus every collective of its optimized HLO at
 the calibration's latency + wire bytes / bandwidth, counted as often as it runs (a collective in a
 loop body times the loop's trip count; a ragged all-to-all, MaxText's expert dispatch, as an
-all-to-all of the smaller of its buffers: :func:`redist.hlo.ragged_bytes`). This is the reference the simulator's predicted time is
-checked against (``experiments/time_check.py``).
+all-to-all of the smaller of its buffers: :func:`redist.hlo.ragged_bytes`). This is the
+reference the simulator's predicted time is checked against (``experiments/time_check.py``).
 
 Where ``optimal_seconds`` is not positive (libtpu's v6e estimate reads negative, e.g. -20 s for
 one layer of a 134 M-parameter LM on v6e:16x16), the kernels are priced by the calibration's
