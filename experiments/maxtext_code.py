@@ -44,15 +44,22 @@ PEAK_TFLOPS = {"v5p": 459.0, "v6e": 918.0, "v5e": 197.0, "v4": 275.0, "tpu7x": 2
 """Published bf16 peak TFLOP/s per device (Google Cloud's TPU pages): per chip, but for Ironwood
 (``tpu7x``), whose chip is two devices (TensorCores) of 1,153.5 each."""
 
-TENSOR_4_VARIANTS = {
-    "tensor 4": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4),
-    **{f"tensor 4, remat {r}": dict(ici_fsdp_parallelism=64, ici_tensor_parallelism=4,
-                                    remat_policy=r)
-       for r in ("save_dot_except_mlp", "save_dot_with_context_except_mlp")},
-}  # fmt: skip
-"""Qwen3-235B at fsdp 64 x tensor 4 with the recipe's remat ("full") and the two of MaxText's
-remat policies predicted fastest there on v5p-512 that fit (of eleven: "minimal" and the
-``moe_x_sorted`` customs are predicted over HBM, "save_qkv_proj" and "save_out_proj" slower)."""
+
+def tensor_variants(tensor: int, devices: int) -> dict[str, dict]:
+    """Qwen3-235B at fsdp ``devices / tensor`` x ``tensor`` with the recipe's remat ("full") and the
+    two of MaxText's remat policies predicted fastest at tensor 4 on v5p-512 that fit (of eleven:
+    "minimal" and the ``moe_x_sorted`` customs are predicted over HBM, "save_qkv_proj" and
+    "save_out_proj" slower).
+
+    Example:
+        >>> sorted(tensor_variants(4, 256))[0]
+        'tensor 4'
+    """
+    fsdp = dict(ici_fsdp_parallelism=devices // tensor, ici_tensor_parallelism=tensor)
+    return {f"tensor {tensor}": fsdp,
+            **{f"tensor {tensor}, remat {r}": dict(fsdp, remat_policy=r)
+               for r in ("save_dot_except_mlp", "save_dot_with_context_except_mlp")}}  # fmt: skip
+
 
 CODE_RECIPES = {
     # MaxText benchmarks/maxtext_v5p_model_configs.py llama2_7b_v5p_128 (64 chips)
@@ -101,14 +108,15 @@ CODE_RECIPES = {
                      for e in (8, 64)},
                   # tensor parallelism over v5p's 4-chip axis (8 is past Qwen3's 4 KV heads),
                   # with the recipe's remat ("full") and two other of MaxText's policies
-                  **TENSOR_4_VARIANTS}),
+                  **tensor_variants(4, 256)}),
     # The same guide's settings on Ironwood: tpu7x-256 is 128 chips, two devices (TensorCores)
     # each. No published recipe of its settings there (tpu-recipes has DeepSeek-V3's, not
     # Qwen3's), and no published MFU found to set beside it. Its variants: v5p's at tensor 4
-    # (expert parallelism lost there by 1.3-2.4x, predicted)
+    # (expert parallelism lost there by 1.3-2.4x, predicted), and the same at tensor 2, a chip's
+    # two devices
     "qwen3_235b_tpu7x_256": dict(model="qwen3-235b-a22b", topology="tpu7x-256", overrides=dict(
         per_device_batch_size=1, max_target_length=8192, ici_fsdp_parallelism=256),
-        variants=TENSOR_4_VARIANTS),
+        variants={**tensor_variants(4, 256), **tensor_variants(2, 256)}),
     # deepseek3_671b_v5p_1024 (512 chips): 152.4 TFLOP/s per chip published; its megablox tile
     # sizes (tile_batch_seq 512, tile_embed_dim 1024, tile_mlp_dim 1024) are not options of
     # MaxText 0.2.5, which tiles by its own defaults

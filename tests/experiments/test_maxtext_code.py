@@ -8,7 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.maxtext_code import depths, evaluate, report_code, unroll_scans
+from experiments.maxtext_code import (
+    CODE_RECIPES,
+    depths,
+    evaluate,
+    report_code,
+    tensor_variants,
+    unroll_scans,
+)
 
 
 def _layers(ws, x):
@@ -47,6 +54,17 @@ def test_unrolled_scans_compute_the_same():
 def test_depths_skip_the_dense_first_layers_of_a_mixture_of_experts():
     assert depths(types.SimpleNamespace(num_experts=1, first_num_dense_layers=0)) == (1, 2)
     assert depths(types.SimpleNamespace(num_experts=256, first_num_dense_layers=3)) == (4, 5)
+
+
+def test_tensor_variants_keep_every_device_and_name_their_settings():
+    variants = tensor_variants(2, 256)
+    assert sorted(variants) == ["tensor 2", "tensor 2, remat save_dot_except_mlp",
+                                "tensor 2, remat save_dot_with_context_except_mlp"]  # fmt: skip
+    for name, settings in variants.items():
+        assert settings["ici_fsdp_parallelism"] * settings["ici_tensor_parallelism"] == 256
+        assert settings.get("remat_policy", "full") in name or "remat" not in name
+    ironwood = CODE_RECIPES["qwen3_235b_tpu7x_256"]["variants"]
+    assert {"tensor 2", "tensor 4"} <= set(ironwood)
 
 
 def test_the_table_compares_each_plan_with_its_recipe():
