@@ -499,9 +499,36 @@ def _variant_search(name: str, built) -> tuple[str | None, object, object, dict,
     return best[0], best[1], best[2], tried, seconds
 
 
-def measure_code(name: str, strategies, done: set, config) -> list[dict]:
+SAME_PROGRAM = ("compiled_bytes", "temp_bytes", "collectives", "compiled_collective_s")
+"""What a compile must repeat for a plan's program to count as the one a row compiled."""
+
+
+def kernels_compiled_before(row: dict, previous) -> float | None:
+    """The kernels' seconds of the ``previous`` row of ``row``'s recipe, strategy and variant
+    whose compile ``row``'s repeats (:data:`SAME_PROGRAM`), or None.
+
+    Example:
+        >>> kernels_compiled_before(row, old_rows)                        # doctest: +SKIP
+        91.5
+    """
+    for r in previous:
+        if (
+            (r["recipe"], r["strategy"], r.get("variant"))
+            == (row["recipe"], row["strategy"], row.get("variant"))
+            and "estimate_s" in r
+            and all(r.get(k) == row.get(k) for k in SAME_PROGRAM)
+        ):
+            return r["estimate_s"] - r["compiled_collective_s"]
+    return None
+
+
+def measure_code(name: str, strategies, done: set, config,
+                 previous: list[dict] = ()) -> list[dict]:  # fmt: skip
     """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``
-    (the variant strategies only for recipes with ``variants``)."""
+    (the variant strategies only for recipes with ``variants``). A plan whose compile repeats
+    a ``previous`` row's of its strategy and variant (:data:`SAME_PROGRAM`: the same program)
+    takes that row's kernels' estimate rather than compiling its layers again
+    (``row["estimate_from"]`` says so)."""
     from experiments.recipes import _row_of
     from planner.cost.memory import MemoryLimitError, default_calibration
     from planner.target.compiled import compile_and_report, input_structs
@@ -551,6 +578,10 @@ def measure_code(name: str, strategies, done: set, config) -> list[dict]:
                "not_understood": sorted({o.primitive for o in p.program.ops
                                          if o.how == "replicated"}),
                **extra, **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
+        kernels = kernels_compiled_before(row, previous)
+        if kernels is not None:
+            row["estimate_from"] = "the same program's kernels, compiled before"
+            return finish(row, kernels)
         return finish(
             row,
             _unless_over_hbm(row, lambda: _plan_kernels(name, p, layers, cal, at, variant), config),

@@ -462,15 +462,21 @@ def run(config, workdir: str) -> list[dict]:
     known = CODE_RECIPES if code else RECIPES
     path = os.path.join(workdir, "code_results.jsonl" if code else "results.jsonl")
     rows = _read_rows(path)
-    done = {(r["recipe"], r["strategy"]) for r in rows}
     names = [s for s in config.recipes.split(",") if s]
+    strategies = [s for s in config.strategies.split(",") if s]
+    again = {(n, s) for n in names for s in config.get("remeasure", "").split(",")
+             if s in strategies}  # fmt: skip
+    done = {(r["recipe"], r["strategy"]) for r in rows} - again
     for name in names:
         if name not in known:
             raise ValueError(f"recipe {name!r} is unknown; known: {sorted(known)}")
-        strategies = [s for s in config.strategies.split(",") if s]
-        new = (measure_code if code else measure)(name, strategies, done, config)
-        _write_rows(path, new, "a")
-        rows += new
+        previous = [r for r in rows if r["recipe"] == name and (name, r["strategy"]) in again]
+        if code:
+            new = measure_code(name, strategies, done, config, previous)
+        else:
+            new = measure(name, strategies, done, config)
+        rows = [r for r in rows if not any(r is x for x in previous)] + new
+        _write_rows(path, rows)  # (rows measured again replace the previous ones)
         if code and config.get("fill_estimates", False):
             try:
                 estimate_rows(name, rows)

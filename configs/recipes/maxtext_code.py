@@ -22,4 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
     # today's planner, their compiles answered by what the rows recorded: the search seconds
     # measured again, without compiling
     c.replay_search = False
+    # strategies (of config.strategies' names) whose rows of config.recipes are measured again,
+    # replacing them; a plan whose compile repeats its previous row's takes that row's kernels'
+    # estimate rather than compiling its layers again
+    c.remeasure = ""
     return c

@@ -528,8 +528,14 @@ class Peak:
     buffers: tuple[Buffer, ...]
 
 
-def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None = None) -> Peak:
-    """What is live on each device at ``simulate``'s predicted peak, largest first."""
+def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None = None,
+                 at: str | None = None) -> Peak:  # fmt: skip
+    """What is live on each device at ``simulate``'s predicted peak, largest first; or, given
+    ``at`` (an op's name), while that op runs (its ``bytes`` then).
+
+    Example:
+        >>> peak_buffers(prog, sched, cal, at="shard_map_1037").bytes     # doctest: +SKIP
+    """
     values = {v.name: v for v in prog.inputs}
     values.update((v.name, v) for v, _ in prog.consts)
     values.update((r.value.name, r.value) for o in prog.ops for r in o.results)
@@ -548,7 +554,11 @@ def peak_buffers(prog: Program, sched: Schedule, calibration: Calibration | None
             bufs.append(Buffer(f"scratch of {op}", (), "uint8", scratch, "scratch"))
         found[:] = [op, sorted(bufs, key=lambda b: -b.bytes)]
 
-    pred = _simulate(prog, sched, calibration or Calibration.default(), record)
+    pred = _simulate(prog, sched, calibration or Calibration.default(), record, at)
+    if at is not None and found[0] != at:
+        raise ValueError(f"no op named {at!r} in the program")
+    if at is not None:
+        return Peak(next(c.memory_bytes for c in pred.ops if c.op == at), at, tuple(found[1]))
     return Peak(pred.peak_bytes, found[0], tuple(found[1]))
 
 
@@ -674,7 +684,7 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
             if scatter is None:  # the partial result is counted as the result until it is summed
                 spans.append((last, last, size))
             else:  # the whole partial result until then, besides the scattered result
-                spans.append((k, last, size * n - size))
+                spans.append((lt.at[k] if lt.at else k, last, size * n - size))
                 spans.append((last, last, size + (whole - 1) * size * n))
     return members, spans
 
@@ -797,10 +807,12 @@ def _pipelined(prog: Program, sched: Schedule, costs: list, steps, cal: Calibrat
     return costs
 
 
-def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) -> Prediction:
+def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
+              at: str | None = None) -> Prediction:  # fmt: skip
     """:func:`simulate`; ``on_peak(op name, fixed, live values, others, scratch)`` is called
-    whenever the peak grows (first with what is held throughout, op None); ``others`` are moved
-    copies and waiting partial sums as ``(name, shape, dtype, kind, bytes)``."""
+    whenever the peak grows (first with what is held throughout, op None), or given ``at`` only
+    where that op runs; ``others`` are moved copies and waiting partial sums as ``(name, shape,
+    dtype, kind, bytes)``."""
     sizes = sched.mesh
     m = sched.factors
     steps = dataflow(prog, sched)
@@ -824,16 +836,17 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
     # A value moved to a layout is held from its first move there to the last op reading that
     # copy (the compiler makes one collective for equal moves): while the op runs, or where its
     # readers run if it is fused or a view, or for a whole loop if it enters one.
-    copies: dict[tuple, list] = {}  # (value, layout) -> [first op, last op, bytes, move]
+    copies: dict[tuple, list] = {}  # (value, layout) -> [first op, last op, bytes, move, reader]
     for k, st in enumerate(steps):
         for mv, size in zip(st.moves, priced[k][4]):
             held = copies.get((mv.value.name, mv.dst))
+            begin = lt.at[k] if lt.at else k  # (a product the compiler defers: where it runs)
             if held is None:
                 size //= micro.get(mv.value.name, 1)
-                copies[(mv.value.name, mv.dst)] = [k, lt.hold[k], size, mv]
+                copies[(mv.value.name, mv.dst)] = [begin, lt.hold[k], size, mv, st.op.name]
             else:
-                held[1] = max(held[1], lt.hold[k])
-    for begin, end, size, _ in copies.values():
+                held[0], held[1] = min(held[0], begin), max(held[1], lt.hold[k])
+    for begin, end, size, _, _ in copies.values():
         grow[begin] += size
         release[end] += size
     whole = 2 if cal.backend in ALL_REDUCE_THEN_SLICE else 1
@@ -856,9 +869,9 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         starts: dict[int, list] = {}
         for begin, end, size, name in chains:
             starts.setdefault(begin, []).append((name, size, end))
-        for begin, end, size, mv in copies.values():
+        for begin, end, size, mv, reader in copies.values():
             v = mv.value
-            other = (v.name, v.shape, v.dtype, f"moved for {steps[begin].op.name}")
+            other = (v.name, v.shape, v.dtype, f"moved for {reader}")
             starts.setdefault(begin, []).append((other, size, end))
         for begin, end, size in waiting:
             other = (f"partial sums for the collective at {steps[end].op.name}", (), "uint8",
@@ -879,7 +892,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None) ->
         if on_peak is not None:
             for key, size, end in starts.get(k, ()):
                 names[key, end] = names.get((key, end), 0) + size
-            if now > peak:
+            if (now > peak) if at is None else st.op.name == at:
                 held: dict = {}
                 for (key, _), b in names.items():
                     held[key] = held.get(key, 0) + b

@@ -256,3 +256,55 @@ def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     assert limits[:3] == [(None, []), ("a", [90]), ("b", [])]
     assert "searched_variants (b)" in changed["replay_note"] and changed["search_s"] == 400.0
     assert "search_s_measured" not in own
+
+
+def test_a_plan_compiled_again_to_the_same_program_keeps_its_rows_kernels():
+    """Measured again, a plan whose compile repeats its previous row's (memory, temporaries,
+    collectives) is that program: the row's kernels' estimate is reused; any difference, another
+    strategy or another variant, and the layers are compiled again."""
+    from experiments.maxtext_code import SAME_PROGRAM, kernels_compiled_before
+
+    program = dict(zip(SAME_PROGRAM, (100, 90, 2015, 59.7)))
+    old = {"recipe": "r", "strategy": "searched", "variant": None, **program, "estimate_s": 151.2}
+    row = {"recipe": "r", "strategy": "searched", "variant": None, **program}
+    assert kernels_compiled_before(row, [old]) == pytest.approx(151.2 - 59.7)
+    for key, value in (("collectives", 2016), ("temp_bytes", 91), ("strategy", "recipe"),
+                       ("variant", "tensor 2")):  # fmt: skip
+        assert kernels_compiled_before({**row, key: value}, [old]) is None, key
+    unestimated = {k: v for k, v in old.items() if k != "estimate_s"}
+    assert kernels_compiled_before(row, [unestimated]) is None
+
+
+def test_remeasured_rows_replace_the_previous_ones_and_see_them(monkeypatch, tmp_path):
+    """``config.remeasure``: the named strategies' rows of the recipes run are measured again
+    (their previous rows handed to the measurement) and replace them; other rows stay."""
+    import json
+
+    import ml_collections
+
+    import experiments.maxtext_code as mc
+    from experiments import recipes
+
+    rows = [{"recipe": "qwen3_235b_v5p_512", "strategy": s, "v": 1} for s in ("recipe", "searched")]
+    rows.append({"recipe": "llama2_7b_v5p_128", "strategy": "searched", "v": 1})
+    (tmp_path / "code_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+
+    def measure(name, strategies, done, config, previous=()):
+        seen.append((name, sorted(done), [r["strategy"] for r in previous]))
+        return [{"recipe": name, "strategy": s, "v": 2} for s in strategies
+                if (name, s) not in done]  # fmt: skip
+
+    monkeypatch.setattr(mc, "measure_code", measure)
+    monkeypatch.setattr(mc, "report_code", lambda rows: "")
+    config = ml_collections.ConfigDict({"source": "maxtext_code", "recipes": "qwen3_235b_v5p_512",
+                                        "strategies": "recipe,searched", "remeasure": "searched"})  # fmt: skip
+    out = recipes.run(config, str(tmp_path))
+    assert seen == [("qwen3_235b_v5p_512", [("llama2_7b_v5p_128", "searched"),
+                                            ("qwen3_235b_v5p_512", "recipe")], ["searched"])]  # fmt: skip
+    on_disk = [json.loads(line) for line in (tmp_path / "code_results.jsonl").read_text().split("\n")
+               if line]  # fmt: skip
+    for got in (out, on_disk):
+        assert sorted((r["recipe"], r["strategy"], r["v"]) for r in got) == [
+            ("llama2_7b_v5p_128", "searched", 1), ("qwen3_235b_v5p_512", "recipe", 1),
+            ("qwen3_235b_v5p_512", "searched", 2)]  # fmt: skip

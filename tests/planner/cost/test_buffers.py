@@ -229,9 +229,9 @@ def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
     report = p.compiled_report()
     residuals = 8 * 8192 * 256 * 2  # the stacked layer inputs, in bfloat16
     assert report.temp_bytes >= residuals
-    # against the compiler's peak: 1.14x, the model keeping one layer's float32 slice of the
-    # residuals (8 MiB) that the compiler reads inside the product; in float32 the residuals
-    # alone would be 1.7x
+    # against the compiler's peak: 1.14x, the stack held over the backward loop and each layer
+    # read inside the product (no slice of its own), as the compiler does; in float32 the
+    # residuals alone would be 1.7x
     assert 0.9 <= pred.peak_bytes / report.total_bytes <= 1.15, (pred.peak_bytes, report)
 
 
@@ -479,5 +479,115 @@ def test_the_gpu_rules_against_xla_gpu_compiling_for_one_h100():
     check(lambda x, w: jax.nn.softmax(x @ w, axis=-1), args, 0.99, 1.01)  # 4 products' sizes
     check(lambda x, w: (lambda s: s - jnp.mean(s, 1, keepdims=True))(x @ w), args, 0.99, 1.01)
     check(lambda x, w: (lambda s: s - jnp.mean(s, 0, keepdims=True))(x @ w), args, 0.99, 1.01)
-    check(*_attention_like_layers(1, n=n), 0.8, 1.0)  # 36 against 41
+    check(*_attention_like_layers(1, n=n), 0.95, 1.05)  # 42 against 41 (36 with stacks freed)
     check(*_attention_like_layers(True, n=n), 1.0, 1.2)  # 24 against 21 (36 without the rule)
+
+
+def _language_model_step(unroll=1, vocab=4096):
+    """A step of a small language model: embedding, scanned layers, an output layer and a
+    float32 softmax cross-entropy, the parameters updated by their gradients."""
+
+    def loss(params, tokens):
+        emb, ws, out = params
+        h = emb[tokens]
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws, unroll=unroll)
+        logits = (h @ out).astype(F32)
+        picked = jnp.take_along_axis(logits, tokens[..., None], -1)[..., 0]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+    def step(params, tokens):
+        grads = jax.grad(loss)(params, tokens)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    bf16 = jnp.bfloat16
+    args = ((jax.ShapeDtypeStruct((vocab, 64), bf16), jax.ShapeDtypeStruct((3, 64, 64), bf16),
+             jax.ShapeDtypeStruct((64, vocab), bf16)), jax.ShapeDtypeStruct((4, 128), jnp.int32))  # fmt: skip
+    return step, args
+
+
+def test_the_tpu_compiler_makes_the_output_layers_weight_gradient_after_the_backward_loop():
+    """DEFERRED_PRODUCTS: the output layer's weight gradient, which only the update reads, runs
+    after the layers' backward loop on the TPU (as its compiler scheduled MaxText's DeepSeek-V3,
+    Qwen3-235B and Llama 3.1 405B steps), so the logits' gradient it reads is held over that
+    loop and the predicted peak there grows by it; elsewhere, and past an unrolled scan, it runs
+    where the program has it."""
+    from redist.calibration import Calibration
+
+    step, args = _language_model_step()
+    prog = planner.analyze(step, *args)
+    backward = max((r for r in prog.regions if r.kind == "scan"), key=lambda r: r.start)
+    tpu, cpu = lifetimes(prog, "tpu"), lifetimes(prog, "cpu")
+    moved = [k for k, at in enumerate(tpu.at) if at != k]
+    assert len(moved) == 1 and cpu.at == tuple(range(len(prog.ops)))
+    (k,) = moved
+    dw = prog.ops[k]
+    assert dw.primitive == "dot_general" and sorted(dw.results[0].value.shape) == [64, 4096]
+    assert k < backward.start and tpu.at[k] == backward.stop
+    # its result is made after the loop; the logits' gradient it reads (the other product's
+    # operand too) is freed only then, not where the program reads it first
+    assert any(key[0] == k for key in tpu.alloc[backward.stop])
+    grad_logits = next(a.value.name for a in dw.operands if a.value.shape == (4, 128, 4096))
+    made = prog.index[prog.producer[grad_logits].name]
+    assert tpu.kind[grad_logits] == cpu.kind[grad_logits] == BUFFER
+    assert _freed(tpu)[(made, 0)] >= backward.stop and _freed(cpu)[(made, 0)] < backward.start
+    sched = prog.schedule({}, {"a": 1}, default="replicate")
+    cal = Calibration.named("tpu_v5p")
+    during = _backward_memory(prog, planner.simulate(prog, sched, cal), backward)
+    before = _backward_memory(prog, _without_deferral(prog, sched, cal), backward)
+    # over the loop: the logits' gradient and the last layer's output the product reads, not
+    # the weight gradient it makes (all bfloat16)
+    held = (4 * 128 * 4096 + 4 * 128 * 64 - 64 * 4096) * 2
+    assert before and all(b - a == held for a, b in zip(before, during)), (before, during)
+    inside = peak_buffers(prog, sched, cal, at=prog.ops[backward.body].name)  # what is held there
+    assert grad_logits in {b.name for b in inside.buffers} and inside.bytes == during[0]
+    with pytest.raises(ValueError, match="no op named"):
+        peak_buffers(prog, sched, cal, at="no_such_op")
+    step, args = _language_model_step(unroll=True)
+    unrolled = planner.analyze(step, *args)
+    assert lifetimes(unrolled, "tpu").at == tuple(range(len(unrolled.ops)))
+
+
+def _freed(lt) -> dict:
+    """Buffer -> the op after which ``lt`` frees it."""
+    return {key: end for end, keys in enumerate(lt.free) for key in keys}
+
+
+def _backward_memory(prog, prediction, loop) -> list[int]:
+    """The predicted bytes live while each op of ``loop``'s body runs."""
+    names = {o.name for o in prog.ops[loop.body : loop.stop]}
+    return [c.memory_bytes for c in prediction.ops if c.op in names]
+
+
+def _without_deferral(prog, sched, cal):
+    """``sched``'s prediction without :data:`DEFERRED_PRODUCTS`."""
+    from planner.cost import buffers
+
+    saved = buffers.DEFERRED_PRODUCTS
+    try:
+        buffers.DEFERRED_PRODUCTS = frozenset()
+        buffers.LIFETIMES.get(prog, dict).clear()
+        return planner.simulate(prog, sched, cal)
+    finally:
+        buffers.DEFERRED_PRODUCTS = saved
+        buffers.LIFETIMES.get(prog, dict).clear()
+
+
+def test_a_stack_a_loop_slices_is_held_for_the_whole_loop_and_the_tpu_reads_its_layers_in_place():
+    """A rolled backward loop reads each layer of the forward's stacked residuals: the stack lives
+    to the loop's end, also where the layer's slice is a buffer of its own (XLA:CPU); the TPU
+    compiler reads the layer inside the product (SLICED_IN_PRODUCTS), so its slice is none."""
+
+    def step(ws, x):
+        body = lambda h, w: (h @ w, None)  # noqa: E731
+        return jax.grad(lambda ws: jnp.sum(jax.lax.scan(body, x, ws)[0]))(ws)
+
+    prog = planner.analyze(step, jax.ShapeDtypeStruct((4, 64, 64), F32),
+                           jax.ShapeDtypeStruct((256, 64), F32))  # fmt: skip
+    forward, backward = sorted((r for r in prog.regions if r.kind == "scan"), key=lambda r: r.start)
+    stack = next(k for k in range(forward.body, forward.stop) if prog.ops[k].primitive == "scan_ys")
+    slices = [prog.ops[k].results[0].value.name for k in range(backward.start, backward.body)
+              if prog.ops[k].primitive == "scan_xs"]  # fmt: skip
+    for backend, slice_kind in (("cpu", BUFFER), ("tpu", FUSED)):
+        lt = lifetimes(prog, backend)
+        assert _freed(lt)[(stack, 0)] == backward.stop - 1, backend
+        assert slices and all(lt.kind[v] == slice_kind for v in slices), backend
