@@ -126,14 +126,16 @@ def test_remat_stores_less_and_the_prediction_follows_the_compiler():
         return jax.grad(lambda ws, x: jnp.mean(jax.lax.scan(body, x, ws)[0] ** 2))
 
     args = [jax.ShapeDtypeStruct(s, F32) for s in ((6, 256, 256), (512, 256))]
-    got = {}
+    got, compiled = {}, {}
     for remat in (False, True):
         prog = planner.analyze(step(remat), *args)
         pred = planner.simulate(prog, prog.schedule({}, {"a": 8}, default="replicate"))
-        compiled = compiled_total(jax.jit(step(remat)).lower(*args).compile())
-        assert 0.75 <= pred.peak_bytes / compiled <= 1.25
+        compiled[remat] = compiled_total(jax.jit(step(remat)).lower(*args).compile())
+        assert 0.75 <= pred.peak_bytes / compiled[remat] <= 1.25
         got[remat] = pred.peak_bytes
-    assert got[True] < 0.6 * got[False]
+    # remat keeps 0.41x (JAX 0.10) / 0.58x (JAX 0.12) of the compiler's memory without it
+    assert got[True] < 0.7 * got[False]
+    assert abs(got[True] / got[False] - compiled[True] / compiled[False]) < 0.05, (got, compiled)
 
 
 def test_donated_inputs_hold_the_outputs():
