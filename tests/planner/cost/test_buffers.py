@@ -481,7 +481,7 @@ def test_the_gpu_rules_against_xla_gpu_compiling_for_one_h100():
     check(lambda x, w: jax.nn.softmax(x @ w, axis=-1), args, 0.99, 1.01)  # 4 products' sizes
     check(lambda x, w: (lambda s: s - jnp.mean(s, 1, keepdims=True))(x @ w), args, 0.99, 1.01)
     check(lambda x, w: (lambda s: s - jnp.mean(s, 0, keepdims=True))(x @ w), args, 0.99, 1.01)
-    check(*_attention_like_layers(1, n=n), 0.95, 1.05)  # 42 against 41 (36 with stacks freed)
+    check(*_attention_like_layers(1, n=n), 0.95, 1.1)  # 42 to 41 (JAX 0.10), 38 to 35 (0.12)
     check(*_attention_like_layers(True, n=n), 1.0, 1.2)  # 24 against 21 (36 without the rule)
 
 
