@@ -215,7 +215,7 @@ layouts take any order."""
 
 DEFERRED_PRODUCTS = frozenset({"tpu"})
 """Backends whose scheduler runs a product outside loops, whose result nothing reads before a
-later loop ends, after that loop (:func:`deferred_products`): the product's operands are held
+later loop ends, after that loop (:func:`_deferrable`): the product's operands are held
 over the loop, its result is made after it. The TPU compiler does so with the output layer's
 weight gradient, which only the optimizer reads: the logits' gradient it reads is kept over
 the layers' backward loop (DeepSeek-V3 on 512 v5p chips, bf16[6,8192,129280] per chip: 12.7
@@ -678,14 +678,14 @@ def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = F
     soonest = list(range(n))  # where an op runs first (a fused op: where its first reader does)
     last: dict[str, int] = {}
     first: dict[str, int] = {}
-    past = _loop_ends(prog, regions) if defer else {}
+    past = _deferrable(prog, regions) if defer else {}
     at = list(range(n))
     for k in range(n - 1, -1, -1):
         for r in ops[k].results:
             readers = [index[c.name] for c, _ in uses.get(r.value.name, ())]
             last[r.value.name] = max((when[c] for c in readers), default=k)
             first[r.value.name] = min((soonest[c] for c in readers), default=k)
-        if k in past and ops[k].primitive == "dot_general" and ops[k].results:
+        if k in past:
             needed = min(first[r.value.name] for r in ops[k].results)
             ends = [stop for start, stop in past[k] if stop <= needed]
             if ends and needed > k:  # (a result no op reads is dead: left where it is)
@@ -713,7 +713,7 @@ def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = F
     extra, reading = _other_layers(prog, cats, regions, repeated, spans)
     for region in loops:  # read inside a loop, made before its body: held to the loop's end
         layers = any(region is r for r in reading)  # (a layer's slice: to its last reader)
-        if not any(region is r for r in regions):  # a rolled loop slices its stacks each step
+        if _kept(region, regions):  # a rolled loop slices its stacks each step
             for key in _sliced_stacks(prog, cats, kind, region):
                 if key in spans and spans[key][0] < region.start:
                     spans[key][1] = max(spans[key][1], region.stop - 1)
@@ -764,32 +764,36 @@ def _sliced_stacks(prog: Program, cats: list[str], kind: dict[str, str], region)
             for key in _fused_reads(prog, cats, kind, k)}  # fmt: skip
 
 
+def _kept(region, inlined: list) -> bool:
+    """Whether the compiler keeps ``region`` as a loop: a while, or a scan not ``inlined``."""
+    return region.kind in ("scan", "while") and not any(region is x for x in inlined)
+
+
 def _rolled_slices(prog: Program, inlined: list) -> frozenset[int]:
     """The ``scan_xs`` ops of the scans the compiler keeps as loops (not ``inlined``)."""
-    return frozenset(k for r in prog.regions if r.kind == "scan"
-                     and not any(r is x for x in inlined)
+    return frozenset(k for r in prog.regions if r.kind == "scan" and _kept(r, inlined)
                      for k in range(r.start, r.body) if prog.ops[k].primitive == "scan_xs")  # fmt: skip
 
 
-def _loop_ends(prog: Program, inlined: list) -> dict[int, list[tuple[int, int]]]:
-    """:data:`DEFERRED_PRODUCTS`: per op outside every loop and conditional, the ``(start,
-    stop)`` of the outermost loops after it that the compiler keeps as loops (scans not
-    unrolled, whiles); calls (``checkpoint``, ``custom_vjp``) are inlined, so their ops count.
+def _deferrable(prog: Program, inlined: list) -> dict[int, list[tuple[int, int]]]:
+    """:data:`DEFERRED_PRODUCTS`: per product (``dot_general``) outside every loop and
+    conditional, the ``(start, stop)`` of the outermost loops after it that the compiler keeps as
+    loops (:func:`_kept`); calls (``checkpoint``, ``custom_vjp``) are inlined, so their ops count.
 
     Example:
-        >>> _loop_ends(prog, [])[726]                                   # doctest: +SKIP
+        >>> _deferrable(prog, [])[726]                                  # doctest: +SKIP
         [(747, 1224), (1240, 1674)]
     """
     spans = [(r.start, r.stop) for r in prog.regions if r.kind in ("scan", "while", "cond")]
-    loops = [(r.start, r.stop) for r in prog.regions if r.kind in ("scan", "while")
-             and not any(r is x for x in inlined)
+    loops = [(r.start, r.stop) for r in prog.regions if _kept(r, inlined)
              and not any((s, e) != (r.start, r.stop) and s <= r.start and r.stop <= e
                          for s, e in spans)]  # fmt: skip
     if not loops:
         return {}
     inside = {k for s, e in spans for k in range(s, e)}
-    return {k: [(s, e) for s, e in loops if s > k] for k in range(len(prog.ops))
-            if k not in inside and any(s > k for s, _ in loops)}  # fmt: skip
+    return {k: [(s, e) for s, e in loops if s > k] for k, op in enumerate(prog.ops)
+            if op.primitive == "dot_general" and op.results and k not in inside
+            and any(s > k for s, _ in loops)}  # fmt: skip
 
 
 def _same_size(a, b) -> bool:

@@ -684,7 +684,7 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
             if scatter is None:  # the partial result is counted as the result until it is summed
                 spans.append((last, last, size))
             else:  # the whole partial result until then, besides the scattered result
-                spans.append((lt.at[k] if lt.at else k, last, size * n - size))
+                spans.append((lt.at[k], last, size * n - size))
                 spans.append((last, last, size + (whole - 1) * size * n))
     return members, spans
 
@@ -840,7 +840,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
     for k, st in enumerate(steps):
         for mv, size in zip(st.moves, priced[k][4]):
             held = copies.get((mv.value.name, mv.dst))
-            begin = lt.at[k] if lt.at else k  # (a product the compiler defers: where it runs)
+            begin = lt.at[k]  # (a product the compiler defers: where it runs)
             if held is None:
                 size //= micro.get(mv.value.name, 1)
                 copies[(mv.value.name, mv.dst)] = [begin, lt.hold[k], size, mv, st.op.name]
