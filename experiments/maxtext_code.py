@@ -216,14 +216,37 @@ def _extended(times: list[float], at: tuple[int, int], layers: int) -> float:
     return times[0] + (layers - at[0]) * (times[1] - times[0])
 
 
+NO_RECOMPUTING = {"xla_tpu_rematerialization_min_size_in_bytes": 2**50}
+"""The TPU compiler's options for the layer estimate's compiles: its rematerialization off (no
+buffer is large enough to be computed again). A step at a few layers unrolled keeps more alive
+than the whole step's scan, and where that is over the compiler's memory limit it computes what
+it can again to fit (DeepSeek-V3 at 5 layers on v5p-1024: its logits three times over), which
+the whole step, within HBM, does not (:func:`redist.hlo.recomputed` counts none in any row's
+compile). A program within the limit compiles the same with or without it."""
+
+
+def _layer_seconds(lowered, cal) -> float:
+    """The kernels' seconds of ``lowered`` (a small step of the layer estimate) compiled with
+    :data:`NO_RECOMPUTING`; raises ``RuntimeError`` where the compiler still computed anything
+    twice (an option libtpu stopped honouring)."""
+    from planner.target.compiled_time import compiled_time
+    from redist.hlo import recomputed
+
+    compiled = lowered.compile(compiler_options=NO_RECOMPUTING)
+    again = recomputed(compiled.as_text())
+    if again:
+        raise RuntimeError(
+            f"the compiler computed {again} instructions again despite {NO_RECOMPUTING}"
+        )
+    return compiled_time(compiled, cal).optimal_seconds
+
+
 def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int],
                      variant: str | None = None) -> float:  # fmt: skip
     """The kernels' seconds of MaxText's layout at ``layers``: its own step at the depths ``at``
     (:func:`depths`), its scans unrolled (as the plan's are, :func:`_plan_kernels`), jitted with its own
     shardings, compiled, extended."""
     import jax
-
-    from planner.target.compiled_time import compiled_time
 
     times = []
     for depth in at:
@@ -238,8 +261,7 @@ def _authors_kernels(name: str, layers: int, cal, at: tuple[int, int],
 
             fn = jax.jit(unrolled, in_shardings=small.in_shardings,
                          out_shardings=small.out_shardings, donate_argnums=small.donate_argnums)  # fmt: skip
-            compiled = fn.lower(*small.args).compile()
-        times.append(compiled_time(compiled, cal).optimal_seconds)
+            times.append(_layer_seconds(fn.lower(*small.args), cal))
     return _extended(times, at, layers)
 
 
@@ -255,7 +277,6 @@ def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int],
     from planner.program.analysis import analyze
     from planner.program.schedule import Schedule
     from planner.target.compiled import input_structs
-    from planner.target.compiled_time import compiled_time
 
     times = []
     for depth in at:
@@ -274,8 +295,7 @@ def _plan_kernels(name: str, plan, layers: int, cal, at: tuple[int, int],
             # on the small step's own mesh: its shard_maps name that mesh's devices
             carried = AutoPlan.of(prog, target, small.mesh, calibration=cal, signature=sig,
                                   out_tree=out_tree, donate_argnums=plan.donate_argnums)  # fmt: skip
-            compiled = carried.jit().lower(*input_structs(carried)).compile()
-        times.append(compiled_time(compiled, cal).optimal_seconds)
+            times.append(_layer_seconds(carried.jit().lower(*input_structs(carried)), cal))
     return _extended(times, at, layers)
 
 

@@ -247,13 +247,17 @@ def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
 
 
 def _row_of(compiled, report, cal, n: int, optimal_s: float | None) -> dict:
+    """The compiled figures of a row; ``recomputed``: the instructions the compiler computes again
+    to fit (:func:`redist.hlo.recomputed`)."""
     from planner.target.compiled_time import compiled_time
+    from redist.hlo import recomputed
 
     row = {"fits": report.fits, "compiled_bytes": report.total_bytes,
            "hbm_bytes": report.hbm_bytes, "temp_bytes": report.temp_bytes}  # fmt: skip
     if compiled is not None:
         ct = compiled_time(compiled, cal, n)
-        row.update(compiled_collective_s=ct.collective_s, collectives=ct.collectives)
+        row.update(compiled_collective_s=ct.collective_s, collectives=ct.collectives,
+                   recomputed=recomputed(compiled.as_text()))  # fmt: skip
         if optimal_s is not None:
             row["estimate_s"] = optimal_s + ct.collective_s
     return row
@@ -441,6 +445,16 @@ def _write_rows(path: str, rows: list[dict], mode: str = "w") -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _drop_estimates(rows: list[dict], name: str, strategies: set[str]) -> None:
+    """Recipe ``name``'s rows of ``strategies`` without their estimate (kept as
+    ``estimate_before_s``), in place, for the estimate to be made again."""
+    for r in rows:
+        if r["recipe"] == name and r["strategy"] in strategies and "estimate_s" in r:
+            r["estimate_before_s"] = r.pop("estimate_s")
+            r.pop("mfu", None)
+            r.pop("estimate_from", None)
+
+
 def run(config, workdir: str) -> list[dict]:
     """Measure ``config.recipes`` (``config.source``: ``"model"``, :data:`RECIPES` on the
     step written here; ``"maxtext_code"``, :data:`experiments.maxtext_code.CODE_RECIPES` on
@@ -467,6 +481,7 @@ def run(config, workdir: str) -> list[dict]:
     again = {(n, s) for n in names for s in config.get("remeasure", "").split(",")
              if s in strategies}  # fmt: skip
     done = {(r["recipe"], r["strategy"]) for r in rows} - again
+    again_estimated = {s for s in config.get("reestimate", "").split(",") if s}
     for name in names:
         if name not in known:
             raise ValueError(f"recipe {name!r} is unknown; known: {sorted(known)}")
@@ -477,7 +492,10 @@ def run(config, workdir: str) -> list[dict]:
             new = measure(name, strategies, done, config)
         rows = [r for r in rows if not any(r is x for x in previous)] + new
         _write_rows(path, rows)  # (rows measured again replace the previous ones)
-        if code and config.get("fill_estimates", False):
+        if code and again_estimated:
+            earlier = [r for r in rows if not any(r is x for x in new)]  # not those just measured
+            _drop_estimates(earlier, name, again_estimated)
+        if code and (config.get("fill_estimates", False) or again_estimated):
             try:
                 estimate_rows(name, rows)
             finally:  # the estimates filled before an error are kept

@@ -506,6 +506,25 @@ def kernel_counts(hlo: str | tuple[Kernel, ...]) -> KernelCounts:
     return KernelCounts(flops, float(read), float(written), launches)
 
 
+# an instruction the compiler's rematerialization copied: %fusion.9.remat, %gte.remat.1,
+# %all-gather.3.remat2, %fusion.4.remat_compressed.q_ref
+_RECOMPUTED = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w\-]+(?:\.[\w\-]+)*?\.remat(?:\d+|_\w+?)?(?:\.[\w\-]+)*\s*=", re.M
+)
+
+
+def recomputed(hlo_text: str) -> int:
+    """How many instructions of an optimized HLO module the compiler's rematerialization added
+    (it names each copy ``<name>.remat``, ``.remat2``, ``.remat_compressed``, ...): what a compiler over its memory limit computes again
+    to fit, which the user's program does not ask for.
+
+    Example:
+        >>> recomputed("%fusion.2.remat = bf16[8]{0} fusion(%p), kind=kLoop, calls=%f")
+        1
+    """
+    return len(_RECOMPUTED.findall(hlo_text))
+
+
 @contextlib.contextmanager
 def captured_stderr():
     """Capture what C++ code writes to file descriptor 2 (XLA's logs) into ``buf[0]``."""

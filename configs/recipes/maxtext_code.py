@@ -18,6 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles
     # the estimate of compiled rows that have none (measured without it), added in place
     c.fill_estimates = False
+    # strategies (of any names) whose rows of config.recipes have their estimate made again, the
+    # previous one kept as estimate_before_s (after a change in how the layers are compiled)
+    c.reestimate = ""
     # the searched rows' searches (and each variant's of the searched_variants rows) replayed on
     # today's planner, their compiles answered by what the rows recorded: the search seconds
     # measured again, without compiling

@@ -1,6 +1,8 @@
-"""experiments.maxtext_code's pieces that need neither MaxText nor the TPU compiler: the unrolled
-program it estimates kernels from, the depths it extends from, and its table."""
+"""experiments.maxtext_code's pieces that need no MaxText: the unrolled program it estimates
+kernels from, the depths it extends from, the compiler options of those compiles (with the TPU
+compiler), and its table."""
 
+import importlib.util
 import types
 
 import jax
@@ -10,6 +12,8 @@ import pytest
 
 from experiments.maxtext_code import (
     CODE_RECIPES,
+    NO_RECOMPUTING,
+    _layer_seconds,
     depths,
     evaluate,
     report_code,
@@ -49,6 +53,41 @@ def test_unrolled_scans_compute_the_same():
     assert _scans(getattr(traced, "jaxpr", traced), []) == [1]
     assert _scans(getattr(unrolled, "jaxpr", unrolled), []) == [3]
     np.testing.assert_allclose(evaluate(unrolled, ws, x)[0], _layers(ws, x), rtol=1e-6)
+
+
+def _recomputing_step(x, w, w2, w3, v):
+    """Over v5p's memory limit unless ``y`` (422 TFLOP) is computed again after the products
+    that read ``x2``."""
+    y = x @ w
+    x2 = x + y[:, : x.shape[1]]
+    u = ((x2 @ w2) * (x2 @ w3)) @ v
+    return (y * (u @ v.T)[:, :1]).sum()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_the_layer_estimate_compiles_without_computing_anything_twice():
+    """Left to itself the TPU compiler computes a step's largest product again to fit its memory
+    (flops 1.4x the program's); the layer estimate's options stop it, so the kernels' seconds
+    count what the step asks for, once."""
+    import planner
+    from planner.cost.memory import default_calibration
+    from redist.hlo import recomputed
+
+    mesh = planner.topology_mesh("v5p:2x2x1", {"x": 4})
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shapes = [(65536, 8192), (8192, 393216), (8192, 262144), (8192, 262144), (262144, 1024)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=whole) for s in shapes]
+    lowered = jax.jit(_recomputing_step).lower(*args)
+    # three products of x's, one by v (u @ v.T's one column kept is a product the compiler shrinks)
+    asked = 2.0 * 65536 * 8192 * (393216 + 2 * 262144) + 2.0 * 65536 * 262144 * 1024
+    left = lowered.compile()
+    assert recomputed(left.as_text()) > 0
+    assert left.cost_analysis()["flops"] > 1.3 * asked
+    kept = lowered.compile(compiler_options=NO_RECOMPUTING)
+    assert recomputed(kept.as_text()) == 0
+    assert kept.cost_analysis()["flops"] == pytest.approx(asked, rel=0.01)
+    cal = default_calibration(mesh)
+    assert _layer_seconds(lowered, cal) < left.cost_analysis()["optimal_seconds"]
 
 
 def test_depths_skip_the_dense_first_layers_of_a_mixture_of_experts():
@@ -308,3 +347,39 @@ def test_remeasured_rows_replace_the_previous_ones_and_see_them(monkeypatch, tmp
         assert sorted((r["recipe"], r["strategy"], r["v"]) for r in got) == [
             ("llama2_7b_v5p_128", "searched", 1), ("qwen3_235b_v5p_512", "recipe", 1),
             ("qwen3_235b_v5p_512", "searched", 2)]  # fmt: skip
+
+
+def test_reestimated_rows_keep_their_previous_estimate_beside_the_new_one(monkeypatch, tmp_path):
+    """``config.reestimate``: the named strategies' rows of the recipes run lose their estimate
+    (kept as ``estimate_before_s``) and have it made again; other rows keep theirs."""
+    import json
+
+    import ml_collections
+
+    import experiments.maxtext_code as mc
+    from experiments import recipes
+
+    rows = [{"recipe": "deepseek3_671b_v5p_1024", "strategy": s, "estimate_s": 1.0, "mfu": 0.5,
+             "compiled_collective_s": 0.5} for s in ("recipe", "searched")]  # fmt: skip
+    rows.append({"recipe": "llama2_7b_v5p_128", "strategy": "searched", "estimate_s": 1.0})
+    (tmp_path / "code_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def estimate(name, rows):
+        for r in rows:
+            if r["recipe"] == name and "estimate_s" not in r:
+                r["estimate_s"] = 2.0
+
+    monkeypatch.setattr(mc, "measure_code", lambda *a, **k: [])
+    monkeypatch.setattr(mc, "estimate_rows", estimate)
+    monkeypatch.setattr(mc, "report_code", lambda rows: "")
+    config = ml_collections.ConfigDict({"source": "maxtext_code", "strategies": "",
+                                        "recipes": "deepseek3_671b_v5p_1024,llama2_7b_v5p_128",
+                                        "reestimate": "searched"})  # fmt: skip
+    recipes.run(config, str(tmp_path))
+    got = {(r["recipe"], r["strategy"]): r for r in map(json.loads,
+           (tmp_path / "code_results.jsonl").read_text().split("\n")[:-1])}  # fmt: skip
+    again = got[("deepseek3_671b_v5p_1024", "searched")]
+    assert (again["estimate_s"], again["estimate_before_s"], "mfu" in again) == (2.0, 1.0, False)
+    assert got[("deepseek3_671b_v5p_1024", "recipe")]["estimate_s"] == 1.0
+    assert got[("llama2_7b_v5p_128", "searched")]["estimate_s"] == 2.0
+    assert "estimate_before_s" not in got[("deepseek3_671b_v5p_1024", "recipe")]

@@ -1,7 +1,14 @@
 """redist.hlo: collectives read from HLO text, in the three ways XLA writes device groups; kernels
 with their matmul flops and bytes, through fusions and loops."""
 
-from redist.hlo import Collective, counted_collectives, hlo_collectives, hlo_kernels, kernel_counts
+from redist.hlo import (
+    Collective,
+    counted_collectives,
+    hlo_collectives,
+    hlo_kernels,
+    kernel_counts,
+    recomputed,
+)
 
 TEXT = """
   %ag = f32[8,64]{0,1} all-gather(%c), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_1','axis_2'}, dimensions={1}
@@ -180,3 +187,20 @@ def test_a_ragged_all_to_all_is_an_all_to_all_of_its_smaller_buffer():
         Collective("all-to-all", 16 * 2 * 128 * 2, 8),
         Collective("all-to-all", 64 * 2 * 128 * 2, 8),
     )
+
+
+def test_recomputed_counts_the_copies_the_compilers_rematerialization_names():
+    """libtpu names each copy it computes again ``<name>.remat``, ``.remat2``, ``.remat.1``,
+    ``.remat_compressed`` (and suffixes after); a name or an op_name that merely contains
+    "remat" (JAX's ``rematted_computation``, a user's ``remat_fn``) is not one."""
+    hlo = """
+  %fusion.2.remat = bf16[8]{0} fusion(%p), kind=kLoop, calls=%f
+  %gte.remat.1 = f32[] get-tuple-element(%t), index=0
+  %all-gather.3.remat2 = bf16[8]{0} all-gather(%q), replica_groups={{0,1}}, dimensions={0}
+  %fusion.4.remat_uncompressed.q_ref = bf16[8]{0} fusion(%p), kind=kLoop, calls=%f
+  %remat_fn = f32[] add(%a, %b), metadata={op_name="jit(f)/checkpoint/rematted_computation/add"}
+  %rematted.1 = f32[] add(%a, %b)
+  ROOT %fusion.9.remat_compressed = bf16[8]{0} fusion(%p), kind=kLoop, calls=%f
+"""
+    assert recomputed(hlo) == 5
+    assert recomputed(TEXT) == 0
