@@ -154,6 +154,9 @@ _FOLDERS = [
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
                                                 ("config.strategies", "searched"),
                                                 ("config.remeasure", "searched"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
+                                                ("config.strategies", '""'),
+                                                ("config.reestimate", "recipe,searched"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the last seven commands (MaxText's own step, code_*.{jsonl,md,json}, "
@@ -162,9 +165,12 @@ _FOLDERS = [
        "Qwen3-235B's on Ironwood 56 min, each beside other compiles) need Python >= 3.12 "
        "with the libraries extra too; the next to last, run for each recipe in turn, replays the "
        "searched rows' searches on the current planner without compiling (a few minutes each); "
-       "the last, run for each recipe in turn, measures the searched rows again on the current "
+       "the next, run for each recipe in turn, measures the searched rows again on the current "
        "planner (its memory model changed), a plan compiled to the program its row compiled "
-       "keeping that row's kernels' estimate (DeepSeek-V3's took 100 min beside other compiles)"),
+       "keeping that row's kernels' estimate (DeepSeek-V3's took 100 min beside other compiles); "
+       "the last, run for each recipe in turn, makes the rows' estimates again (their layers "
+       "compiled with the compiler's rematerialization off; DeepSeek-V3's rows took 40 min each, "
+       "beside each other)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip

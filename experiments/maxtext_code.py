@@ -529,7 +529,7 @@ def kernels_compiled_before(row: dict, previous) -> float | None:
 
     Example:
         >>> kernels_compiled_before(row, old_rows)                        # doctest: +SKIP
-        91.5
+        57.1
     """
     for r in previous:
         if (
