@@ -515,8 +515,8 @@ _RECOMPUTED = re.compile(
 
 def recomputed(hlo_text: str) -> int:
     """How many instructions of an optimized HLO module the compiler's rematerialization added
-    (it names each copy ``<name>.remat``, ``.remat2``, ``.remat_compressed``, ...): what a compiler over its memory limit computes again
-    to fit, which the user's program does not ask for.
+    (it names each copy ``<name>.remat``, ``.remat2``, ``.remat_compressed``, ...): what a
+    compiler over its memory limit computes again to fit, which the program does not ask for.
 
     Example:
         >>> recomputed("%fusion.2.remat = bf16[8]{0} fusion(%p), kind=kLoop, calls=%f")
