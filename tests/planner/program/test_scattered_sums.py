@@ -54,9 +54,7 @@ def _rewritten(fn, *args):
     (eqn,) = scatter_sums(traced.jaxpr.eqns)
     rewritten = traced.replace(jaxpr=traced.jaxpr.replace(eqns=[eqn]))
     with jax.set_mesh(MESH):
-        got = jax.jit(lambda *a: jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *a))(
-            *args
-        )
+        got = jax.jit(lambda *a: jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *a))(*args)
     return eqn, got, jax.tree.leaves(jax.jit(fn)(*args))
 
 
