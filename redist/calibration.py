@@ -115,16 +115,11 @@ class Calibration:
     # program (dispatch).
     kernel_s: float = 0.0
     step_s: float = 0.0
-    # Collective kinds the compiler builds as another, priced as that one (on the same bytes
-    # named): the TPU compiler for v5p and v4 builds every reduce-scatter as an all-reduce of
-    # the whole input and a slice of it (v5e, v6e and Ironwood keep the reduce-scatter).
-    built_as: dict[str, str] | None = None
 
     def collective_time(self, kind: str, nbytes: float, n: int, crosses: bool = False) -> float:
         """Seconds for ``kind`` over ``n`` devices; ``crosses``: the group spans two domains."""
         if n <= 1:
             return 0.0
-        kind = (self.built_as or {}).get(kind, kind)
         if crosses and self.cross_bytes_per_s:
             return (
                 self.cross_latency_s[kind]

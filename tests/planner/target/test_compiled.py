@@ -390,27 +390,3 @@ def test_a_program_holding_host_memory_is_judged_on_its_device_part():
     assert device_peak_bytes(recipe) == 9525391360 + 9524741888 + 21612661856 - 9524736000
     on_device = SimpleNamespace(**{**vars(recipe), "host_temp_size_in_bytes": 0})
     assert device_peak_bytes(on_device) == 115221932288  # the compiler's own peak
-
-
-@needs_libtpu
-@pytest.mark.parametrize("topology, name", [("v5p:2x2x2", "tpu_v5p"), ("v4:2x2x2", "tpu_v4"),
-                                            ("v6e:2x4", "tpu_v6e"), ("v5e:2x4", "tpu_v5e")])  # fmt: skip
-def test_a_reduce_scatter_is_priced_as_the_collective_the_compiler_builds(topology, name):
-    """v5p and v4 build a ``psum_scatter`` as an all-reduce of the whole input and a slice; the
-    calibration prices it so, and prices a reduce-scatter as one where the compiler keeps it."""
-    from redist.hlo import hlo_collectives
-
-    mesh = planner.topology_mesh(topology, {"x": 8})
-    summed = jax.shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh=mesh,
-                           in_specs=P("x"), out_specs=P("x"))  # fmt: skip
-    x = jax.ShapeDtypeStruct((8 * 1024, 1024), jnp.float32)
-    text = jax.jit(summed).lower(x).compile().as_text()
-    built = {c.kind for c in hlo_collectives(text)}
-    cal = Calibration.named(name)
-    kind = (cal.built_as or {}).get("reduce-scatter", "reduce-scatter")
-    assert built == {kind}, (topology, built)
-    assert cal.collective_time("reduce-scatter", 2**22, 8) == cal.collective_time(kind, 2**22, 8)
-    if kind == "reduce-scatter":
-        assert cal.collective_time("reduce-scatter", 2**22, 8) < cal.collective_time(
-            "all-reduce", 2**22, 8
-        )
