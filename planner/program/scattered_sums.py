@@ -11,20 +11,24 @@ Split, the result is the same array (``psum_scatter`` gives each device the bloc
 whole (an all-gather, which with the reduce-scatter is what the all-reduce was).
 
 Only bodies without replication checks (``check_vma=False``, as MaxText writes them) are
-rewritten, and only results nothing else in the body reads. The dimension split is the block's
-major-most one longer than 1, and only where the axes' devices divide it: its blocks are then
-contiguous in the row-major layout every producer gives (megablox's ``tgmm`` cannot give
-another), so the sum is split in place. Along a minor dimension the TPU compiler first copies
-the whole block to make that dimension major (DeepSeek-V3's 7.5 GB expert gradients, three per
-layer, 1.1 s of its step on v5p); there the sum stays as written. Axes the dimension is already
-split over stay outside the new ones.
+rewritten, and only results nothing else in the body reads. The dimension split is the longest
+one whole in ``out_specs`` that the axes' devices divide (the first of equals).
+
+A sum over every device of the mesh stays as written. The TPU compiler for v5p builds such a
+reduce-scatter as the all-reduce and a slice (a ``psum_scatter`` over a whole 8-chip mesh, of
+any size or dtype tried; DeepSeek-V3's expert gradients over 512 chips), so splitting saves
+nothing there, and split along a minor dimension the compiler first copies the whole block to
+make it major: DeepSeek-V3's 7.5 GB expert gradients, three per layer, 1.1 s of its step. Over
+part of the mesh it chooses per collective and mostly keeps the reduce-scatter (Qwen3-235B's
+plan at tensor 4: 658 of them). v6e and Ironwood keep it over a whole mesh too; there this
+rule may give up a gain.
 
 Example::
 
-    # body: ..., g = psum[axes=('fsdp',)] t;  out_specs (P('expert', None, 'tensor'),)
+    # body: ..., g = psum[axes=('fsdp',)] t;  out_specs (P(None, None, 'tensor'),)
     # becomes
-    # body: ..., g = reduce_scatter[axis_name=('fsdp',), scatter_dimension=0, tiled=True] t
-    #       out_specs (P(('expert', 'fsdp'), None, 'tensor'),)
+    # body: ..., g = reduce_scatter[axis_name=('fsdp',), scatter_dimension=1, tiled=True] t
+    #       out_specs (P(None, 'fsdp', 'tensor'),)
 """
 
 from __future__ import annotations
@@ -41,16 +45,21 @@ from planner.program.manual import mesh_sizes, spec_axes
 from redist.specs import padded_entries
 
 
-def _scatter_dim(shape: tuple[int, ...], parts: int) -> int | None:
-    """The major-most dimension of a device's block ``shape`` longer than 1, where ``parts``
-    divides it: split there, each part is contiguous in row-major order.
+def _scatter_dim(shape, spec, parts: int) -> int | None:
+    """The longest dimension whole in ``spec`` that ``parts`` divides (first of equals)."""
+    whole = [d for d, axes in enumerate(spec_axes(spec, len(shape)))
+             if not axes and shape[d] % parts == 0 and shape[d] >= parts]  # fmt: skip
+    return max(whole, key=lambda d: (shape[d], -d)) if whole else None
+
+
+def _every_device(axes: tuple[str, ...], sizes: dict[str, int]) -> bool:
+    """Whether a sum over ``axes`` spans every device of a mesh of ``sizes``.
 
     Example:
-        >>> _scatter_dim((1, 256, 7168), 8), _scatter_dim((256, 7168, 2048), 512)
-        (1, None)
+        >>> _every_device(("fsdp",), {"fsdp": 512, "tensor": 1}), _every_device(("x",), {"x": 4, "y": 2})
+        (True, False)
     """
-    major = next((d for d, n in enumerate(shape) if n > 1), None)
-    return major if major is not None and shape[major] % parts == 0 else None
+    return math.prod(sizes[a] for a in set(axes)) == math.prod(sizes.values())
 
 
 def _reduce_scatter(mesh, axes: tuple[str, ...], aval, dim: int):
@@ -94,9 +103,9 @@ def _scattered(eqn):
         if getattr(specs[k], "unreduced", None) or getattr(specs[k], "reduced", None):
             continue
         if not axes or not all(isinstance(a, str) and a in sizes for a in axes) \
-                or mentioned & set(axes):  # fmt: skip
+                or mentioned & set(axes) or _every_device(axes, sizes):  # fmt: skip
             continue
-        dim = _scatter_dim(v.aval.shape, math.prod(sizes[a] for a in axes))
+        dim = _scatter_dim(v.aval.shape, specs[k], math.prod(sizes[a] for a in axes))
         if dim is not None:
             swaps[v] = (sum_.invars[sum_.outvars.index(v)], axes, dim, k)
     if not swaps:
@@ -117,8 +126,7 @@ def _scattered(eqn):
                 eqns.append(rs.replace(invars=[x]))
                 outvars[k] = rs.outvars[0]
                 entries = list(padded_entries(specs[k], len(v.aval.shape)))
-                split = spec_axes(specs[k], len(v.aval.shape))[dim] + axes
-                entries[dim] = split[0] if len(split) == 1 else split
+                entries[dim] = axes[0] if len(axes) == 1 else axes
                 specs[k] = P(*entries)
             continue
         eqns.append(e)

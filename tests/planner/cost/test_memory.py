@@ -121,3 +121,46 @@ def test_peak_buffers_name_moved_copies_and_values_at_the_peak():
     kinds = {b.kind.split()[0] for b in peak.buffers}
     assert kinds <= {"input", "output", "constant", "from", "moved", "scratch"}
     assert any(b.kind == "input" and b.shape == (128, 512) for b in peak.buffers)
+
+
+def _experts(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _summed_step(a, b, x):
+    """MaxText's mixture of experts in small: a weight made whole, read whole by a shard_map
+    over every device, its gradient summed there whole (a psum) after the backward product
+    last reads it."""
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def loss(w, x):
+        w = jax.lax.with_sharding_constraint(w, jax.sharding.PartitionSpec())
+        y = jax.shard_map(_experts, mesh=mesh, in_specs=(jax.sharding.PartitionSpec("fsdp"),
+                                                         jax.sharding.PartitionSpec()),
+                          out_specs=jax.sharding.PartitionSpec("fsdp"), check_vma=False)(x, w)  # fmt: skip
+        return (y**2).mean()
+
+    return jax.grad(loss, argnums=(0, 1))(a @ b, x)
+
+
+def test_a_summed_shard_map_result_is_held_in_place_of_what_dies_there(monkeypatch):
+    from planner.cost import simulator
+
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8],
+                         axis_types=(jax.sharding.AxisType.Auto,))  # fmt: skip
+    args = (jax.ShapeDtypeStruct((256, 128), jnp.float32),
+            jax.ShapeDtypeStruct((128, 512), jnp.float32),
+            jax.ShapeDtypeStruct((64, 256), jnp.float32))  # fmt: skip
+    with jax.set_mesh(mesh):
+        plan = planner.plan(_summed_step, *args, mesh=mesh)
+    prog, sched, cal = plan.program, plan.schedule, plan.calibration
+    (backward,) = [o for o in prog.ops if o.how == "manual"
+                   and any(b.primitive == "psum" for b in o.body)]  # fmt: skip
+    grad = 256 * 512 * 4  # the weight's gradient, whole on every device
+    assert simulator.summed_bytes(backward, [grad]) == grad
+    assert simulator.summed_bytes(backward, [grad // 8]) == 0  # no psum of that size
+    held = peak_buffers(prog, sched, cal, at=backward.name)
+    (shared,) = [b for b in held.buffers if b.kind == "in place"]
+    assert shared.bytes == -grad  # the weight, as large, dies there
+    monkeypatch.setattr(simulator, "summed_in_place", lambda steps, priced, ending: [0] * len(steps))
+    assert peak_buffers(prog, sched, cal, at=backward.name).bytes == held.bytes + grad

@@ -47,45 +47,21 @@ def _args():
             jnp.asarray(rng.normal(size=(16, 24)) / 4, jnp.float32))  # fmt: skip
 
 
-def _rewritten(fn, *args):
-    """``fn``'s one ``shard_map`` rewritten, its results run under jit, and ``fn``'s as
-    written."""
-    traced = jax.make_jaxpr(fn)(*args)
+def test_a_sum_left_whole_is_split_along_its_longest_whole_dimension_and_equal():
+    traced = jax.make_jaxpr(_sums)(*_args())
     (eqn,) = scatter_sums(traced.jaxpr.eqns)
+    # over fsdp, with the columns on tensor: its 16 rows; over every device of the mesh, the
+    # scalar, and a sum read again in the body: psums as written
+    assert eqn.params["out_specs"] == (P(), P(), P("fsdp", "tensor"), P(), P())
+    body = [e.primitive.name for e in eqn.params["jaxpr"].eqns]
+    assert body.count("reduce_scatter") == 1 and body.count("psum") == 3
     rewritten = traced.replace(jaxpr=traced.jaxpr.replace(eqns=[eqn]))
     with jax.set_mesh(MESH):
-        got = jax.jit(lambda *a: jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *a))(*args)
-    return eqn, got, jax.tree.leaves(jax.jit(fn)(*args))
-
-
-def test_a_sum_left_whole_is_split_along_its_major_dimension_and_equal():
-    eqn, got, want = _rewritten(_sums, *_args())
-    # (16, 24) over all 8 devices: its 16 rows, the major dimension; the scalar cannot split;
-    # over fsdp, with the columns on tensor: its rows; a sum read again in the body stays a psum
-    assert eqn.params["out_specs"] == (P(("fsdp", "tensor"), None), P(), P("fsdp", "tensor"),
-                                       P(), P())  # fmt: skip
-    body = [e.primitive.name for e in eqn.params["jaxpr"].eqns]
-    assert body.count("reduce_scatter") == 2 and body.count("psum") == 2
-    assert got[0].sharding.spec == P(("fsdp", "tensor"))
-    assert_close(got, want)
-
-
-def test_a_major_dimension_split_already_is_split_further_and_equal():
-    """Experts on ``tensor``, their gradient summed over ``fsdp``: each device's experts are
-    split among ``fsdp``'s devices, inside ``tensor``'s."""
-
-    def body(x):
-        return lax.psum(x[:, None, :] * x[:, :4, None], "fsdp")  # (8, 4, 6) a device
-
-    def split(x):
-        return jax.shard_map(body, mesh=MESH, in_specs=P("tensor"), out_specs=P("tensor"),
-                             check_vma=False)(x)  # fmt: skip
-
-    x = jnp.asarray(np.random.default_rng(3).normal(size=(16, 6)), jnp.float32)
-    eqn, got, want = _rewritten(split, x)
-    assert eqn.params["out_specs"] == (P(("tensor", "fsdp"), None, None),)
-    assert got[0].sharding.spec == P(("tensor", "fsdp"))
-    assert_close(got, want)
+        got = jax.jit(lambda *a: jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *a))(
+            *_args()
+        )
+    assert got[2].sharding.spec == P("fsdp", "tensor")
+    assert_close(list(got), list(jax.jit(_sums)(*_args())))
 
 
 def test_checked_bodies_and_results_split_over_the_axes_are_left_alone():
@@ -101,12 +77,13 @@ def test_checked_bodies_and_results_split_over_the_axes_are_left_alone():
         return jax.shard_map(lambda a: lax.psum(a, "fsdp"), mesh=MESH, in_specs=P("fsdp"),
                              out_specs=P(), check_vma=False)(x)  # fmt: skip
 
-    def minor_only(x):  # (2, 8) a device: 2 rows cannot split 4 ways, and the columns are minor
-        return jax.shard_map(lambda a: lax.psum(a, "fsdp"), mesh=MESH, in_specs=P("fsdp"),
-                             out_specs=P(), check_vma=False)(x)  # fmt: skip
+    def every_device(x):  # over fsdp and tensor: the whole mesh
+        return jax.shard_map(lambda a: lax.psum(a, ("fsdp", "tensor")), mesh=MESH,
+                             in_specs=P(("fsdp", "tensor")), out_specs=P(),
+                             check_vma=False)(x)  # fmt: skip
 
     for fn, x in [(checked, jnp.ones((8, 8))), (split_already, jnp.ones((8, 8))),
-                  (indivisible, jnp.ones((12, 3))), (minor_only, jnp.ones((8, 8)))]:  # fmt: skip
+                  (indivisible, jnp.ones((12, 3))), (every_device, jnp.ones((64, 8)))]:  # fmt: skip
         (eqn,) = jax.make_jaxpr(fn)(x).jaxpr.eqns
         assert scatter_sums([eqn])[0] is eqn, fn.__name__
 
@@ -183,10 +160,11 @@ def test_the_split_sum_is_priced_as_a_reduce_scatter_and_predicted_faster(monkey
 
 
 def _gathered_loss(w, x):
-    """MaxText's pattern: the weight constrained whole, then read whole by a shard_map."""
-    w = lax.with_sharding_constraint(w, NamedSharding(MESH, P()))
-    y = jax.shard_map(_experts, mesh=MESH, in_specs=(P("fsdp"), P()), out_specs=P("fsdp"),
-                      check_vma=False)(x, w)  # fmt: skip
+    """MaxText's pattern: the weight constrained whole over fsdp, then read so by a
+    shard_map."""
+    w = lax.with_sharding_constraint(w, NamedSharding(MESH, P(None, "tensor")))
+    y = jax.shard_map(_experts, mesh=MESH, in_specs=(P("fsdp"), P(None, "tensor")),
+                      out_specs=P("fsdp", "tensor"), check_vma=False)(x, w)  # fmt: skip
     return (y**2).mean()
 
 
