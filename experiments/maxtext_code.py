@@ -520,8 +520,12 @@ def _variant_search(name: str, built) -> tuple[str | None, object, object, dict,
     return best[0], best[1], best[2], tried, seconds
 
 
-SAME_PROGRAM = ("compiled_bytes", "temp_bytes", "collectives", "compiled_collective_s")
-"""What a compile must repeat for a plan's program to count as the one a row compiled."""
+SAME_PROGRAM = ("compiled_bytes", "temp_bytes", "collectives", "compiled_collective_s",
+                "compiled_bytes_accessed")  # fmt: skip
+"""What a compile must repeat for a plan's program to count as the one a row compiled: its
+memory, its collectives and its kernels' bytes (DeepSeek-V3's plan without its gradient sums
+split repeats the memory and collectives of the plan with them, but not the copies those made).
+A row compiled before the kernels' bytes were recorded matches no compile."""
 
 
 def kernels_compiled_before(row: dict, previous) -> float | None:

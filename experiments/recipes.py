@@ -248,7 +248,8 @@ def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
 
 def _row_of(compiled, report, cal, n: int, optimal_s: float | None) -> dict:
     """The compiled figures of a row; ``recomputed``: the instructions the compiler computes again
-    to fit (:func:`redist.hlo.recomputed`)."""
+    to fit (:func:`redist.hlo.recomputed`); ``compiled_bytes_accessed``: its kernels' bytes, as
+    the compiler counts them (loop bodies once)."""
     from planner.target.compiled_time import compiled_time
     from redist.hlo import recomputed
 
@@ -257,7 +258,8 @@ def _row_of(compiled, report, cal, n: int, optimal_s: float | None) -> dict:
     if compiled is not None:
         ct = compiled_time(compiled, cal, n)
         row.update(compiled_collective_s=ct.collective_s, collectives=ct.collectives,
-                   recomputed=recomputed(compiled.as_text()))  # fmt: skip
+                   recomputed=recomputed(compiled.as_text()),
+                   compiled_bytes_accessed=ct.bytes_accessed)  # fmt: skip
         if optimal_s is not None:
             row["estimate_s"] = optimal_s + ct.collective_s
     return row
