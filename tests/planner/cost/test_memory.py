@@ -162,5 +162,7 @@ def test_a_summed_shard_map_result_is_held_in_place_of_what_dies_there(monkeypat
     held = peak_buffers(prog, sched, cal, at=backward.name)
     (shared,) = [b for b in held.buffers if b.kind == "in place"]
     assert shared.bytes == -grad  # the weight, as large, dies there
-    monkeypatch.setattr(simulator, "summed_in_place", lambda steps, priced, ending: [0] * len(steps))
+    monkeypatch.setattr(
+        simulator, "summed_in_place", lambda steps, priced, ending: [0] * len(steps)
+    )
     assert peak_buffers(prog, sched, cal, at=backward.name).bytes == held.bytes + grad
