@@ -115,6 +115,10 @@ class Calibration:
     # program (dispatch).
     kernel_s: float = 0.0
     step_s: float = 0.0
+    # What the compiler builds a reduce-scatter over every device of the mesh as: None, a
+    # reduce-scatter; "all-reduce": the all-reduce of the whole input and a slice (the TPU
+    # compiler for v5p and v4; over part of the mesh it chooses per collective).
+    whole_mesh_reduce_scatter: str | None = None
 
     def collective_time(self, kind: str, nbytes: float, n: int, crosses: bool = False) -> float:
         """Seconds for ``kind`` over ``n`` devices; ``crosses``: the group spans two domains."""

@@ -14,14 +14,13 @@ Only bodies without replication checks (``check_vma=False``, as MaxText writes t
 rewritten, and only results nothing else in the body reads. The dimension split is the longest
 one whole in ``out_specs`` that the axes' devices divide (the first of equals).
 
-A sum over every device of the mesh stays as written. The TPU compiler for v5p builds such a
-reduce-scatter as the all-reduce and a slice (a ``psum_scatter`` over a whole 8-chip mesh, of
-any size or dtype tried; DeepSeek-V3's expert gradients over 512 chips), so splitting saves
-nothing there, and split along a minor dimension the compiler first copies the whole block to
-make it major: DeepSeek-V3's 7.5 GB expert gradients, three per layer, 1.1 s of its step. Over
-part of the mesh it chooses per collective and mostly keeps the reduce-scatter (Qwen3-235B's
-plan at tensor 4: 658 of them). v6e and Ironwood keep it over a whole mesh too; there this
-rule may give up a gain.
+On a mesh of devices whose compiler builds a reduce-scatter over all of them as the all-reduce
+and a slice (their calibration's ``whole_mesh_reduce_scatter``: TPU v5p and v4), a sum over
+every device stays as written: splitting it saves nothing there, and split along a minor
+dimension the compiler first copies the whole block to make it major (DeepSeek-V3's 7.5 GB
+expert gradients over 512 v5p chips, three per layer: 1.1 s of its step). Over part of such a
+mesh the compiler chooses per collective and mostly keeps the reduce-scatter (Qwen3-235B's plan
+at tensor 4 on v5p: 658 of them); v5e, v6e and Ironwood keep it over a whole mesh too.
 
 Example::
 
@@ -42,6 +41,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 from planner.program.manual import mesh_sizes, spec_axes
+from redist.calibration import Calibration
 from redist.specs import padded_entries
 
 
@@ -60,6 +60,15 @@ def _every_device(axes: tuple[str, ...], sizes: dict[str, int]) -> bool:
         (True, False)
     """
     return math.prod(sizes[a] for a in set(axes)) == math.prod(sizes.values())
+
+
+def _summed_whole(mesh) -> bool:
+    """Whether the compiler for ``mesh``'s devices builds a reduce-scatter over all of them as
+    an all-reduce (the calibration of their kind says so; an abstract mesh names no devices)."""
+    if not isinstance(mesh, jax.sharding.Mesh) or not mesh.devices.size:
+        return False
+    cal = Calibration.for_device_kind(mesh.devices.flat[0].device_kind)
+    return cal is not None and cal.whole_mesh_reduce_scatter == "all-reduce"
 
 
 def _reduce_scatter(mesh, axes: tuple[str, ...], aval, dim: int):
@@ -102,8 +111,9 @@ def _scattered(eqn):
         mentioned = {a for entry in spec_axes(specs[k], len(v.aval.shape)) for a in entry}
         if getattr(specs[k], "unreduced", None) or getattr(specs[k], "reduced", None):
             continue
-        if not axes or not all(isinstance(a, str) and a in sizes for a in axes) \
-                or mentioned & set(axes) or _every_device(axes, sizes):  # fmt: skip
+        if (not axes or not all(isinstance(a, str) and a in sizes for a in axes)
+                or mentioned & set(axes)
+                or _every_device(axes, sizes) and _summed_whole(params["mesh"])):  # fmt: skip
             continue
         dim = _scatter_dim(v.aval.shape, specs[k], math.prod(sizes[a] for a in axes))
         if dim is not None:

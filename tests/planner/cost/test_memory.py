@@ -148,15 +148,16 @@ def test_a_summed_shard_map_result_is_held_in_place_of_what_dies_there(monkeypat
 
     mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8],
                          axis_types=(jax.sharding.AxisType.Auto,))  # fmt: skip
-    args = (jax.ShapeDtypeStruct((256, 128), jnp.float32),
-            jax.ShapeDtypeStruct((128, 512), jnp.float32),
-            jax.ShapeDtypeStruct((64, 256), jnp.float32))  # fmt: skip
+    # 250 x 510 (no dimension the 8 devices divide): the gradient's sum stays a psum
+    args = (jax.ShapeDtypeStruct((250, 128), jnp.float32),
+            jax.ShapeDtypeStruct((128, 510), jnp.float32),
+            jax.ShapeDtypeStruct((64, 250), jnp.float32))  # fmt: skip
     with jax.set_mesh(mesh):
         plan = planner.plan(_summed_step, *args, mesh=mesh)
     prog, sched, cal = plan.program, plan.schedule, plan.calibration
     (backward,) = [o for o in prog.ops if o.how == "manual"
                    and any(b.primitive == "psum" for b in o.body)]  # fmt: skip
-    grad = 256 * 512 * 4  # the weight's gradient, whole on every device
+    grad = 250 * 510 * 4  # the weight's gradient, whole on every device
     assert simulator.summed_bytes(backward, [grad]) == grad
     assert simulator.summed_bytes(backward, [grad // 8]) == 0  # no psum of that size
     held = peak_buffers(prog, sched, cal, at=backward.name)

@@ -3,6 +3,7 @@
 reduce-scatter it now is."""
 
 import dataclasses
+import importlib.util
 import random
 
 import jax
@@ -50,17 +51,18 @@ def _args():
 def test_a_sum_left_whole_is_split_along_its_longest_whole_dimension_and_equal():
     traced = jax.make_jaxpr(_sums)(*_args())
     (eqn,) = scatter_sums(traced.jaxpr.eqns)
-    # over fsdp, with the columns on tensor: its 16 rows; over every device of the mesh, the
-    # scalar, and a sum read again in the body: psums as written
-    assert eqn.params["out_specs"] == (P(), P(), P("fsdp", "tensor"), P(), P())
+    # (16, 24) over all 8 devices: its 24 columns; the scalar cannot split; over fsdp, with the
+    # columns on tensor: its 16 rows; a sum read again in the body stays a psum
+    assert eqn.params["out_specs"] == (P(None, ("fsdp", "tensor")), P(), P("fsdp", "tensor"),
+                                       P(), P())  # fmt: skip
     body = [e.primitive.name for e in eqn.params["jaxpr"].eqns]
-    assert body.count("reduce_scatter") == 1 and body.count("psum") == 3
+    assert body.count("reduce_scatter") == 2 and body.count("psum") == 2
     rewritten = traced.replace(jaxpr=traced.jaxpr.replace(eqns=[eqn]))
     with jax.set_mesh(MESH):
         got = jax.jit(lambda *a: jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *a))(
             *_args()
         )
-    assert got[2].sharding.spec == P("fsdp", "tensor")
+    assert got[0].sharding.spec == P(None, ("fsdp", "tensor"))
     assert_close(list(got), list(jax.jit(_sums)(*_args())))
 
 
@@ -77,13 +79,8 @@ def test_checked_bodies_and_results_split_over_the_axes_are_left_alone():
         return jax.shard_map(lambda a: lax.psum(a, "fsdp"), mesh=MESH, in_specs=P("fsdp"),
                              out_specs=P(), check_vma=False)(x)  # fmt: skip
 
-    def every_device(x):  # over fsdp and tensor: the whole mesh
-        return jax.shard_map(lambda a: lax.psum(a, ("fsdp", "tensor")), mesh=MESH,
-                             in_specs=P(("fsdp", "tensor")), out_specs=P(),
-                             check_vma=False)(x)  # fmt: skip
-
     for fn, x in [(checked, jnp.ones((8, 8))), (split_already, jnp.ones((8, 8))),
-                  (indivisible, jnp.ones((12, 3))), (every_device, jnp.ones((64, 8)))]:  # fmt: skip
+                  (indivisible, jnp.ones((12, 3)))]:  # fmt: skip
         (eqn,) = jax.make_jaxpr(fn)(x).jaxpr.eqns
         assert scatter_sums([eqn])[0] is eqn, fn.__name__
 
@@ -160,11 +157,10 @@ def test_the_split_sum_is_priced_as_a_reduce_scatter_and_predicted_faster(monkey
 
 
 def _gathered_loss(w, x):
-    """MaxText's pattern: the weight constrained whole over fsdp, then read so by a
-    shard_map."""
-    w = lax.with_sharding_constraint(w, NamedSharding(MESH, P(None, "tensor")))
-    y = jax.shard_map(_experts, mesh=MESH, in_specs=(P("fsdp"), P(None, "tensor")),
-                      out_specs=P("fsdp", "tensor"), check_vma=False)(x, w)  # fmt: skip
+    """MaxText's pattern: the weight constrained whole, then read whole by a shard_map."""
+    w = lax.with_sharding_constraint(w, NamedSharding(MESH, P()))
+    y = jax.shard_map(_experts, mesh=MESH, in_specs=(P("fsdp"), P()), out_specs=P("fsdp"),
+                      check_vma=False)(x, w)  # fmt: skip
     return (y**2).mean()
 
 
@@ -200,3 +196,25 @@ def test_refine_keeps_a_gradient_split_as_it_arrives_departing_from_its_constrai
     assert_close(got, jax.jit(_gathered_step)(*args))
     monkeypatch.setattr(ss, "arriving_layouts", lambda op, moves: [])
     assert ss.refine(before, evaluate, MeshShape.of(sizes))[2].assign.get(grad.name) == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the TPU compiler")
+@pytest.mark.parametrize("topology, axes, summed, split", [
+    ("v5p:2x2x2", {"fsdp": 8}, "fsdp", False),  # every device: v5p builds it as an all-reduce
+    ("v5p:2x2x2", {"fsdp": 4, "tensor": 2}, "fsdp", True),
+    ("v4:2x2x2", {"fsdp": 8}, "fsdp", False),
+    ("v6e:2x4", {"fsdp": 8}, "fsdp", True),  # v6e keeps the reduce-scatter
+])  # fmt: skip
+def test_a_sum_over_every_device_stays_where_the_compiler_builds_it_as_an_all_reduce(
+    topology, axes, summed, split
+):
+    mesh = planner.topology_mesh(topology, axes)
+
+    def fn(x):
+        return jax.shard_map(lambda a: lax.psum(a, summed), mesh=mesh, in_specs=P(summed),
+                             out_specs=P(), check_vma=False)(x)  # fmt: skip
+
+    (eqn,) = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((64, 16), jnp.float32)).jaxpr.eqns
+    rewritten = scatter_sums([eqn])[0]
+    assert (rewritten is not eqn) == split
+    assert (summed in str(rewritten.params["out_specs"])) == split

@@ -390,3 +390,20 @@ def test_a_program_holding_host_memory_is_judged_on_its_device_part():
     assert device_peak_bytes(recipe) == 9525391360 + 9524741888 + 21612661856 - 9524736000
     on_device = SimpleNamespace(**{**vars(recipe), "host_temp_size_in_bytes": 0})
     assert device_peak_bytes(on_device) == 115221932288  # the compiler's own peak
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology, name", [("v5p:2x2x2", "tpu_v5p"), ("v4:2x2x2", "tpu_v4"),
+                                            ("v6e:2x4", "tpu_v6e"), ("v5e:2x4", "tpu_v5e")])  # fmt: skip
+def test_a_reduce_scatter_over_every_device_is_built_as_the_calibration_says(topology, name):
+    """v5p and v4 build a ``psum_scatter`` over every device of the mesh as an all-reduce of the
+    whole input and a slice; v6e and v5e as a reduce-scatter."""
+    from redist.hlo import hlo_collectives
+
+    mesh = planner.topology_mesh(topology, {"x": 8})
+    summed = jax.shard_map(lambda a: jax.lax.psum_scatter(a, "x", tiled=True), mesh=mesh,
+                           in_specs=P("x"), out_specs=P("x"))  # fmt: skip
+    for shape, dtype in [((8 * 64, 512), jnp.float32), ((8 * 1024, 4096), jnp.bfloat16)]:
+        text = jax.jit(summed).lower(jax.ShapeDtypeStruct(shape, dtype)).compile().as_text()
+        built = {c.kind for c in hlo_collectives(text)}
+        assert built == {Calibration.named(name).whole_mesh_reduce_scatter or "reduce-scatter"}
