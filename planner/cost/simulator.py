@@ -612,6 +612,9 @@ def returned_evenly(prog: Program, sched: Schedule, made, returned, cal: Calibra
     return out
 
 
+BODY_SUMS: PerObject[collections.Counter] = PerObject("a shard_map body's psum results")
+
+
 def summed_bytes(op: Op, result_bytes) -> int:
     """The bytes per device of the manual ``op``'s results (``result_bytes``, per result) that
     a ``psum`` of its body makes, matched by per-device size and dtype.
@@ -622,11 +625,11 @@ def summed_bytes(op: Op, result_bytes) -> int:
     """
     if op.how != "manual":
         return 0
-    sums = collections.Counter(
+    sums = collections.Counter(BODY_SUMS.get(op, lambda: collections.Counter(
         (math.prod(r.value.shape) * itemsize(r.value.dtype), r.value.dtype)
         for b in op.body if BODY_COLLECTIVES.get(b.primitive) == CollectiveKind.ALL_REDUCE
         for r in b.results
-    )  # fmt: skip
+    )))  # fmt: skip
     total = 0
     for r, size in zip(op.results, result_bytes):
         if sums[size, r.value.dtype] > 0:

@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 import math
 
 import jax
@@ -67,7 +68,13 @@ def _summed_whole(mesh) -> bool:
     an all-reduce (the calibration of their kind says so; an abstract mesh names no devices)."""
     if not isinstance(mesh, jax.sharding.Mesh) or not mesh.devices.size:
         return False
-    cal = Calibration.for_device_kind(mesh.devices.flat[0].device_kind)
+    return _summed_whole_on(mesh.devices.flat[0].device_kind)
+
+
+@functools.cache
+def _summed_whole_on(kind: str) -> bool:
+    """:func:`_summed_whole` for devices of ``kind`` (their calibration's file read once)."""
+    cal = Calibration.for_device_kind(kind)
     return cal is not None and cal.whole_mesh_reduce_scatter == "all-reduce"
 
 
