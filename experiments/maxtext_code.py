@@ -61,6 +61,34 @@ def tensor_variants(tensor: int, devices: int) -> dict[str, dict]:
                for r in ("save_dot_except_mlp", "save_dot_with_context_except_mlp")}}  # fmt: skip
 
 
+RING_BUFFER = 1.5
+"""The ragged buffer of MaxText's ring of experts, in balanced loads (its ``ragged_buffer_factor``;
+1.5 as in MaxText's own ring-of-experts DeepSeek-V3 recipes)."""
+
+
+def ring_variants(experts: int, devices: int,
+                  remats: tuple[str, ...] = ("save_dot_except_mlp",)) -> dict[str, dict]:  # fmt: skip
+    """MaxText's ring of experts over ``experts`` devices (fsdp over the rest): each expert shard
+    gathers every token of its ring, computes its own experts' share in a buffer of
+    :data:`RING_BUFFER` balanced loads and sums the outputs back (reduce-scatter), with MaxText's
+    step-level dropless fallback (``moe_dropless_fallback="step"``): a step in which some shard's
+    tokens overflow the buffer returns the state unchanged and is run again by MaxText's dropless
+    program, so the training is the recipe's, dropless. With the recipe's remat and with each of
+    ``remats``.
+
+    Example:
+        >>> sorted(ring_variants(8, 256))[0]
+        'expert 8 ring'
+    """
+    ring = dict(ici_fsdp_parallelism=devices // experts, ici_expert_parallelism=experts,
+                use_ring_of_experts=True, use_ragged_sort=True, ragged_buffer_factor=RING_BUFFER,
+                moe_dropless_fallback="step")  # fmt: skip
+    return {
+        f"expert {experts} ring": ring,
+        **{f"expert {experts} ring, remat {r}": dict(ring, remat_policy=r) for r in remats},
+    }
+
+
 CODE_RECIPES = {
     # MaxText benchmarks/maxtext_v5p_model_configs.py llama2_7b_v5p_128 (64 chips)
     "llama2_7b_v5p_128": dict(model="llama2-7b", topology="v5p-128", overrides=dict(
@@ -108,7 +136,7 @@ CODE_RECIPES = {
                      for e in (8, 64)},
                   # tensor parallelism over v5p's 4-chip axis (8 is past Qwen3's 4 KV heads),
                   # with the recipe's remat ("full") and two other of MaxText's policies
-                  **tensor_variants(4, 256)}),
+                  **tensor_variants(4, 256), **ring_variants(8, 256), **ring_variants(4, 256)}),
     # The same guide's settings on Ironwood: tpu7x-256 is 128 chips, two devices (TensorCores)
     # each. No published recipe of its settings there (tpu-recipes has DeepSeek-V3's, not
     # Qwen3's), and no published MFU found to set beside it. Its variants: v5p's at tensor 4
@@ -128,6 +156,9 @@ CODE_RECIPES = {
         sa_block_kv_dkv_compute=2048, sa_block_q_dq=2048, sa_block_kv_dq=2048,
         remat_policy="custom", decoder_layer_input="offload", out_proj="offload",
         sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0,
+        # MaxText's ring of experts over v5p-1024's 8-chip axis, with the recipe's remat and
+        # offloads (over 64 chips it gathers every token of 64: no plan fits, predicted 119 GB)
+        variants=ring_variants(8, 512, remats=()),
         # the recipe's MOE_VMEM_LIMIT_FLAG: without it the splash kernel runs out of scoped VMEM.
         # no_crash_on_oom: the compiler finishes a program over HBM rather than refusing it (its
         # unrolled 4 and 5 layers, which keep more alive than the 61 scanned, for the estimate);

@@ -57,8 +57,15 @@ class Case:
 
 
 #: MaxText's tiny models (:data:`experiments.libraries.maxtext_step.TINY`) by case name: llama2,
-#: DeepSeek-V3, Qwen3 (experts as dense matmuls) and Qwen3 with MaxText's sparse MoE ``shard_map``
-MAXTEXT = ("maxtext", "maxtext_deepseek3", "maxtext_qwen3", "maxtext_qwen3sparse")
+#: DeepSeek-V3, Qwen3 (experts as dense matmuls), Qwen3 with MaxText's sparse MoE ``shard_map``
+#: and Qwen3 with its ring of experts
+MAXTEXT = (
+    "maxtext",
+    "maxtext_deepseek3",
+    "maxtext_qwen3",
+    "maxtext_qwen3sparse",
+    "maxtext_qwen3ring",
+)
 
 
 def build_case(library: str, dtype: str, mesh: str) -> Case:
@@ -147,6 +154,11 @@ def measure(case: Case, repeats: int) -> dict:
             two[name], metrics[name] = s, m
         out["difference"] = worst_difference(two["plan"], two["authors"])
         out["metrics_difference"] = worst_difference(metrics["plan"], metrics["authors"])
+        # how far the plan's two steps moved the state (0 if they changed nothing, as a step
+        # of MaxText's dropless fallback that overflowed its experts' buffer), and that flag
+        out["moved"] = worst_difference(fresh(), two["plan"])
+        if "has_moe_overflow" in metrics["plan"]:
+            out["overflowed"] = bool(metrics["plan"]["has_moe_overflow"])
         runs = {"authors": [two["authors"], batch_a, compiled_a],
                 "plan": [two["plan"], batch_p, compiled_p]}  # fmt: skip
 

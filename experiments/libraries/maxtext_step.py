@@ -115,9 +115,26 @@ TINY_QWEN3 = dict(
 #: CPU (``megablox=False``; megablox's Pallas kernels are TPU kernels).
 TINY_QWEN3_SPARSE = dict(TINY_QWEN3, sparse_matmul=True, megablox=False)
 
+#: :data:`TINY_QWEN3_SPARSE` with MaxText's ring of experts over 2 devices (fsdp 2, tensor 2):
+#: every token gathered over the ring, each shard's experts computed in a buffer of 1.5 balanced
+#: loads (``ragged_buffer_factor``), the outputs summed back, and MaxText's step-level dropless
+#: fallback (a step that overflows the buffer returns the state unchanged, flagged). MaxText's
+#: ragged sort and gathers run as their JAX reference code (their kernels are SparseCore's).
+TINY_QWEN3_RING = dict(
+    TINY_QWEN3_SPARSE,
+    ici_fsdp_parallelism=2,
+    ici_expert_parallelism=2,
+    use_ring_of_experts=True,
+    use_ragged_sort=True,
+    ragged_buffer_factor=1.5,
+    moe_dropless_fallback="step",
+    ragged_gather_fallback=True,
+    ragged_gather_reduce_fallback=True,
+)
+
 #: The tiny models :func:`build` makes, by name.
 TINY = {"llama2": TINY_LLAMA, "deepseek3": TINY_DEEPSEEK, "qwen3": TINY_QWEN3,
-        "qwen3sparse": TINY_QWEN3_SPARSE}  # fmt: skip
+        "qwen3sparse": TINY_QWEN3_SPARSE, "qwen3ring": TINY_QWEN3_RING}  # fmt: skip
 
 #: Overrides that keep MaxText off the disk and the network.
 QUIET = dict(
@@ -233,7 +250,7 @@ def build(dtype: str = "float32", mesh_axes: str = "maxtext", tiny: str = "llama
     ``tensor`` 2 only: ``base.yml``'s logical axis rules with the other axes dropped). The
     learning rate follows MaxText's cosine schedule over ``steps=10`` without warmup (MaxText's
     warmup would make the first step's learning rate 0). ``tiny``: the model, a key of
-    :data:`TINY` (``"llama2"``, ``"deepseek3"``, ``"qwen3"``, ``"qwen3sparse"``).
+    :data:`TINY` (``"llama2"``, ``"deepseek3"``, ``"qwen3"``, ``"qwen3sparse"``, ``"qwen3ring"``).
 
     Example:
         >>> built = build("bfloat16", "2axis")  # doctest: +SKIP

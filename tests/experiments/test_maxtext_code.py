@@ -13,10 +13,12 @@ import pytest
 from experiments.maxtext_code import (
     CODE_RECIPES,
     NO_RECOMPUTING,
+    RING_BUFFER,
     _layer_seconds,
     depths,
     evaluate,
     report_code,
+    ring_variants,
     tensor_variants,
     unroll_scans,
 )
@@ -104,6 +106,20 @@ def test_tensor_variants_keep_every_device_and_name_their_settings():
         assert settings.get("remat_policy", "full") in name or "remat" not in name
     ironwood = CODE_RECIPES["qwen3_235b_tpu7x_256"]["variants"]
     assert {"tensor 2", "tensor 4"} <= set(ironwood)
+
+
+def test_ring_variants_keep_every_device_and_maxtexts_dropless_fallback():
+    """A ring of experts splits the devices between fsdp and experts and caps its buffer only with
+    MaxText's step-level fallback, which replays an overflowing step dropless: no token dropped."""
+    variants = ring_variants(8, 256)
+    assert sorted(variants) == ["expert 8 ring", "expert 8 ring, remat save_dot_except_mlp"]
+    for settings in variants.values():
+        assert settings["ici_fsdp_parallelism"] * settings["ici_expert_parallelism"] == 256
+        assert settings["use_ring_of_experts"] and settings["ragged_buffer_factor"] == RING_BUFFER
+        assert settings["moe_dropless_fallback"] == "step"
+    assert set(ring_variants(8, 512, remats=())) == {"expert 8 ring"}
+    assert set(CODE_RECIPES["deepseek3_671b_v5p_1024"]["variants"]) == {"expert 8 ring"}
+    assert {"expert 8 ring", "expert 4 ring"} <= set(CODE_RECIPES["qwen3_235b_v5p_512"]["variants"])
 
 
 def test_the_table_compares_each_plan_with_its_recipe():

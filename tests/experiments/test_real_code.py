@@ -15,7 +15,8 @@ import pytest
 
 LIBRARIES = ("maxtext", "keras_hub", "gemma")
 SOURCES = {"maxtext": "nnx_decoders.py", "maxtext_deepseek3": "attention_mla.py",
-           "maxtext_qwen3": "qwen3.py", "maxtext_qwen3sparse": "moe.py", "keras": "llama_decoder.py",
+           "maxtext_qwen3": "qwen3.py", "maxtext_qwen3sparse": "moe.py", "maxtext_qwen3ring": "moe.py",
+           "keras": "llama_decoder.py",
            "gemma": "_modules.py"}  # fmt: skip
 
 # The state after two AdamW steps, relative to each leaf's largest value: an update is about the
@@ -48,7 +49,15 @@ def rows(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "library",
-    ["maxtext", "maxtext_deepseek3", "maxtext_qwen3", "maxtext_qwen3sparse", "keras", "gemma"],
+    [
+        "maxtext",
+        "maxtext_deepseek3",
+        "maxtext_qwen3",
+        "maxtext_qwen3sparse",
+        "maxtext_qwen3ring",
+        "keras",
+        "gemma",
+    ],
 )
 def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     """Two steps of the plan equal two of the authors' layout (float32, reassociated sums: the
@@ -88,3 +97,14 @@ def test_maxtexts_sparse_experts_reduce_scatter_their_weight_gradients(rows):
     r = rows["maxtext_qwen3sparse"]
     assert r["shard_map_collectives"].get("reduce_scatter", 0) >= 3, r["shard_map_collectives"]
     assert r["difference"] < 1e-4 and r["plan_mib"] < r["authors_mib"]
+
+
+def test_maxtexts_ring_of_experts_runs_its_steps_through_the_plan(rows):
+    """MaxText's ring of experts (tokens gathered over the expert axis, a capped ragged buffer,
+    outputs reduce-scattered back) with its step-level dropless fallback: the plan's two steps
+    update the state (no overflow rolled them back) and equal MaxText's own."""
+    r = rows["maxtext_qwen3ring"]
+    assert r["overflowed"] is False
+    assert r["moved"] > 1e-3, r["moved"]
+    assert r["shard_map_collectives"].get("all_gather", 0) >= 2, r["shard_map_collectives"]
+    assert r["difference"] < 1e-4 and r["metrics_difference"] < 1e-5
