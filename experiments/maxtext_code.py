@@ -66,15 +66,16 @@ RING_BUFFER = 1.5
 1.5 as in MaxText's own ring-of-experts DeepSeek-V3 recipes)."""
 
 
-def ring_variants(experts: int, devices: int,
-                  remats: tuple[str, ...] = ("save_dot_except_mlp",)) -> dict[str, dict]:  # fmt: skip
+def ring_variants(experts: int, devices: int, remats: tuple[str, ...] = ("save_dot_except_mlp",),
+                  chunks: int = 1) -> dict[str, dict]:  # fmt: skip
     """MaxText's ring of experts over ``experts`` devices (fsdp over the rest): each expert shard
     gathers every token of its ring, computes its own experts' share in a buffer of
     :data:`RING_BUFFER` balanced loads and sums the outputs back (reduce-scatter), with MaxText's
     step-level dropless fallback (``moe_dropless_fallback="step"``): a step in which some shard's
     tokens overflow the buffer returns the state unchanged and is run again by MaxText's dropless
     program, so the training is the recipe's, dropless. With the recipe's remat and with each of
-    ``remats``.
+    ``remats``; ``chunks``: MaxText's ``num_moe_token_chunks``, the ring run over that many
+    pieces of each chip's tokens (one by default).
 
     Example:
         >>> sorted(ring_variants(8, 256))[0]
@@ -82,7 +83,7 @@ def ring_variants(experts: int, devices: int,
     """
     ring = dict(ici_fsdp_parallelism=devices // experts, ici_expert_parallelism=experts,
                 use_ring_of_experts=True, use_ragged_sort=True, ragged_buffer_factor=RING_BUFFER,
-                moe_dropless_fallback="step")  # fmt: skip
+                moe_dropless_fallback="step", num_moe_token_chunks=chunks)  # fmt: skip
     return {
         f"expert {experts} ring": ring,
         **{f"expert {experts} ring, remat {r}": dict(ring, remat_policy=r) for r in remats},
@@ -157,8 +158,11 @@ CODE_RECIPES = {
         remat_policy="custom", decoder_layer_input="offload", out_proj="offload",
         sa_use_fused_bwd_kernel=False), published_mfu=152.4 / 459.0,
         # MaxText's ring of experts over v5p-1024's 8-chip axis, with the recipe's remat and
-        # offloads (over 64 chips it gathers every token of 64: no plan fits, predicted 119 GB)
-        variants=ring_variants(8, 512, remats=()),
+        # offloads (over 64 chips it gathers every token of 64: no plan fits, predicted 119 GB),
+        # in 4 chunks: a chip's 49,152 tokens in one piece overflow the SparseCore memory of
+        # MaxText's ragged gather-reduce kernel (6.3 M words of 2.1 M; compiled at 4 layers, 4
+        # chunks fit, as do its reference gathers on the TensorCore, in 21 GB more)
+        variants=ring_variants(8, 512, remats=(), chunks=4),
         # the recipe's MOE_VMEM_LIMIT_FLAG: without it the splash kernel runs out of scoped VMEM.
         # no_crash_on_oom: the compiler finishes a program over HBM rather than refusing it (its
         # unrolled 4 and 5 layers, which keep more alive than the 61 scanned, for the estimate);

@@ -118,6 +118,9 @@ def test_ring_variants_keep_every_device_and_maxtexts_dropless_fallback():
         assert settings["use_ring_of_experts"] and settings["ragged_buffer_factor"] == RING_BUFFER
         assert settings["moe_dropless_fallback"] == "step"
     assert set(ring_variants(8, 512, remats=())) == {"expert 8 ring"}
+    assert ring_variants(8, 256)["expert 8 ring"]["num_moe_token_chunks"] == 1
+    assert CODE_RECIPES["deepseek3_671b_v5p_1024"]["variants"]["expert 8 ring"][
+        "num_moe_token_chunks"] == 4  # fmt: skip
     assert set(CODE_RECIPES["deepseek3_671b_v5p_1024"]["variants"]) == {"expert 8 ring"}
     assert {"expert 8 ring", "expert 4 ring"} <= set(CODE_RECIPES["qwen3_235b_v5p_512"]["variants"])
 
