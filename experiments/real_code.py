@@ -157,7 +157,7 @@ def measure(case: Case, repeats: int) -> dict:
         # how far the plan's two steps moved the state (0 if they changed nothing, as a step
         # of MaxText's dropless fallback that overflowed its experts' buffer), and that flag
         out["moved"] = worst_difference(fresh(), two["plan"])
-        if "has_moe_overflow" in metrics["plan"]:
+        if isinstance(metrics["plan"], dict) and "has_moe_overflow" in metrics["plan"]:
             out["overflowed"] = bool(metrics["plan"]["has_moe_overflow"])
         runs = {"authors": [two["authors"], batch_a, compiled_a],
                 "plan": [two["plan"], batch_p, compiled_p]}  # fmt: skip
