@@ -164,7 +164,7 @@ class CompiledReport:
     ``total_bytes``: what the device must hold at once. Where the compiler reports its own peak
     (``peak_bytes``: ``memory_analysis().peak_memory_in_bytes``, the live arguments, outputs and
     temporaries at the worst point of its schedule; the TPU compiler refuses a program on that
-    figure), that peak (for a program holding host memory, the device's part:
+    figure where it holds no host memory), that peak (for a program holding host memory, the device's part:
     :func:`device_peak_bytes`); elsewhere arguments + outputs + temporaries - aliased (donated inputs
     reused as outputs; XLA:CPU's peak counts arguments and outputs alone, and XLA:GPU's has not
     been held against a GPU). The TPU's temporaries are no bound: MaxText's
@@ -307,10 +307,15 @@ def host_bytes(memory) -> int:
 
 def device_peak_bytes(memory) -> int | None:
     """The device's peak from a TPU program's ``memory_analysis()``: ``peak_memory_in_bytes``,
-    except where the program holds host memory. That peak then counts both memories (MaxText's
-    Llama 3.1 405B on two v6e-256 slices, activations offloaded: a peak of 115.2 GB on a
-    33.6 GB chip, 105.7 GB of it host temporaries, and the compiler accepts it), and the device's
-    own arguments + outputs + temporaries - aliased (31.1 GB there) bound it instead.
+    except where the program holds host memory. That peak then counts more than the device's
+    memory (MaxText's Llama 3.1 405B on two v6e-256 slices, activations offloaded: a peak of
+    115.2 GB on a 33.6 GB chip, 105.7 GB of it host temporaries, and the compiler accepts it;
+    DeepSeek-V3 on v5p-1024: 101.7 GB whatever the program allocates, and the same 101.7 GB
+    when compiled for 94.4 GB of HBM), and the device's own bounds it instead: its arguments +
+    outputs + temporaries - aliased (31.1 GB there), and the HBM the program allocates
+    (``total_allocation_bytes``, where JAX reports it: arguments and the temporaries' heap;
+    92.2 GB for the DeepSeek-V3 program whose arguments + outputs + temporaries - aliased are
+    105.7 GB), whichever is less.
 
     Example:
         >>> device_peak_bytes(compiled.memory_analysis())  # doctest: +SKIP
@@ -321,7 +326,9 @@ def device_peak_bytes(memory) -> int | None:
         return peak
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
     device = sum(int(getattr(memory, f, 0) or 0) for f in fields)
-    return min(peak, device - int(getattr(memory, "alias_size_in_bytes", 0) or 0))
+    device -= int(getattr(memory, "alias_size_in_bytes", 0) or 0)
+    allocated = int(getattr(memory, "total_allocation_bytes", 0) or 0) or device
+    return min(peak, device, allocated)
 
 
 def compiled_report(fn, *args, hbm_bytes: int | None = None, **kwargs) -> CompiledReport:
