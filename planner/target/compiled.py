@@ -164,8 +164,8 @@ class CompiledReport:
     ``total_bytes``: what the device must hold at once. Where the compiler reports its own peak
     (``peak_bytes``: ``memory_analysis().peak_memory_in_bytes``, the live arguments, outputs and
     temporaries at the worst point of its schedule; the TPU compiler refuses a program on that
-    figure where it holds no host memory), that peak (for a program holding host memory, the device's part:
-    :func:`device_peak_bytes`); elsewhere arguments + outputs + temporaries - aliased (donated inputs
+    figure where it holds no host memory), that peak (for a program holding host memory, the
+    device's part: :func:`device_peak_bytes`); elsewhere arguments + outputs + temporaries - aliased (donated inputs
     reused as outputs; XLA:CPU's peak counts arguments and outputs alone, and XLA:GPU's has not
     been held against a GPU). The TPU's temporaries are no bound: MaxText's
     Llama 2 70B step on 256 v5p chips has arguments + outputs + temporaries - aliased of 105 GB,
