@@ -555,12 +555,13 @@ def _variant_search(name: str, built) -> tuple[str | None, object, object, dict,
     return best[0], best[1], best[2], tried, seconds
 
 
-SAME_PROGRAM = ("compiled_bytes", "temp_bytes", "collectives", "compiled_collective_s",
-                "compiled_bytes_accessed")  # fmt: skip
+SAME_PROGRAM = ("temp_bytes", "collectives", "compiled_collective_s", "compiled_bytes_accessed")
 """What a compile must repeat for a plan's program to count as the one a row compiled: its
-memory, its collectives and its kernels' bytes (DeepSeek-V3's plan without its gradient sums
+temporaries, its collectives and its kernels' bytes (DeepSeek-V3's plan without its gradient sums
 split repeats the memory and collectives of the plan with them, but not the copies those made).
-A row compiled before the kernels' bytes were recorded matches no compile."""
+Not the device's figure (``compiled_bytes``): that is how the program is judged, which changes
+with the judge (:func:`planner.target.compiled.device_peak_bytes`). A row compiled before the
+kernels' bytes were recorded matches no compile."""
 
 
 def kernels_compiled_before(row: dict, previous) -> float | None:
@@ -591,7 +592,7 @@ def measure_code(name: str, strategies, done: set, config,
     (``row["estimate_from"]`` says so)."""
     from experiments.recipes import _row_of
     from planner.cost.memory import MemoryLimitError, default_calibration
-    from planner.target.compiled import compile_and_report, input_structs
+    from planner.target.compiled import compile_and_report, plan_compile_and_report
 
     recipe = CODE_RECIPES[name]
     todo = [s for s in strategies if (name, s) not in done]
@@ -630,7 +631,7 @@ def measure_code(name: str, strategies, done: set, config,
     def planned(strategy: str, step, p, variant: str | None, extra: dict) -> dict:
         start = time.perf_counter()
         with step.context():
-            compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
+            compiled, report = plan_compile_and_report(p)
         row = {**base, "strategy": strategy, "search_s": p.search_s, "variant": variant,
                "predicted_peak_bytes": p.prediction.peak_bytes, "predicted_s": p.prediction.time_s,
                "compile_s": time.perf_counter() - start,

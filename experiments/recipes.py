@@ -270,7 +270,7 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
     import planner
     from planner.baselines import expert_plans
     from planner.cost.memory import MemoryLimitError, default_calibration
-    from planner.target.compiled import compile_and_report, input_structs
+    from planner.target.compiled import plan_compile_and_report
     from planner.target.compiled_time import compiled_time
 
     recipe = RECIPES[name]
@@ -324,7 +324,7 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
                          "planning_s": time.perf_counter() - start, "error": str(e)[:800]})  # fmt: skip
     for strategy, p in plans.items():
         start = time.perf_counter()
-        compiled, report = compile_and_report(p.jit().lower(*input_structs(p)))
+        compiled, report = plan_compile_and_report(p)
         optimal = None
         remat = recipe["remat"] if p.remat is None else p.remat.chosen
         if config.layer_estimate and compiled is not None:
@@ -351,7 +351,7 @@ def depth_rows(name: str, depths: list[int], done: set) -> list[dict]:
     trusting the model: no compile rounds) at each depth of ``depths`` not in ``done``: its
     predicted peak and the compiler's."""
     import planner
-    from planner.target.compiled import compile_and_report, input_structs
+    from planner.target.compiled import plan_compile_and_report
 
     recipe = RECIPES[name]
     mesh = planner.topology_mesh(recipe["topology"], topology_axes(recipe))
@@ -362,7 +362,7 @@ def depth_rows(name: str, depths: list[int], done: set) -> list[dict]:
         step, args = recipe_step(recipe, None, layers=layers)
         p = planner.plan(step, *args, mesh=mesh, donate_argnums=(0, 1), check_memory="predicted")
         start = time.perf_counter()
-        _, report = compile_and_report(p.jit().lower(*input_structs(p)))
+        _, report = plan_compile_and_report(p)
         rows.append({"recipe": name, "layers": layers, "remat": recipe["remat"],
                      "predicted_peak_bytes": p.prediction.peak_bytes,
                      "compiled_bytes": report.total_bytes, "fits": report.fits,

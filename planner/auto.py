@@ -54,7 +54,7 @@ from planner.solver.requested import Requested
 from planner.solver.schedule_search import Evaluations, search_within
 from planner.solver.staged import search_staged
 from planner.solver.ties import TIME_TIE
-from planner.target.compiled import on_context_devices
+from planner.target.compiled import keep_compiled, on_context_devices
 from planner.target.confirm import MARGIN, checks_compiled, confirmed
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
@@ -208,7 +208,9 @@ def plan(
             )
 
         p, checks = confirmed(search_under, plan_of, limit, margin, capacity, yours)
-        return dataclasses.replace(p, memory_checks=checks)
+        checked = dataclasses.replace(p, memory_checks=checks)
+        keep_compiled(p, checked)  # the check's compile is the plan's
+        return checked
     return plan_of(search_under(limit))
 
 

@@ -327,6 +327,26 @@ def test_under_the_default_limit_a_compiled_plan_may_use_the_whole_device(monkey
         planner.plan(step, *args, mesh=mesh, check_memory="compiled", memory_limit_bytes=limit)
 
 
+def test_the_compile_that_checked_a_plan_is_the_one_its_report_reads(monkeypatch):
+    """``plan()``'s memory check compiles the plan once: ``compiled_report()`` afterwards reads
+    that compile (nothing compiled again), the same figure as the check; on another mesh, or a
+    plan compiled for the first time, the compiler runs."""
+    step, args = _scanned_tanh_step(layers=4, d=64)
+    mesh = jax.make_mesh((4,), ("a",), devices=jax.devices()[:4])
+    p = planner.plan(step, *args, mesh=mesh, donate_argnums=0, check_memory="compiled")
+    compiles = []
+    real = compiled_mod.compile_and_report
+    monkeypatch.setattr(compiled_mod, "compile_and_report",
+                        lambda *a, **k: compiles.append(1) or real(*a, **k))  # fmt: skip
+    report = p.compiled_report()
+    assert compiles == [] and report.total_bytes == p.memory_checks[-1].compiled_bytes
+    assert compiled_mod.plan_compile_and_report(p)[1] is report
+    other = jax.make_mesh((4,), ("a",), devices=jax.devices()[4:])
+    assert p.compiled_report(other).total_bytes == report.total_bytes and compiles == [1]
+    unchecked = planner.plan(step, *args, mesh=mesh, donate_argnums=0, check_memory="predicted")
+    assert unchecked.compiled_report().total_bytes == report.total_bytes and compiles == [1, 1]
+
+
 @needs_libtpu
 def test_a_topology_mesh_of_other_device_objects_runs_on_the_contexts():
     """MaxText's train_compile makes its own compile-only devices; a plan for planner's
