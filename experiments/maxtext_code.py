@@ -527,10 +527,11 @@ def _planned(built):
                             donate_argnums=built.donate_argnums, compare=built.in_shardings)  # fmt: skip
 
 
-def _variant_search(name: str, built) -> tuple[str | None, object, object, dict, float]:
+def _variant_search(name: str, built, own=None) -> tuple[str | None, object, object, dict, float]:
     """``(variant, plan, its step, tried, seconds)``: the plan predicted fastest among the plans
-    of the recipe's own step (variant ``None``) and of each of its ``variants`` that fit; ``tried``: per
-    variant, the plan's predicted seconds and peak bytes, or the planner's error."""
+    of the recipe's own step (variant ``None``; ``own``: its plan, searched already in this run)
+    and of each of its ``variants`` that fit; ``tried``: per variant, the plan's predicted seconds
+    and peak bytes, or the planner's error."""
     from planner.cost.memory import MemoryLimitError
 
     best, tried, seconds = None, {}, 0.0
@@ -538,7 +539,7 @@ def _variant_search(name: str, built) -> tuple[str | None, object, object, dict,
         start = time.perf_counter()
         step = built if variant is None else build(name, variant=variant)
         try:
-            p = _planned(step)
+            p = own if variant is None and own is not None else _planned(step)
         except MemoryLimitError as e:
             tried[str(variant)] = {"error": str(e)[:300]}
             continue
@@ -547,6 +548,8 @@ def _variant_search(name: str, built) -> tuple[str | None, object, object, dict,
         pred = p.prediction
         tried[str(variant)] = {"predicted_s": pred.time_s, "predicted_peak_bytes": pred.peak_bytes,
                                "search_s": p.search_s}  # fmt: skip
+        if p is own:
+            tried[str(variant)]["from"] = "the searched row"
         logging.warning("%s %s: %s", name, variant, tried[str(variant)])
         if best is None or pred.time_s < best[1].prediction.time_s:
             best = (variant, p, step)
@@ -650,17 +653,18 @@ def measure_code(name: str, strategies, done: set, config,
 
     if "recipe" in todo:
         rows.append(authors("recipe", built, None))
+    own = None  # the recipe's own step's plan, where searched in this run
     if "searched" in todo:
         start = time.perf_counter()
         try:
-            p = _planned(built)
+            own = _planned(built)
         except MemoryLimitError as e:
             rows.append({**base, "strategy": "searched", "fits": False, "error": str(e)[:800],
                          "planning_s": time.perf_counter() - start})  # fmt: skip
             return rows
-        rows.append(planned("searched", built, p, None, {}))
+        rows.append(planned("searched", built, own, None, {}))
     if {"searched_variants", "recipe_at_variant"} & set(todo):
-        variant, p, step, tried, seconds = _variant_search(name, built)
+        variant, p, step, tried, seconds = _variant_search(name, built, own)
         if variant is None:  # the recipe's own step: those rows are the searched and recipe rows
             searched = sum(t.get("search_s", 0.0) for t in tried.values())
             return rows + [{**base, "strategy": s, "variant": None, "variants": tried,

@@ -339,6 +339,40 @@ def test_a_plan_compiled_again_to_the_same_program_keeps_its_rows_kernels():
     assert kernels_compiled_before(row, [unrecorded]) is None
 
 
+def test_a_variant_search_takes_the_plan_of_the_recipes_own_step_searched_in_the_run(monkeypatch):
+    """The recipe's own step (variant ``None``) is not planned again where the run's searched
+    row planned it: its plan is a candidate as found, marked as the searched row's; each other
+    variant is planned, and the fastest that fits is chosen."""
+    from experiments import maxtext_code as mc
+    from planner.cost.memory import MemoryLimitError
+
+    def plan(seconds, peak):
+        return types.SimpleNamespace(prediction=types.SimpleNamespace(time_s=seconds,
+                                                                      peak_bytes=peak),
+                                     search_s=5.0)  # fmt: skip
+
+    planned = []
+
+    def planned_of(step):
+        planned.append(step)
+        if step == "b":
+            raise MemoryLimitError(10, None)
+        return plan(2.0, 60)
+
+    monkeypatch.setitem(mc.CODE_RECIPES, "r", {"variants": {"a": {}, "b": {}}})
+    monkeypatch.setattr(mc, "build", lambda name, variant=None: variant)
+    monkeypatch.setattr(mc, "_planned", planned_of)
+    own = plan(3.0, 30)
+    variant, best, step, tried, _ = mc._variant_search("r", "own step", own)
+    assert planned == ["a", "b"] and (variant, step) == ("a", "a") and best is not own
+    assert tried["None"] == {"predicted_s": 3.0, "predicted_peak_bytes": 30, "search_s": 5.0,
+                             "from": "the searched row"}  # fmt: skip
+    assert "error" in tried["b"]
+    planned.clear()
+    assert mc._variant_search("r", "own step")[3]["None"].get("from") is None
+    assert planned == ["own step", "a", "b"]
+
+
 def test_remeasured_rows_replace_the_previous_ones_and_see_them(monkeypatch, tmp_path):
     """``config.remeasure``: the named strategies' rows of the recipes run are measured again
     (their previous rows handed to the measurement) and replace them; other rows stay."""
