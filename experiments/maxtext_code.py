@@ -589,10 +589,10 @@ def kernels_compiled_before(row: dict, previous) -> float | None:
 def measure_code(name: str, strategies, done: set, config,
                  previous: list[dict] = ()) -> list[dict]:  # fmt: skip
     """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``
-    (the variant strategies only for recipes with ``variants``). A plan whose compile repeats
-    a ``previous`` row's of its strategy and variant (:data:`SAME_PROGRAM`: the same program)
-    takes that row's kernels' estimate rather than compiling its layers again
-    (``row["estimate_from"]`` says so)."""
+    (the variant strategies only for recipes with ``variants``). A compile (the plan's or
+    MaxText's own) that repeats a ``previous`` row's of its strategy and variant
+    (:data:`SAME_PROGRAM`: the same program) takes that row's kernels' estimate rather than
+    compiling its layers again (``row["estimate_from"]`` says so)."""
     from experiments.recipes import _row_of
     from planner.cost.memory import MemoryLimitError, default_calibration
     from planner.target.compiled import compile_and_report, plan_compile_and_report
@@ -620,16 +620,22 @@ def measure_code(name: str, strategies, done: set, config,
         logging.warning("%s", row)
         return row
 
+    def estimated(row: dict, kernels_of) -> dict:
+        """``row`` with its estimate: the kernels of the previous row whose program it compiled
+        again, else ``kernels_of()`` (its layers compiled)."""
+        kernels = kernels_compiled_before(row, previous)
+        if kernels is not None:
+            row["estimate_from"] = "the same program's kernels, compiled before"
+            return finish(row, kernels)
+        return finish(row, _unless_over_hbm(row, kernels_of, config))
+
     def authors(strategy: str, step, variant: str | None) -> dict:
         start = time.perf_counter()
         compiled, report = compile_and_report(step.authors_compile())
         row = {**base, "strategy": strategy, "search_s": 0.0, "variant": variant,
                "compile_s": time.perf_counter() - start,
                **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        return finish(
-            row,
-            _unless_over_hbm(row, lambda: _authors_kernels(name, layers, cal, at, variant), config),
-        )
+        return estimated(row, lambda: _authors_kernels(name, layers, cal, at, variant))
 
     def planned(strategy: str, step, p, variant: str | None, extra: dict) -> dict:
         start = time.perf_counter()
@@ -642,14 +648,7 @@ def measure_code(name: str, strategies, done: set, config,
                "not_understood": sorted({o.primitive for o in p.program.ops
                                          if o.how == "replicated"}),
                **extra, **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
-        kernels = kernels_compiled_before(row, previous)
-        if kernels is not None:
-            row["estimate_from"] = "the same program's kernels, compiled before"
-            return finish(row, kernels)
-        return finish(
-            row,
-            _unless_over_hbm(row, lambda: _plan_kernels(name, p, layers, cal, at, variant), config),
-        )
+        return estimated(row, lambda: _plan_kernels(name, p, layers, cal, at, variant))
 
     if "recipe" in todo:
         rows.append(authors("recipe", built, None))

@@ -339,6 +339,41 @@ def test_a_plan_compiled_again_to_the_same_program_keeps_its_rows_kernels():
     assert kernels_compiled_before(row, [unrecorded]) is None
 
 
+def test_maxtexts_own_compile_measured_again_to_the_same_program_keeps_its_rows_kernels(
+    monkeypatch,
+):
+    """A recipe row measured again (a new judge of the device's figure) whose compile repeats its
+    previous row's program takes that row's kernels; a changed program compiles its layers."""
+    import experiments.recipes as recipes
+    import planner.cost.memory as memory
+    import planner.target.compiled as compiled
+    from experiments import maxtext_code as mc
+
+    config = types.SimpleNamespace(num_decoder_layers=61, num_experts=256, first_num_dense_layers=3,
+                                   remat_policy="custom")  # fmt: skip
+    step = types.SimpleNamespace(mesh=types.SimpleNamespace(size=512), config=config,
+                                 authors_compile=lambda: "lowered")  # fmt: skip
+    program = dict(zip(mc.SAME_PROGRAM, (90, 1892, 59.7, 3.2e12), strict=True))
+    compiles = [dict(program, compiled_bytes=97), dict(program, collectives=1893)]
+    layers = []
+    monkeypatch.setattr(mc, "build", lambda name, variant=None: step)
+    monkeypatch.setattr(mc, "model_tflops", lambda built: 6.0)
+    monkeypatch.setattr(mc, "_authors_kernels", lambda *a: layers.append(a) or 50.0)
+    monkeypatch.setattr(memory, "default_calibration", lambda mesh: "cal")
+    monkeypatch.setattr(compiled, "compile_and_report", lambda lowered: (None, None))
+    monkeypatch.setattr(recipes, "_row_of", lambda *a: compiles.pop(0))
+    name = "deepseek3_671b_v5p_1024"
+    old = {"recipe": name, "strategy": "recipe", "variant": None, **program,
+           "compiled_bytes": 101, "estimate_s": 115.6}  # fmt: skip
+    run = types.SimpleNamespace(layer_estimate=True)
+    (row,) = mc.measure_code(name, ["recipe"], set(), run, [old])
+    assert row["compiled_bytes"] == 97 and row["estimate_s"] == pytest.approx(115.6)
+    assert row["estimate_from"] == "the same program's kernels, compiled before" and not layers
+    (row,) = mc.measure_code(name, ["recipe"], set(), run, [old])
+    assert row["estimate_s"] == pytest.approx(50.0 + 59.7) and "estimate_from" not in row
+    assert len(layers) == 1
+
+
 def test_a_variant_search_takes_the_plan_of_the_recipes_own_step_searched_in_the_run(monkeypatch):
     """The recipe's own step (variant ``None``) is not planned again where the run's searched
     row planned it: its plan is a candidate as found, marked as the searched row's; each other
