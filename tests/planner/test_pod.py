@@ -1,6 +1,8 @@
 """Plans for meshes without devices (AbstractMesh, {name: size}) from shapes, and the shardings a
 plan hands to the user's own jax.jit."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +203,35 @@ def test_the_search_without_a_limit_tries_the_zero_candidates_too(monkeypatch):
     assert tried and tried[0] > 0
     bounded = ss.search(prog, {"a": 2, "b": 4}, tpu, 1e18)[1]
     assert (free.time_s, free.peak_bytes) == (bounded.time_s, bounded.peak_bytes)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_without_a_limit_a_zero_candidate_counts_only_where_it_is_as_fast(monkeypatch, faster):
+    """Without a memory limit a ZeRO candidate is weighed only where it is at least as fast as
+    the fastest other candidate: a leaner one a little slower (within the tie) would win on the
+    tie and, fitting, end the search under the default limit, which finds a faster plan
+    (Qwen3-235B at expert 8 on v5p-512: 26.26 s taken where 25.79 s fits). Under a limit it is
+    weighed either way."""
+    from experiments.workloads import workload
+    from planner.solver import schedule_search as ss
+    from redist.calibration import Calibration
+
+    fn, args = workload("mlp", [16, 1024, 2], np.random.default_rng(4))
+    prog = planner.analyze(fn, *args)
+    tpu, offered = Calibration.named("tpu_v5p"), []
+
+    def zero(prog, shape, results, evaluate):  # a lean candidate: another plan's schedule
+        finite = [r for r in results if r[2] is not None and r[0] < math.inf]
+        quickest = min(r[0] for r in finite)
+        other = next(r for r in sorted(finite, key=lambda r: -r[0]) if r[0] > quickest)
+        offered.append(other[2])
+        return [(quickest * (0.99 if faster else 1.01), 1, other[2], other[3])]
+
+    monkeypatch.setattr(ss, "_zero", zero)
+    for limit in (None, 1e18):
+        offered.clear()
+        sched, _ = ss.search(prog, {"a": 2, "b": 4}, tpu, limit)
+        assert offered and (sched is offered[-1]) == (faster or limit is not None), limit
 
 
 def _momentum_step(state, x):
