@@ -157,20 +157,26 @@ _FOLDERS = [
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
                                                 ("config.strategies", '""'),
                                                 ("config.reestimate", "recipe,searched"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
+                                                ("config.strategies", "searched,searched_variants"),
+                                                ("config.remeasure", "searched,searched_variants"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
-       "231 s of searching; the last seven commands (MaxText's own step, code_*.{jsonl,md,json}, "
-       "one process per recipe's libtpu flags; DeepSeek-V3's took 55 min, Llama 3.1 405B's "
-       "plan 57 min, Qwen3-235B's 29 min and its variants 7 more, 405B's plan on v6e 80 min, "
-       "Qwen3-235B's on Ironwood 56 min, each beside other compiles) need Python >= 3.12 "
-       "with the libraries extra too; the next to last, run for each recipe in turn, replays the "
-       "searched rows' searches on the current planner without compiling (a few minutes each); "
-       "the next, run for each recipe in turn (Qwen3-235B's with its variant strategies too), "
-       "measures the searched rows again on the current planner (its memory model changed), a plan compiled to the program its row compiled "
-       "keeping that row's kernels' estimate (DeepSeek-V3's took 100 min beside other compiles); "
-       "the last, run for each recipe in turn, makes the rows' estimates again (their layers "
-       "compiled with the compiler's rematerialization off; DeepSeek-V3's rows took 40 min each, "
-       "beside each other)"),
+       "231 s of searching; the commands from the third on (MaxText's own step, "
+       "code_*.{jsonl,md,json}, one process per recipe's libtpu flags; DeepSeek-V3's took 55 "
+       "min, Llama 3.1 405B's plan 57 min, Qwen3-235B's 29 min and its variants 7 more, 405B's "
+       "plan on v6e 80 min, Qwen3-235B's on Ironwood 56 min, each beside other compiles) need "
+       "Python >= 3.12 with the libraries extra too; the one with replay_search, run for each "
+       "recipe in turn, replays the searched rows' searches on the current planner without "
+       "compiling (a few minutes each); the one with remeasure=searched, run for each recipe in "
+       "turn (Qwen3-235B's with its variant strategies too), measures the searched rows again on "
+       "the current planner (its memory model changed), a plan compiled to the program its row "
+       "compiled keeping that row's kernels' estimate (DeepSeek-V3's took 100 min beside other "
+       "compiles); the one with reestimate, run for each recipe in turn, makes the rows' "
+       "estimates again (their layers compiled with the compiler's rematerialization off; "
+       "DeepSeek-V3's rows took 40 min each, beside each other); the last measures "
+       "DeepSeek-V3's plans again, each program judged by what it allocates in HBM (96 min, "
+       "beside the tests and other runs; MaxText's own row keeps the compiler's peak)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip
