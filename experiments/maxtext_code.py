@@ -403,7 +403,12 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
     ``"search_s_measured"``); where it asks for a compile the row did not record or finds another
     plan, ``row["replay_note"]`` says so and the row keeps its seconds. Returns how many rows
     it replayed. (The search is what the planner's changes make faster; the compiles are the
-    compiler's, minutes to half an hour each here.)"""
+    compiler's, minutes to half an hour each here.)
+
+    A memory model changed since predicts the row's plan at other bytes: a plan predicted at the
+    row's seconds is taken for the row's plan (:func:`_same_plan`), its compile answered by the
+    row's check of its layout, and the row's predicted bytes become today's (the measured ones
+    kept as ``"predicted_peak_bytes_measured"``: :func:`_repredicted`)."""
     from unittest import mock
 
     from planner.target import confirm
@@ -418,8 +423,10 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
         recorded = {(c.get("layout", "searched"), c["predicted_bytes"]): c
                     for c in row.get("memory_checks") or []}  # fmt: skip
 
-        def compiled(plan, searched, target, layout="searched", recorded=recorded):
+        def compiled(plan, searched, target, layout="searched", recorded=recorded, row=row):
             check = recorded.get((layout, plan.prediction.peak_bytes))
+            if check is None and layout == "searched" and _same_plan(plan, row):
+                check = (row.get("memory_checks") or [None])[-1]
             if check is None:
                 raise PlanChanged(
                     f"{name}: the replayed search compiles a plan the row did not ({layout}, "
@@ -431,8 +438,8 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
         try:
             with mock.patch.object(confirm, "_compiled_check", compiled):
                 p = _planned(built)
-            got = (p.prediction.time_s, p.prediction.peak_bytes)
-            if got != (row["predicted_s"], row["predicted_peak_bytes"]):
+            if not _same_plan(p, row):
+                got = (p.prediction.time_s, p.prediction.peak_bytes)
                 raise PlanChanged(
                     f"{name}: the replayed search finds a plan predicting {got} (seconds, bytes), "
                     f"the row's {(row['predicted_s'], row['predicted_peak_bytes'])}"
@@ -441,6 +448,7 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
             row["replay_note"] = str(e)[:300]
             logging.warning("%s", row["replay_note"])
             continue
+        _repredicted(row, p.prediction.peak_bytes)
         _replayed(row, p.search_s)
         replayed += 1
     return replayed
@@ -456,6 +464,23 @@ def _replayed(row: dict, seconds: float) -> None:
                     row["strategy"], seconds, row["search_s_measured"])  # fmt: skip
 
 
+def _same_plan(plan, row: dict) -> bool:
+    """Whether ``plan`` is taken for ``row``'s plan: it predicts the row's seconds (the memory
+    model may have changed the bytes it predicts since, not the time; two plans of one step
+    predicted at the same seconds to the last bit are taken for one)."""
+    return plan.prediction.time_s == row["predicted_s"]
+
+
+def _repredicted(row: dict, peak_bytes: int) -> None:
+    """``row``'s predicted bytes replaced by today's ``peak_bytes`` for its plan (the measured
+    ones kept as ``"predicted_peak_bytes_measured"``)."""
+    if peak_bytes != row["predicted_peak_bytes"]:
+        row.setdefault("predicted_peak_bytes_measured", row["predicted_peak_bytes"])
+        row["predicted_peak_bytes"] = peak_bytes
+        logging.warning("%s %s: its plan now predicted at %d bytes (measured: %d)", row["recipe"],
+                        row["strategy"], peak_bytes, row["predicted_peak_bytes_measured"])  # fmt: skip
+
+
 def replay_variant_rows(name: str, rows: list[dict]) -> int:
     """Search each variant of recipe ``name``'s ``searched_variants`` rows again on today's
     planner, in place, without compiling: every variant the row planned
@@ -464,13 +489,15 @@ def replay_variant_rows(name: str, rows: list[dict]) -> int:
     did not record: a variant whose check had made it search again predicts otherwise here and
     stops the replay). Where each finds the plan it found (its predicted seconds and bytes),
     ``row["search_s"]`` becomes today's sum (the first measurement kept as
-    ``"search_s_measured"``); else ``row["replay_note"]`` says why not. Returns how many rows it
-    replayed."""
+    ``"search_s_measured"``); else ``row["replay_note"]`` says why not. A plan predicted at the
+    seconds it was is the one it found (:func:`_same_plan`): the bytes it is predicted at today
+    replace the variant's and, for the chosen one, the row's (:func:`_repredicted`). Returns how
+    many rows it replayed."""
     todo = [r for r in rows if r["recipe"] == name and r["strategy"] == "searched_variants"
             and r.get("variant") and r.get("variants")]  # fmt: skip
     replayed = 0
     for row in todo:
-        seconds = 0.0
+        seconds, peaks = 0.0, {}
         try:
             for key, tried in row["variants"].items():
                 if "predicted_s" not in tried:  # no plan fitted: not counted in the row's sum
@@ -483,10 +510,14 @@ def replay_variant_rows(name: str, rows: list[dict]) -> int:
                     "predicted_s": tried["predicted_s"],
                     "predicted_peak_bytes": tried["predicted_peak_bytes"]})  # fmt: skip
                 seconds += p.search_s
+                peaks[key] = p.prediction.peak_bytes
         except PlanChanged as e:
             row["replay_note"] = str(e)[:300]
             logging.warning("%s", row["replay_note"])
             continue
+        for key, peak in peaks.items():
+            row["variants"][key]["predicted_peak_bytes"] = peak
+        _repredicted(row, peaks[str(row["variant"])])
         _replayed(row, seconds)
         replayed += 1
     return replayed
@@ -498,7 +529,8 @@ class PlanChanged(ValueError):
 
 def _planned_again(built, row: dict):
     """The plan of ``row`` searched again (the limit of its last memory check, trusted): raises
-    :class:`PlanChanged` where it predicts other than the row's plan did."""
+    :class:`PlanChanged` where it is not the row's plan (:func:`_same_plan`: it predicts other
+    seconds than the row's did)."""
     import planner
 
     checks = row.get("memory_checks") or []
@@ -508,7 +540,7 @@ def _planned_again(built, row: dict):
                          check_memory="predicted", donate_argnums=built.donate_argnums,
                          compare=built.in_shardings)  # fmt: skip
     got = (p.prediction.time_s, p.prediction.peak_bytes)
-    if got != (row["predicted_s"], row["predicted_peak_bytes"]):
+    if not _same_plan(p, row):
         raise PlanChanged(
             f"{row['recipe']} {row['strategy']}: searched again, the plan predicts {got} (seconds, "
             f"bytes), the row's {(row['predicted_s'], row['predicted_peak_bytes'])}; measure "

@@ -102,8 +102,10 @@ before the loop, and the rule holds 3.6 MiB more there than it does (its peak, a
 the forward pass, unchanged). MaxText's tiny DeepSeek-V3 on a v5p-8 defers it past the first of
 its two backward loops only.
 
-Remat (``jax.checkpoint``) needs no rule: the jaxpr recomputes what it does not save, so the
-forward's values die at their last forward use.
+Remat (``jax.checkpoint``): the jaxpr recomputes what it does not save, so the forward's values
+die at their last forward use. In the backward pass the TPU compiler runs the recomputation
+where it is read, not all of it first (:data:`SUNK_RECOMPUTATION`,
+:func:`planner.cost.run_order.run_order`): the lifetimes are those of the ops in that order.
 
 Example:
     >>> lt = lifetimes(prog, "tpu")                    # doctest: +SKIP
@@ -115,6 +117,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from planner.cost.run_order import arranged_program, run_order
 from planner.program.ir import Program
 from planner.program.memo import PerObject
 from planner.program.ops import Op
@@ -229,6 +232,11 @@ itself is held for the whole loop either way (a loop slices it at every step).""
 
 PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
+SUNK_RECOMPUTATION = frozenset({"tpu"})
+"""Backends whose scheduler runs a checkpointed layer's recomputation just before the ops that
+read it, where that holds nothing longer (:func:`planner.cost.run_order.run_order`): the
+lifetimes are those of the ops in that order (:attr:`Lifetimes.order`)."""
+
 
 def kernel_copies(op: Op, backend: str) -> tuple:
     """The operands (accesses) of ``op`` that the ``backend``'s kernel copies into another order
@@ -308,6 +316,11 @@ class Lifetimes:
             (:data:`INLINED_SCANS`): ``(op index, result index)`` -> the spans ``(first op,
             last op, copies)`` of the other layers' copies, besides the one of ``alloc`` and
             ``free`` (see :func:`_other_layers`).
+        order: the op indices in the order the compiler runs them (:data:`SUNK_RECOMPUTATION`);
+            empty: the program's. Times (the indices of ``alloc`` and ``free``, the values of
+            ``hold``, ``at``, ``made`` and ``first``, the spans of ``repeated``) count places in
+            that order; op indices (an op's entry in ``hold``, ``reuse`` or ``at``, a buffer's
+            ``(op index, result index)``) are the program's.
     """
 
     kind: dict[str, str]
@@ -324,6 +337,11 @@ class Lifetimes:
         default_factory=dict
     )
     at: tuple[int, ...] = ()
+    order: tuple[int, ...] = ()
+
+    def running(self, t: int) -> int:
+        """The index of the op that runs at time ``t``."""
+        return self.order[t] if self.order else t
 
 
 LIFETIMES: PerObject[dict[str, Lifetimes]] = PerObject("buffers and lifetimes per backend")
@@ -335,8 +353,12 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
     program and backend."""
     cache = LIFETIMES.get(prog, dict)
     if backend not in cache:
+        order = run_order(prog) if backend in SUNK_RECOMPUTATION else ()
+        if order == tuple(range(len(prog.ops))):
+            order = ()
+        arranged = arranged_program(prog, order) if order else prog
         lt = _lifetimes(
-            prog,
+            arranged,
             backend in UNSHARED_REDUCTIONS,
             backend in REDUCED_NOT_IN_PLACE,
             backend in CHEAP_FLOAT_MATH,
@@ -345,11 +367,37 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
             backend in SLICED_IN_PRODUCTS,
         )
         if backend in NARROW_DOT_OPERANDS:
-            lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(prog))
+            lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(arranged))
         if backend in HOST_MEMORY:
-            lt = dataclasses.replace(lt, host=host_values(prog))
-        cache[backend] = lt
+            lt = dataclasses.replace(lt, host=host_values(arranged))
+        cache[backend] = _in_program_indices(lt, order) if order else lt
     return cache[backend]
+
+
+def _in_program_indices(lt: Lifetimes, order: tuple[int, ...]) -> Lifetimes:
+    """``lt`` of a program arranged in ``order`` (:func:`planner.cost.run_order.arranged_program`)
+    with its op indices those of the program (its times stay places in ``order``)."""
+
+    def key(k: tuple[int, int]) -> tuple[int, int]:
+        return order[k[0]], k[1]
+
+    def per_op(values: tuple) -> tuple:
+        out = [None] * len(order)
+        for p, v in enumerate(values):
+            out[order[p]] = v
+        return tuple(out)
+
+    return dataclasses.replace(
+        lt,
+        alloc=tuple(tuple(map(key, keys)) for keys in lt.alloc),
+        free=tuple(tuple(map(key, keys)) for keys in lt.free),
+        hold=per_op(lt.hold),
+        reuse=per_op(tuple(tuple((i, tuple(map(key, c))) for i, c in r) for r in lt.reuse)),
+        narrowed=frozenset(map(key, lt.narrowed)),
+        repeated={key(k): v for k, v in lt.repeated.items()},
+        at=per_op(lt.at),
+        order=order,
+    )
 
 
 def to_host(op: Op) -> bool:

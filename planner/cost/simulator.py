@@ -638,6 +638,22 @@ def summed_bytes(op: Op, result_bytes) -> int:
     return total
 
 
+def run_times(lt) -> list[int]:
+    """Per op index, the time it runs at in ``lt``'s order
+    (:attr:`planner.cost.buffers.Lifetimes.order`).
+
+    Example:
+        >>> run_times(lifetimes(prog, "tpu"))[57]          # doctest: +SKIP
+        41
+    """
+    if not lt.order:
+        return list(range(len(lt.hold)))
+    time = [0] * len(lt.order)
+    for t, k in enumerate(lt.order):
+        time[k] = t
+    return time
+
+
 def summed_in_place(steps, priced, ending: list[int]) -> list[int]:
     """Per op, the bytes its results and what dies where it runs are not held at once
     (``ending``: per op, the bytes of buffers and moved copies released after it): a
@@ -651,14 +667,17 @@ def summed_in_place(steps, priced, ending: list[int]) -> list[int]:
 
 
 def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[int, int, int, str]]:
-    """The temporaries and outputs as ``(first op, last op, bytes, name of the first value)``: a
-    result written in place into a buffer of its size that dies where it is made continues that
+    """The temporaries and outputs as ``(first, last, bytes, name of the first value)``, first and
+    last the times their ops run at (:attr:`planner.cost.buffers.Lifetimes.order`): a result
+    written in place into a buffer of its size that dies where it is made continues that
     buffer's allocation; an output's lasts to the end (one written into a donated input adds
     nothing: the input holds it). A buffer that every layer of an unrolled scan keeps adds the
     other layers' copies (:attr:`planner.cost.buffers.Lifetimes.repeated`)."""
 
     def name(key: tuple[int, int]) -> str:
         return prog.ops[key[0]].results[key[1]].value.name
+
+    time = run_times(lt)
 
     def size_of(key: tuple[int, int]) -> int:
         size = priced[key[0]][5][key[1]]
@@ -691,7 +710,7 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
         if last in spans:
             end = spans[last][1]
         else:  # an output: to the end, unless a donated input holds it
-            end = last_op if outputs.get(name(last)) else last[0]
+            end = last_op if outputs.get(name(last)) else time[last[0]]
         out.append((begin, end, size_of(key), name(key)))
         out += [(b, e, size_of(key) * n, name(key)) for b, e, n in layers]
     ended = {name(key) for key in continuing if key not in spans}
@@ -705,16 +724,20 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     """The sums the compiler combines into one collective, and what they hold: those whose
     results nothing reads before the last partial sum of the program is made (a step's gradients,
     summed together before the update). Returns the ops whose partial results wait for the
-    combined collective (their own kernels hold nothing more) and ``(first op, last op, bytes)``
-    spans of what they hold: a partial result at its whole size from where it is made, and
+    combined collective (their own kernels hold nothing more) and ``(first, last, bytes)``
+    spans (times: :attr:`planner.cost.buffers.Lifetimes.order`) of what they hold: a partial result at its whole size from where it is made, and
     beside the results where the combined collective runs (``whole``: 2 where a reduce-scatter
     is an all-reduce and a slice, :data:`planner.cost.buffers.ALL_REDUCE_THEN_SLICE`)."""
     summed = [k for k, st in enumerate(steps) if st.pending]
     if len(summed) < 2:
         return set(), []
-    last = summed[-1]
+    time = run_times(lt)
+    final = max(summed, key=time.__getitem__)
+    last = time[final]
     members, spans = set(), []
-    for k in summed[:-1]:
+    for k in summed:
+        if k == final:
+            continue
         st = steps[k]
         if not all(lt.first[r.value.name] > last for r in st.op.results):
             continue
@@ -870,11 +893,13 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
     chains = [
         (b, e, size // micro.get(n, 1), n) for b, e, size, n in _chains(prog, lt, priced, outputs)
     ]
-    dying = [0] * n  # per op, the bytes of what it did not make released after it
+    # grow, release and dying count times: op lt.running(t) runs at time t (time[k]: op k's)
+    time = run_times(lt)
+    dying = [0] * n  # per time, the bytes of what its op did not make released after it
     for begin, end, size, name in chains:
         grow[begin] += size
         release[end] += size
-        dying[end] += 0 if prog.producer.get(name) is steps[end].op else size
+        dying[end] += 0 if prog.producer.get(name) is steps[lt.running(end)].op else size
     # A value moved to a layout is held from its first move there to the last op reading that
     # copy (the compiler makes one collective for equal moves): while the op runs, or where its
     # readers run if it is fused or a view, or for a whole loop if it enters one.
@@ -899,14 +924,13 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
         release[end] += size
     circular = circular_orders(prog, sched, steps, cal)
     for c in circular:
-        grow[c.start] += c.held
-        release[c.stop] += c.held
-        grow[c.stop] += c.leaving
-        release[c.stop] += c.leaving
-    in_place = summed_in_place(steps, priced, dying)
+        grow[time[c.start]] += c.held
+        release[time[c.stop]] += c.held
+        grow[time[c.stop]] += c.leaving
+        release[time[c.stop]] += c.leaving
+    in_place = summed_in_place(steps, priced, [dying[time[k]] for k in range(n)])
     live = 0
     peak = base
-    costs = []
     transcendentals = 0.0
     if on_peak is not None:
         on_peak(None, fixed, {}, (), 0)
@@ -918,14 +942,17 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
             other = (v.name, v.shape, v.dtype, f"moved for {reader}")
             starts.setdefault(begin, []).append((other, size, end))
         for begin, end, size in waiting:
-            other = (f"partial sums for the collective at {steps[end].op.name}", (), "uint8",
-                     "scratch")  # fmt: skip
+            other = (f"partial sums for the collective at {steps[lt.running(end)].op.name}",
+                     (), "uint8", "scratch")  # fmt: skip
             starts.setdefault(begin, []).append((other, size, end))
         names: dict = {}  # (live buffer (value name, or other), last op) -> bytes
     rolled = rolled_ops(prog)
-    for k, st in enumerate(steps):
+    costs = [None] * n
+    for t in range(n):
+        k = lt.running(t)
+        st = steps[k]
         _, _, wire, transient, moved, outs, kernel, counts, traffic = priced[k]
-        live += grow[k]
+        live += grow[t]
         copies_k, partial = kernel
         scratch = max(0, transient - max(moved, default=0)) + copies_k
         scratch += 0 if k in members else partial
@@ -934,7 +961,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
         )
         now = base + live + scratch - in_place[k]
         if on_peak is not None:
-            for key, size, end in starts.get(k, ()):
+            for key, size, end in starts.get(t, ()):
                 names[key, end] = names.get((key, end), 0) + size
             if (now > peak) if at is None else st.op.name == at:
                 held: dict = {}
@@ -946,17 +973,17 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
                     others.append((f"summed in place at {st.op.name}", (), "uint8",
                                    "in place", -in_place[k]))  # fmt: skip
                 on_peak(st.op.name, fixed, values, others, scratch)
-            names = {(key, end): b for (key, end), b in names.items() if end > k}
+            names = {(key, end): b for (key, end), b in names.items() if end > t}
         peak = max(peak, now)
         trips, op = st.op.trips, st.op
         kernel_s, comm_s = _trips(op, priced[k], cal, rolled)
         split = op.how == "region" or any(sched.assign.get(op.name, {}).values()) or st.pending
-        costs.append(OpCost(op.name, kernel_s, comm_s, wire * trips, now,
-                            counts[0] * trips, counts[2] * trips,
-                            tuple([t.times(trips) for t in traffic]),
-                            None if split else _whole(op, sizes, memo)))  # fmt: skip
+        costs[k] = OpCost(op.name, kernel_s, comm_s, wire * trips, now,
+                          counts[0] * trips, counts[2] * trips,
+                          tuple([tr.times(trips) for tr in traffic]),
+                          None if split else _whole(op, sizes, memo))  # fmt: skip
         transcendentals += counts[1] * st.op.trips
-        live -= release[k]
+        live -= release[t]
     costs = _pipelined(prog, sched, costs, steps, cal, runs, micro)
     costs += returned_evenly(prog, sched, made, returned, cal)
     if cal.step_s:

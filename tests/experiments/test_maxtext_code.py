@@ -284,6 +284,33 @@ def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
     assert "replay_note" not in recipe and recipe["search_s"] == 600.0
 
 
+def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_bytes(monkeypatch):
+    """The row's plan (its seconds) predicted at other bytes since the memory model changed: its
+    compile is answered by the row's check, and the row's predicted bytes become today's."""
+    from experiments import maxtext_code as mc
+    from planner.target import confirm
+
+    plan = types.SimpleNamespace(search_s=12.5, prediction=types.SimpleNamespace(
+        time_s=2.1, peak_bytes=75))  # fmt: skip
+    answered = []
+
+    def planned(built):
+        answered.append(confirm._compiled_check(plan, 100, 95).compiled_bytes)
+        return plan
+
+    monkeypatch.setattr(mc, "build", lambda *a, **k: "built")
+    monkeypatch.setattr(mc, "_planned", planned)
+    check = {"searched_limit": 100, "compile_s": 600.0, "compiled_limit": 95,
+             "predicted_bytes": 80, "compiled_bytes": 94, "layout": "searched"}  # fmt: skip
+    row = {"recipe": "r", "strategy": "searched", "predicted_s": 2.1, "predicted_peak_bytes": 80,
+           "search_s": 600.0, "memory_checks": [check]}  # fmt: skip
+    slower = {**row, "predicted_s": 2.0}  # another plan: not answered, not re-predicted
+    assert mc.replay_search_rows("r", [row, slower]) == 1
+    assert answered == [94]
+    assert row["predicted_peak_bytes"] == 75 and row["predicted_peak_bytes_measured"] == 80
+    assert slower["predicted_peak_bytes"] == 80 and "did not" in slower["replay_note"]
+
+
 def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     """Each variant the row planned is searched again (the chosen one under its memory check's
     limit, the others under the default); today's sum replaces the row's seconds only where
@@ -295,22 +322,29 @@ def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
 
     def again(built, row):
         limits.append((built, [c["searched_limit"] for c in row["memory_checks"]]))
-        if predicted[built] != (row["predicted_s"], row["predicted_peak_bytes"]):
+        if predicted[built][0] != row["predicted_s"]:
             raise mc.PlanChanged(f"{row['strategy']}: measure the row again")
-        return types.SimpleNamespace(search_s=10.0)
+        return types.SimpleNamespace(search_s=10.0, prediction=types.SimpleNamespace(
+            time_s=row["predicted_s"], peak_bytes=peaks[built]))  # fmt: skip
 
     monkeypatch.setattr(mc, "build", lambda name, variant=None: variant)
     monkeypatch.setattr(mc, "_planned_again", again)
+    peaks = {None: 30, "a": 60, "b": 40}
     tried = {"None": {"predicted_s": 3.0, "predicted_peak_bytes": 30},
              "a": {"predicted_s": 2.0, "predicted_peak_bytes": 60},
              "b": {"predicted_s": 2.5, "predicted_peak_bytes": 40},
              "c": {"error": "no plan fits"}}  # fmt: skip
     row = {"recipe": "r", "strategy": "searched_variants", "variant": "a", "variants": tried,
-           "search_s": 400.0, "memory_checks": [{"searched_limit": 90}]}  # fmt: skip
+           "search_s": 400.0, "memory_checks": [{"searched_limit": 90}], "predicted_s": 2.0,
+           "predicted_peak_bytes": 60}  # fmt: skip
     changed = {**row, "variants": {**tried, "b": {"predicted_s": 2.4, "predicted_peak_bytes": 40}}}
     own = {**row, "variant": None}  # the recipe's own settings chosen: the searched row's
+    peaks["a"] = 55  # the memory model changed since: the chosen variant's plan is leaner
     assert mc.replay_variant_rows("r", [row, changed, own]) == 1
     assert row["search_s"] == 30.0 and row["search_s_measured"] == 400.0
+    assert row["predicted_peak_bytes"] == 55 and row["predicted_peak_bytes_measured"] == 60
+    assert row["variants"]["a"]["predicted_peak_bytes"] == 55 and "predicted_peak_bytes" not in \
+        row["variants"]["c"]  # fmt: skip
     assert limits[:3] == [(None, []), ("a", [90]), ("b", [])]
     assert "searched_variants (b)" in changed["replay_note"] and changed["search_s"] == 400.0
     assert "search_s_measured" not in own
