@@ -135,6 +135,8 @@ def test_the_table_compares_each_plan_with_its_recipe():
     table = report_code(rows[::-1]).splitlines()  # the recipe's row first
     assert table[2].startswith("| r | recipe | 50 | yes | n/a | n/a | 2 | 1.00x | 64.0 % | 65.0 %")
     assert table[3].startswith("| r | searched | 40 | yes | 38 | 0.95 | 1.8 | 0.90x | 71.0 % | n/a")
+    rows[1]["predicted_peak_bytes_measured"] = 41e9  # its plan predicted otherwise when measured
+    assert "| 40 | yes | 38 (41 measured) | 0.95 |" in report_code(rows).splitlines()[3]
 
 
 def test_variant_rows_name_their_variant_or_repeat_the_rows_they_are():
@@ -285,30 +287,39 @@ def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
 
 
 def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_bytes(monkeypatch):
-    """The row's plan (its seconds) predicted at other bytes since the memory model changed: its
-    compile is answered by the row's check, and the row's predicted bytes become today's."""
+    """The memory model changed since the row was measured: the search's compiles, of plans now
+    predicted at other bytes, are answered by the row's checks in their order, and where the
+    search ends at the row's plan (its seconds) the row's predicted bytes become today's."""
     from experiments import maxtext_code as mc
     from planner.target import confirm
 
-    plan = types.SimpleNamespace(search_s=12.5, prediction=types.SimpleNamespace(
-        time_s=2.1, peak_bytes=75))  # fmt: skip
+    def plan_of(peak, seconds):
+        return types.SimpleNamespace(search_s=12.5, prediction=types.SimpleNamespace(
+            time_s=seconds, peak_bytes=peak))  # fmt: skip
+
     answered = []
 
-    def planned(built):
-        answered.append(confirm._compiled_check(plan, 100, 95).compiled_bytes)
-        return plan
+    def planned(built):  # the first plan compiled over the limit, the second fits
+        answered.append(confirm._compiled_check(plan_of(85, 2.0), 100, 95).compiled_bytes)
+        answered.append(confirm._compiled_check(plan_of(75, 2.1), 90, 95).compiled_bytes)
+        return plan_of(75, 2.1)
 
     monkeypatch.setattr(mc, "build", lambda *a, **k: "built")
     monkeypatch.setattr(mc, "_planned", planned)
-    check = {"searched_limit": 100, "compile_s": 600.0, "compiled_limit": 95,
-             "predicted_bytes": 80, "compiled_bytes": 94, "layout": "searched"}  # fmt: skip
+    check = {"compile_s": 600.0, "compiled_limit": 95, "layout": "searched"}
+    checks = [{**check, "searched_limit": 100, "predicted_bytes": 90, "compiled_bytes": 99},
+              {**check, "searched_limit": 90, "predicted_bytes": 80, "compiled_bytes": 94}]  # fmt: skip
     row = {"recipe": "r", "strategy": "searched", "predicted_s": 2.1, "predicted_peak_bytes": 80,
-           "search_s": 600.0, "memory_checks": [check]}  # fmt: skip
-    slower = {**row, "predicted_s": 2.0}  # another plan: not answered, not re-predicted
-    assert mc.replay_search_rows("r", [row, slower]) == 1
-    assert answered == [94]
+           "search_s": 600.0, "memory_checks": checks}  # fmt: skip
+    other = {**row, "predicted_s": 2.2}  # another plan: not re-predicted
+    one_check = {**row, "memory_checks": checks[1:]}  # the search compiles more than the row did
+    assert mc.replay_search_rows("r", [row, other, one_check]) == 1
+    assert answered[:2] == [99, 94]
     assert row["predicted_peak_bytes"] == 75 and row["predicted_peak_bytes_measured"] == 80
-    assert slower["predicted_peak_bytes"] == 80 and "did not" in slower["replay_note"]
+    assert other["predicted_peak_bytes"] == 80 and "the row's (2.2, 80)" in other["replay_note"]
+    assert (
+        "did not" in one_check["replay_note"] and "predicted_peak_bytes_measured" not in one_check
+    )
 
 
 def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
