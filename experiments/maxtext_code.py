@@ -500,15 +500,25 @@ def replay_variant_rows(name: str, rows: list[dict]) -> int:
     ``"search_s_measured"``); else ``row["replay_note"]`` says why not. A plan predicted at the
     seconds it was is the one it found (:func:`_same_plan`): the bytes it is predicted at today
     replace the variant's and, for the chosen one, the row's (:func:`_repredicted`). Returns how
-    many rows it replayed."""
+    many rows it replayed. A variant whose plan was the searched row's (``"from"``) takes that
+    row's replay (:func:`replay_search_rows`, run first), as the variant search took its plan."""
     todo = [r for r in rows if r["recipe"] == name and r["strategy"] == "searched_variants"
             and r.get("variant") and r.get("variants")]  # fmt: skip
+    searched = next((r for r in rows if r["recipe"] == name and r["strategy"] == "searched"), {})
     replayed = 0
     for row in todo:
         seconds, peaks = 0.0, {}
         try:
             for key, tried in row["variants"].items():
                 if "predicted_s" not in tried:  # no plan fitted: not counted in the row's sum
+                    continue
+                if tried.get("from") == "the searched row":  # replayed with that row, above
+                    if "replay_note" in searched or searched.get("predicted_s") != tried[
+                            "predicted_s"]:  # fmt: skip
+                        raise PlanChanged(f"{name} searched_variants ({key}): the searched row's "
+                                          "plan, which did not replay; measure the row again")  # fmt: skip
+                    seconds += searched["search_s"]
+                    peaks[key] = searched["predicted_peak_bytes"]
                     continue
                 variant = None if key == "None" else key
                 chosen = variant == row["variant"]
@@ -540,13 +550,18 @@ def _planned_again(built, row: dict):
     :class:`PlanChanged` where it is not the row's plan (:func:`_same_plan`: it predicts other
     seconds than the row's did)."""
     import planner
+    from planner.cost.memory import MemoryLimitError
 
     checks = row.get("memory_checks") or []
     limit = checks[-1]["searched_limit"] if checks else "auto"
-    with built.context():
-        p = planner.plan(built.step, *built.args, mesh=built.mesh, memory_limit_bytes=limit,
-                         check_memory="predicted", donate_argnums=built.donate_argnums,
-                         compare=built.in_shardings)  # fmt: skip
+    try:
+        with built.context():
+            p = planner.plan(built.step, *built.args, mesh=built.mesh, memory_limit_bytes=limit,
+                             check_memory="predicted", donate_argnums=built.donate_argnums,
+                             compare=built.in_shardings)  # fmt: skip
+    except MemoryLimitError as e:
+        raise PlanChanged(f"{row['recipe']} {row['strategy']}: searched again, no plan fits "
+                          f"({str(e)[:120]}); measure the row again") from e  # fmt: skip
     got = (p.prediction.time_s, p.prediction.peak_bytes)
     if not _same_plan(p, row):
         raise PlanChanged(

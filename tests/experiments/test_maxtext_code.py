@@ -227,7 +227,8 @@ def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
     import contextlib
 
     import planner
-    from experiments.maxtext_code import _planned_again
+    from experiments.maxtext_code import PlanChanged, _planned_again
+    from planner.cost.memory import MemoryLimitError
 
     predicted = types.SimpleNamespace(time_s=117.0, peak_bytes=108)
     limits = []
@@ -244,6 +245,13 @@ def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
     assert _planned_again(built, row).prediction is predicted and limits == [100]
     row["predicted_s"] = 116.0
     with pytest.raises(ValueError, match="measure the row again"):
+        _planned_again(built, row)
+
+    def no_fit(*args, memory_limit_bytes, **kwargs):
+        raise MemoryLimitError(memory_limit_bytes)
+
+    monkeypatch.setattr(planner, "plan", no_fit)  # a plan no longer found: noted, not raised
+    with pytest.raises(PlanChanged, match="no plan fits"):
         _planned_again(built, row)
 
 
@@ -324,8 +332,9 @@ def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_by
 
 def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     """Each variant the row planned is searched again (the chosen one under its memory check's
-    limit, the others under the default); today's sum replaces the row's seconds only where
-    every variant finds the plan it found."""
+    limit, the others under the default; one whose plan was the searched row's takes that row's
+    replay); today's sum replaces the row's seconds only where every variant finds the plan it
+    found."""
     from experiments import maxtext_code as mc
 
     predicted = {None: (3.0, 30), "a": (2.0, 60), "b": (2.5, 40)}
@@ -359,6 +368,20 @@ def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     assert limits[:3] == [(None, []), ("a", [90]), ("b", [])]
     assert "searched_variants (b)" in changed["replay_note"] and changed["search_s"] == 400.0
     assert "search_s_measured" not in own
+
+    # the own settings' plan taken from the searched row: its replay, not a search of its own
+    limits.clear()
+    searched = {"recipe": "r", "strategy": "searched", "predicted_s": 3.0,
+                "predicted_peak_bytes": 28, "search_s": 5.0}  # fmt: skip
+    mine = {"None": {**tried["None"], "from": "the searched row"}, "a": {**tried["a"]}}
+    taken = {**row, "variants": mine, "search_s": 400.0}
+    taken.pop("search_s_measured")
+    assert mc.replay_variant_rows("r", [searched, taken]) == 1
+    assert limits == [("a", [90])] and taken["search_s"] == 15.0
+    assert taken["variants"]["None"]["predicted_peak_bytes"] == 28
+    unreplayed = {**taken, "variants": {k: dict(v) for k, v in mine.items()}}
+    assert mc.replay_variant_rows("r", [{**searched, "replay_note": "no"}, unreplayed]) == 0
+    assert "the searched row's plan" in unreplayed["replay_note"]
 
 
 def test_a_plan_compiled_again_to_the_same_program_keeps_its_rows_kernels():
