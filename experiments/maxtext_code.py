@@ -781,12 +781,15 @@ def report_code(rows: list[dict]) -> str:
 
 def _predicted_gb(row: dict) -> str:
     """The row's predicted GB; where its plan is predicted otherwise today than when it was
-    measured (:func:`_repredicted`), both: ``"95.2 (101 measured)"``."""
+    measured (:func:`_repredicted`), both, to the digits that tell them apart:
+    ``"95.2 (101 measured)"``, ``"105.13 (105.19 measured)"``."""
     from experiments.recipes import _gb
 
-    measured = row.get("predicted_peak_bytes_measured")
-    today = _gb(row.get("predicted_peak_bytes"))
-    return today if measured is None else f"{today} ({_gb(measured)} measured)"
+    measured, today = row.get("predicted_peak_bytes_measured"), row.get("predicted_peak_bytes")
+    if measured is None or today is None:
+        return _gb(today)
+    digits = next(d for d in range(3, 13) if f"{today:.{d}g}" != f"{measured:.{d}g}" or d == 12)
+    return f"{today / 1e9:.{digits}g} ({measured / 1e9:.{digits}g} measured)"
 
 
 def _variants_line(row: dict) -> str:

@@ -137,6 +137,8 @@ def test_the_table_compares_each_plan_with_its_recipe():
     assert table[3].startswith("| r | searched | 40 | yes | 38 | 0.95 | 1.8 | 0.90x | 71.0 % | n/a")
     rows[1]["predicted_peak_bytes_measured"] = 41e9  # its plan predicted otherwise when measured
     assert "| 40 | yes | 38 (41 measured) | 0.95 |" in report_code(rows).splitlines()[3]
+    rows[1]["predicted_peak_bytes_measured"] = 38.04e9  # to the digits that tell them apart
+    assert "| 38 (38.04 measured) |" in report_code(rows).splitlines()[3]
 
 
 def test_variant_rows_name_their_variant_or_repeat_the_rows_they_are():
