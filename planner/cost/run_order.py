@@ -16,11 +16,13 @@ chip of MaxText's DeepSeek-V3 plans, in program order and in this order, against
 compiler's HBM live peak: at the recipe's own settings 101.0 and 95.2 GB (80.5), with the ring
 of experts 86.2 and 80.4 GB (78.8); MaxText's other steps' plans move by 0.6 GB or less.
 
-:func:`run_order` is that rule: inside a checkpoint region, an op whose results are read only
-inside the region runs just before its first reader, where that holds none of its operands
-longer than the program order does (each is read there or later anyway); ops moved to one place
-keep their program order, and a region nested in the checkpoint (a ``shard_map``, a loop, a
-call) moves as a whole and is read where it starts. Every region keeps its ops together.
+:func:`run_order` is that rule, as a memory-aware scheduler would take it: inside a checkpoint
+region, an op (a ``shard_map`` too) whose results only later ops of the region read runs just
+before the first of them, where the operands it then holds longer (read nowhere there or later)
+are no larger than its results; ops are taken last first, so a recomputed chain moves together,
+and a reduction of a large value stays. Ops moved to one place keep their program order; a
+region nested in the checkpoint (a loop, a call) moves as a whole and is read where it starts.
+Every region keeps its ops together.
 
 Example:
     >>> order = run_order(prog)          # doctest: +SKIP

@@ -725,9 +725,10 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     results nothing reads before the last partial sum of the program is made (a step's gradients,
     summed together before the update). Returns the ops whose partial results wait for the
     combined collective (their own kernels hold nothing more) and ``(first, last, bytes)``
-    spans (times: :attr:`planner.cost.buffers.Lifetimes.order`) of what they hold: a partial result at its whole size from where it is made, and
-    beside the results where the combined collective runs (``whole``: 2 where a reduce-scatter
-    is an all-reduce and a slice, :data:`planner.cost.buffers.ALL_REDUCE_THEN_SLICE`)."""
+    spans (times: :attr:`planner.cost.buffers.Lifetimes.order`) of what they hold: a partial
+    result at its whole size from where it is made, and beside the results where the combined
+    collective runs (``whole``: 2 where a reduce-scatter is an all-reduce and a slice,
+    :data:`planner.cost.buffers.ALL_REDUCE_THEN_SLICE`)."""
     summed = [k for k, st in enumerate(steps) if st.pending]
     if len(summed) < 2:
         return set(), []
