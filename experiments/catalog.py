@@ -160,6 +160,9 @@ _FOLDERS = [
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
                                                 ("config.strategies", "searched,searched_variants"),
                                                 ("config.remeasure", "searched,searched_variants"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
+                                                ("config.strategies", "recipe"),
+                                                ("config.remeasure", "recipe"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the commands from the third on (MaxText's own step, "
@@ -175,9 +178,10 @@ _FOLDERS = [
        "compiled keeping that row's kernels' estimate (DeepSeek-V3's took 100 min beside other "
        "compiles); the one with reestimate, run for each recipe in turn, makes the rows' "
        "estimates again (their layers compiled with the compiler's rematerialization off; "
-       "DeepSeek-V3's rows took 40 min each, beside each other); the last measures "
+       "DeepSeek-V3's rows took 40 min each, beside each other); the one after it measures "
        "DeepSeek-V3's plans again, each program judged by what it allocates in HBM (96 min, "
-       "beside the tests and other runs; MaxText's own row keeps the compiler's peak)"),
+       "beside the tests and other runs), the one after it MaxText's own compile of that recipe "
+       "so (35 min beside the tests)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip
