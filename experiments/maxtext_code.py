@@ -513,8 +513,8 @@ def replay_variant_rows(name: str, rows: list[dict]) -> int:
                 if "predicted_s" not in tried:  # no plan fitted: not counted in the row's sum
                     continue
                 if tried.get("from") == "the searched row":  # replayed with that row, above
-                    if "replay_note" in searched or searched.get("predicted_s") != tried[
-                            "predicted_s"]:  # fmt: skip
+                    same = searched.get("predicted_s") == tried["predicted_s"]
+                    if "replay_note" in searched or not same:
                         raise PlanChanged(f"{name} searched_variants ({key}): the searched row's "
                                           "plan, which did not replay; measure the row again")  # fmt: skip
                     seconds += searched["search_s"]

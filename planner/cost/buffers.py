@@ -115,6 +115,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from planner.cost.run_order import arranged_program, run_order
@@ -342,6 +343,21 @@ class Lifetimes:
     def running(self, t: int) -> int:
         """The index of the op that runs at time ``t``."""
         return self.order[t] if self.order else t
+
+    @functools.cached_property
+    def times(self) -> tuple[int, ...]:
+        """Per op index, the time it runs at (its place in :attr:`order`).
+
+        Example:
+            >>> lifetimes(prog, "tpu").times[57]          # doctest: +SKIP
+            41
+        """
+        if not self.order:
+            return tuple(range(len(self.hold)))
+        time = [0] * len(self.order)
+        for t, k in enumerate(self.order):
+            time[k] = t
+        return tuple(time)
 
 
 LIFETIMES: PerObject[dict[str, Lifetimes]] = PerObject("buffers and lifetimes per backend")

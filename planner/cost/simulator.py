@@ -638,22 +638,6 @@ def summed_bytes(op: Op, result_bytes) -> int:
     return total
 
 
-def run_times(lt) -> list[int]:
-    """Per op index, the time it runs at in ``lt``'s order
-    (:attr:`planner.cost.buffers.Lifetimes.order`).
-
-    Example:
-        >>> run_times(lifetimes(prog, "tpu"))[57]          # doctest: +SKIP
-        41
-    """
-    if not lt.order:
-        return list(range(len(lt.hold)))
-    time = [0] * len(lt.order)
-    for t, k in enumerate(lt.order):
-        time[k] = t
-    return time
-
-
 def summed_in_place(steps, priced, ending: list[int]) -> list[int]:
     """Per op, the bytes its results and what dies where it runs are not held at once
     (``ending``: per op, the bytes of buffers and moved copies released after it): a
@@ -677,7 +661,7 @@ def _chains(prog: Program, lt, priced, outputs: dict[str, int]) -> list[tuple[in
     def name(key: tuple[int, int]) -> str:
         return prog.ops[key[0]].results[key[1]].value.name
 
-    time = run_times(lt)
+    time = lt.times
 
     def size_of(key: tuple[int, int]) -> int:
         size = priced[key[0]][5][key[1]]
@@ -732,7 +716,7 @@ def _combined(prog: Program, lt, steps, priced, sizes, whole: int) -> tuple[set[
     summed = [k for k, st in enumerate(steps) if st.pending]
     if len(summed) < 2:
         return set(), []
-    time = run_times(lt)
+    time = lt.times
     final = max(summed, key=time.__getitem__)
     last = time[final]
     members, spans = set(), []
@@ -895,7 +879,7 @@ def _simulate(prog: Program, sched: Schedule, cal: Calibration, on_peak=None,
         (b, e, size // micro.get(n, 1), n) for b, e, size, n in _chains(prog, lt, priced, outputs)
     ]
     # grow, release and dying count times: op lt.running(t) runs at time t (time[k]: op k's)
-    time = run_times(lt)
+    time = lt.times
     dying = [0] * n  # per time, the bytes of what its op did not make released after it
     for begin, end, size, name in chains:
         grow[begin] += size
