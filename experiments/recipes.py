@@ -457,6 +457,25 @@ def _drop_estimates(rows: list[dict], name: str, strategies: set[str]) -> None:
             r.pop("estimate_from", None)
 
 
+def _carry_earlier_estimates(new: list[dict], previous: list[dict]) -> None:
+    """``new`` rows (measured again) keep the ``estimate_before_s`` of the ``previous`` row of
+    their strategy and variant they replace, in place: an estimate kept beside by an earlier
+    re-estimate is history a re-measure does not make again.
+
+    Example:
+        >>> new = [{"strategy": "recipe", "estimate_s": 2.0}]
+        >>> _carry_earlier_estimates(new, [{"strategy": "recipe", "estimate_before_s": 3.0}])
+        >>> new[0]["estimate_before_s"]
+        3.0
+    """
+    kept = {(r["strategy"], r.get("variant")): r["estimate_before_s"]
+            for r in previous if "estimate_before_s" in r}  # fmt: skip
+    for r in new:
+        key = (r["strategy"], r.get("variant"))
+        if key in kept and "estimate_before_s" not in r:
+            r["estimate_before_s"] = kept[key]
+
+
 def run(config, workdir: str) -> list[dict]:
     """Measure ``config.recipes`` (``config.source``: ``"model"``, :data:`RECIPES` on the
     step written here; ``"maxtext_code"``, :data:`experiments.maxtext_code.CODE_RECIPES` on
@@ -492,6 +511,7 @@ def run(config, workdir: str) -> list[dict]:
             new = measure_code(name, strategies, done, config, previous)
         else:
             new = measure(name, strategies, done, config)
+        _carry_earlier_estimates(new, previous)
         rows = [r for r in rows if not any(r is x for x in previous)] + new
         _write_rows(path, rows)  # (rows measured again replace the previous ones)
         if code and again_estimated:

@@ -488,7 +488,8 @@ def test_remeasured_rows_replace_the_previous_ones_and_see_them(monkeypatch, tmp
     import experiments.maxtext_code as mc
     from experiments import recipes
 
-    rows = [{"recipe": "qwen3_235b_v5p_512", "strategy": s, "v": 1} for s in ("recipe", "searched")]
+    rows = [{"recipe": "qwen3_235b_v5p_512", "strategy": s, "v": 1, "estimate_before_s": 9.0}
+            for s in ("recipe", "searched")]  # fmt: skip
     rows.append({"recipe": "llama2_7b_v5p_128", "strategy": "searched", "v": 1})
     (tmp_path / "code_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
@@ -511,6 +512,8 @@ def test_remeasured_rows_replace_the_previous_ones_and_see_them(monkeypatch, tmp
         assert sorted((r["recipe"], r["strategy"], r["v"]) for r in got) == [
             ("llama2_7b_v5p_128", "searched", 1), ("qwen3_235b_v5p_512", "recipe", 1),
             ("qwen3_235b_v5p_512", "searched", 2)]  # fmt: skip
+        # the estimate an earlier re-estimate kept beside is carried to the row measured again
+        assert all(r.get("estimate_before_s") == 9.0 for r in got if r["recipe"].startswith("q"))
 
 
 def test_reestimated_rows_keep_their_previous_estimate_beside_the_new_one(monkeypatch, tmp_path):
