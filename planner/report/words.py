@@ -28,7 +28,7 @@ from planner.program.schedule import (
     xla_splits,
 )
 from planner.report.leaves import state_pairs
-from planner.solver.ties import TIME_TIE
+from planner.solver.ties import MEMORY_TIE, TIME_TIE
 from redist.types import MeshShape
 
 _FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}
@@ -218,8 +218,8 @@ def constraint_words(prog: Program, sched: Schedule, asked: Schedule | None, mes
         f"{len(reqs) - len(departed)}"
     )
     if not departed:
-        line += (f" (departing must be predicted over {TIME_TIE:.0%} faster, or as fast in less "
-                 "memory)")  # fmt: skip
+        line += (f" (departing must be predicted over {TIME_TIE:.0%} faster, or as fast in over "
+                 f"{MEMORY_TIE:.0%} less memory)")  # fmt: skip
     else:
         line += (
             f", departs from {len(departed)}: {times_text(asked_pred.time_s, pred.time_s)} as "

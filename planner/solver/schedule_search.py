@@ -46,7 +46,7 @@ from planner.program.schedule import Schedule, check_assignment, make_schedule, 
 from planner.solver import strategies
 from planner.solver.chain import ChainDP, with_siblings
 from planner.solver.requested import Requested
-from planner.solver.ties import TIME_TIE, best_of
+from planner.solver.ties import MEMORY_TIE, TIME_TIE, best_of
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
 from redist.types import MeshShape
@@ -372,11 +372,11 @@ def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, 
 def users_on_a_tie(best: tuple, asked: list) -> tuple:
     """``best`` (a score: time, peak, schedule, prediction), or the user's own layout (``asked``:
     the scores of its completions, the fastest of which prices it, or nothing) where that is as
-    fast (within :data:`TIME_TIE`) and needs no more memory: a departure from the user's
-    constraints must buy more than the cost model's error.
+    fast (within :data:`TIME_TIE`) and as lean (within :data:`MEMORY_TIE`): a departure from
+    the user's constraints must buy more than the cost model's error.
 
     Example:
-        >>> users_on_a_tie((1.00, 500, "plan", None), [(1.02, 500, "yours", None)])[2]
+        >>> users_on_a_tie((1.00, 500, "plan", None), [(1.02, 504, "yours", None)])[2]
         'yours'
     """
     if not asked:
@@ -384,7 +384,7 @@ def users_on_a_tie(best: tuple, asked: list) -> tuple:
     mine = min(asked, key=lambda r: r[:2])
     if math.isinf(mine[0]):
         return best
-    if mine[0] <= best[0] * (1 + TIME_TIE) and mine[1] <= best[1]:
+    if mine[0] <= best[0] * (1 + TIME_TIE) and mine[1] <= best[1] * (1 + MEMORY_TIE):
         return mine
     return best
 
