@@ -411,10 +411,6 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
     plan predicted at the row's seconds is the row's plan (:func:`_same_plan`), and the row's
     predicted bytes become today's (the measured ones kept as
     ``"predicted_peak_bytes_measured"``: :func:`_repredicted`)."""
-    from unittest import mock
-
-    from planner.target import confirm
-
     todo = [r for r in rows if r["recipe"] == name and r["strategy"] == "searched"
             and "predicted_s" in r]  # fmt: skip
     if not todo:
@@ -422,36 +418,8 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
     built = build(name)
     replayed = 0
     for row in todo:
-        recorded = {(c.get("layout", "searched"), c["predicted_bytes"]): c
-                    for c in row.get("memory_checks") or []}  # fmt: skip
-        tape: dict[str, list] = {}  # per layout, the row's checks in their order
-        for c in row.get("memory_checks") or []:
-            tape.setdefault(c.get("layout", "searched"), []).append(c)
-        asked: dict[str, int] = {}
-
-        def compiled(plan, searched, target, layout="searched", recorded=recorded, tape=tape,
-                     asked=asked):  # fmt: skip
-            k = asked[layout] = asked.get(layout, -1) + 1
-            check = recorded.get((layout, plan.prediction.peak_bytes))
-            if check is None and k < len(tape.get(layout, ())):
-                check = tape[layout][k]  # (the memory model predicts the plan otherwise now)
-            if check is None:
-                raise PlanChanged(
-                    f"{name}: the replayed search compiles a plan the row did not ({layout}, "
-                    f"predicted {plan.prediction.peak_bytes} bytes); measure the row again"
-                )
-            return confirm.MemoryCheck(searched, plan.prediction.peak_bytes,
-                                       check["compiled_bytes"], 0.0, target, layout)  # fmt: skip
-
         try:
-            with mock.patch.object(confirm, "_compiled_check", compiled):
-                p = _planned(built)
-            if not _same_plan(p, row):
-                got = (p.prediction.time_s, p.prediction.peak_bytes)
-                raise PlanChanged(
-                    f"{name}: the replayed search finds a plan predicting {got} (seconds, bytes), "
-                    f"the row's {(row['predicted_s'], row['predicted_peak_bytes'])}"
-                )
+            p = replayed_plan(name, built, row)
         except PlanChanged as e:
             row["replay_note"] = str(e)[:300]
             logging.warning("%s", row["replay_note"])
@@ -460,6 +428,46 @@ def replay_search_rows(name: str, rows: list[dict]) -> int:
         _replayed(row, p.search_s)
         replayed += 1
     return replayed
+
+
+def replayed_plan(name: str, built, row: dict):
+    """The plan of ``row`` (a ``searched`` row of recipe ``name``, step ``built``) searched
+    again with each compile of its memory check answered by what the row recorded
+    (:func:`replay_search_rows`); raises :class:`PlanChanged` where the search asks for a compile
+    the row did not record or finds another plan."""
+    from unittest import mock
+
+    from planner.target import confirm
+
+    recorded = {(c.get("layout", "searched"), c["predicted_bytes"]): c
+                for c in row.get("memory_checks") or []}  # fmt: skip
+    tape: dict[str, list] = {}  # per layout, the row's checks in their order
+    for c in row.get("memory_checks") or []:
+        tape.setdefault(c.get("layout", "searched"), []).append(c)
+    asked: dict[str, int] = {}
+
+    def compiled(plan, searched, target, layout="searched"):
+        k = asked[layout] = asked.get(layout, -1) + 1
+        check = recorded.get((layout, plan.prediction.peak_bytes))
+        if check is None and k < len(tape.get(layout, ())):
+            check = tape[layout][k]  # (the memory model predicts the plan otherwise now)
+        if check is None:
+            raise PlanChanged(
+                f"{name}: the replayed search compiles a plan the row did not ({layout}, "
+                f"predicted {plan.prediction.peak_bytes} bytes); measure the row again"
+            )
+        return confirm.MemoryCheck(searched, plan.prediction.peak_bytes,
+                                   check["compiled_bytes"], 0.0, target, layout)  # fmt: skip
+
+    with mock.patch.object(confirm, "_compiled_check", compiled):
+        p = _planned(built)
+    if not _same_plan(p, row):
+        got = (p.prediction.time_s, p.prediction.peak_bytes)
+        raise PlanChanged(
+            f"{name}: the replayed search finds a plan predicting {got} (seconds, bytes), "
+            f"the row's {(row['predicted_s'], row['predicted_peak_bytes'])}"
+        )
+    return p
 
 
 def _replayed(row: dict, seconds: float) -> None:
@@ -653,12 +661,14 @@ def kernels_compiled_before(row: dict, previous) -> float | None:
 
 
 def measure_code(name: str, strategies, done: set, config,
-                 previous: list[dict] = ()) -> list[dict]:  # fmt: skip
+                 previous: list[dict] = (), known: list[dict] = ()) -> list[dict]:  # fmt: skip
     """Rows of ``strategies`` (of :data:`CODE_STRATEGIES`) of recipe ``name`` not in ``done``
     (the variant strategies only for recipes with ``variants``). A compile (the plan's or
     MaxText's own) that repeats a ``previous`` row's of its strategy and variant
     (:data:`SAME_PROGRAM`: the same program) takes that row's kernels' estimate rather than
-    compiling its layers again (``row["estimate_from"]`` says so)."""
+    compiling its layers again (``row["estimate_from"]`` says so). A variant search without the
+    ``searched`` row takes the own settings' plan from that row among the ``known`` rows,
+    replayed (:func:`_own_plan_replayed`), rather than searching and compiling it again."""
     from experiments.recipes import _row_of
     from planner.cost.memory import MemoryLimitError, default_calibration
     from planner.target.compiled import compile_and_report, plan_compile_and_report
@@ -729,6 +739,8 @@ def measure_code(name: str, strategies, done: set, config,
             return rows
         rows.append(planned("searched", built, own, None, {}))
     if {"searched_variants", "recipe_at_variant"} & set(todo):
+        if own is None:
+            own = _own_plan_replayed(name, built, known)
         variant, p, step, tried, seconds = _variant_search(name, built, own)
         if variant is None:  # the recipe's own step: those rows are the searched and recipe rows
             searched = sum(t.get("search_s", 0.0) for t in tried.values())
@@ -745,6 +757,22 @@ def measure_code(name: str, strategies, done: set, config,
         if "recipe_at_variant" in todo:
             rows.append(authors("recipe_at_variant", step, variant))
     return rows
+
+
+def _own_plan_replayed(name: str, built, rows):
+    """The plan of recipe ``name``'s own settings from its ``searched`` row among ``rows``,
+    searched again with the row's compiles answered (:func:`replayed_plan`: a variant search
+    measured again need not compile the own settings' plan, which that row did), or None where
+    there is no such row or it does not replay."""
+    row = next((r for r in rows if r["recipe"] == name and r["strategy"] == "searched"
+                and "predicted_s" in r), None)  # fmt: skip
+    if row is None:
+        return None
+    try:
+        return replayed_plan(name, built, row)
+    except PlanChanged as e:
+        logging.warning("%s; the own settings are searched with compiles", e)
+        return None
 
 
 def _strategy(row: dict) -> str:

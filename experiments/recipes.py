@@ -508,7 +508,7 @@ def run(config, workdir: str) -> list[dict]:
             raise ValueError(f"recipe {name!r} is unknown; known: {sorted(known)}")
         previous = [r for r in rows if r["recipe"] == name and (name, r["strategy"]) in again]
         if code:
-            new = measure_code(name, strategies, done, config, previous)
+            new = measure_code(name, strategies, done, config, previous, known=rows)
         else:
             new = measure(name, strategies, done, config)
         _carry_earlier_estimates(new, previous)

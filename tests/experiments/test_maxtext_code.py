@@ -505,7 +505,7 @@ def test_remeasured_rows_replace_the_previous_ones_and_see_them(monkeypatch, tmp
     (tmp_path / "code_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
 
-    def measure(name, strategies, done, config, previous=()):
+    def measure(name, strategies, done, config, previous=(), known=()):
         seen.append((name, sorted(done), [r["strategy"] for r in previous]))
         return [{"recipe": name, "strategy": s, "v": 2} for s in strategies
                 if (name, s) not in done]  # fmt: skip
@@ -561,3 +561,28 @@ def test_reestimated_rows_keep_their_previous_estimate_beside_the_new_one(monkey
     assert got[("deepseek3_671b_v5p_1024", "recipe")]["estimate_s"] == 1.0
     assert got[("llama2_7b_v5p_128", "searched")]["estimate_s"] == 2.0
     assert "estimate_before_s" not in got[("deepseek3_671b_v5p_1024", "recipe")]
+
+
+def test_a_variant_search_measured_again_takes_the_own_plan_from_the_searched_row(monkeypatch):
+    """The own settings' plan in a variant search without the ``searched`` strategy is that
+    row's, replayed (no compile); where it does not replay, or there is no such row, it is
+    searched (None)."""
+    from experiments import maxtext_code as mc
+
+    plan = types.SimpleNamespace(prediction=types.SimpleNamespace(time_s=3.0, peak_bytes=30))
+    replays = []
+
+    def replayed(name, built, row):
+        replays.append(row["strategy"])
+        if row.get("changed"):
+            raise mc.PlanChanged("another plan")
+        return plan
+
+    monkeypatch.setattr(mc, "replayed_plan", replayed)
+    rows = [{"recipe": "r", "strategy": "recipe"},
+            {"recipe": "r", "strategy": "searched", "predicted_s": 3.0},
+            {"recipe": "q", "strategy": "searched", "predicted_s": 1.0}]  # fmt: skip
+    assert mc._own_plan_replayed("r", "step", rows) is plan and replays == ["searched"]
+    rows[1]["changed"] = True
+    assert mc._own_plan_replayed("r", "step", rows) is None
+    assert mc._own_plan_replayed("r", "step", rows[:1]) is None and len(replays) == 2
