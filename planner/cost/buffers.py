@@ -102,6 +102,13 @@ before the loop, and the rule holds 3.6 MiB more there than it does (its peak, a
 the forward pass, unchanged). MaxText's tiny DeepSeek-V3 on a v5p-8 defers it past the first of
 its two backward loops only.
 
+Expansions read by products (the TPU compiler, :data:`EXPANSIONS_IN_PRODUCTS`): a value cheap
+ops make from values far smaller than it (:func:`expansions`: a one-hot, ids broadcast against
+an iota, compared and converted) is computed inside every reader, products too, never held.
+MaxText's embedding by one-hot product (``use_iota_embed``) on Llama 3.1 405B on two v6e-256
+slices holds no bf16[4,8192,32064] one-hot per device (2.1 GB) in the compiler's buffers; the
+model held it from the embedding to its gradient, the step's end.
+
 Remat (``jax.checkpoint``): the jaxpr recomputes what it does not save, so the forward's values
 die at their last forward use. In the backward pass the TPU compiler runs the recomputation
 where it is read, not all of it first (:data:`SUNK_RECOMPUTATION`,
@@ -233,6 +240,15 @@ itself is held for the whole loop either way (a loop slices it at every step).""
 
 PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
+EXPANSIONS_IN_PRODUCTS = frozenset({"tpu"})
+"""Backends whose products compute an operand made by cheap ops from far smaller values where
+they read it (:func:`expansions`; the TPU compiler fuses a one-hot's comparison into the
+product), so that no reader needs it in memory."""
+
+EXPANSION = 8
+"""A value is an expansion (:func:`expansions`) where what it is computed from is at most
+``1 / EXPANSION`` of its size (or an expansion itself)."""
+
 SUNK_RECOMPUTATION = frozenset({"tpu"})
 """Backends whose scheduler runs a checkpointed layer's recomputation just before the ops that
 read it, where that holds nothing longer (:func:`planner.cost.run_order.run_order`): the
@@ -263,6 +279,28 @@ def _expands(op: Op) -> bool:
     product of two broadcast vectors)."""
     size = math.prod(op.results[0].value.shape) if op.results else 0
     return all(math.prod(a.value.shape) < size for a in op.operands)
+
+
+def expansions(prog: Program) -> frozenset[str]:
+    """The values cheap ops (:data:`CHEAP`, views) compute from values each at most
+    ``1 / EXPANSION`` of their size or expansions themselves: a one-hot (token ids ``[B, S, 1]``
+    compared with an iota ``[1, 1, V]``, converted), a broadcast vector. The TPU compiler
+    computes them in each reader (:data:`EXPANSIONS_IN_PRODUCTS`).
+
+    Example:
+        >>> sorted(expansions(planner.analyze(lambda ids: jax.nn.one_hot(ids, 512), ids)))  # doctest: +SKIP
+        ['v1', 'v2', 'v3', 'v4']
+    """
+    out: set[str] = set()
+    for op in prog.ops:
+        if op.primitive not in CHEAP and op.primitive not in VIEWS:
+            continue
+        for r in op.results:
+            size = math.prod(r.value.shape)
+            if all(a.value.name in out or math.prod(a.value.shape) * EXPANSION <= size
+                   for a in op.operands):  # fmt: skip
+                out.add(r.value.name)
+    return frozenset(out)
 
 
 def category(op: Op) -> str:
@@ -381,6 +419,7 @@ def lifetimes(prog: Program, backend: str = "tpu") -> Lifetimes:
             backend in INLINED_SCANS,
             backend in DEFERRED_PRODUCTS,
             backend in SLICED_IN_PRODUCTS,
+            backend in EXPANSIONS_IN_PRODUCTS,
         )
         if backend in NARROW_DOT_OPERANDS:
             lt = dataclasses.replace(lt, narrowed=_dot_only_stacks(arranged))
@@ -557,10 +596,12 @@ def _inline(prog: Program, cats: list[str], regions: list) -> None:
 
 
 def _kinds(prog: Program, cats: list[str], unshared_reductions: bool,
-           cheap_math: bool = False, sliced: frozenset[int] = frozenset()) -> dict[str, str]:  # fmt: skip
+           cheap_math: bool = False, sliced: frozenset[int] = frozenset(),
+           expanded: frozenset[str] = frozenset()) -> dict[str, str]:  # fmt: skip
     """The fusion rule (module docstring): each op result's kind, deciding from the last op back
     (a value's readers are decided before it); the ``scan_xs`` ops of ``sliced`` are read
-    inside the products that read them (:data:`SLICED_IN_PRODUCTS`)."""
+    inside the products that read them (:data:`SLICED_IN_PRODUCTS`), as are the values of
+    ``expanded`` (:data:`EXPANSIONS_IN_PRODUCTS`)."""
     ops, index, uses = prog.ops, prog.index, prog.uses
     outputs = {v.name for v in prog.outputs}
     constant = _constant_like(prog, cats)
@@ -594,7 +635,7 @@ def _kinds(prog: Program, cats: list[str], unshared_reductions: bool,
                 c = index[c_op.name]
                 if not passes(c, name):
                     readers.add(c)
-                    in_place = k in sliced and c_op.primitive in PRODUCTS
+                    in_place = (k in sliced or name in expanded) and c_op.primitive in PRODUCTS
                     needed |= cats[c] not in ("fusing", "stack") and not in_place
                     continue
                 for x in c_op.results:
@@ -728,14 +769,15 @@ def _rows_apart(prog: Program, cats: list[str], kind: dict[str, str]) -> dict[in
 
 def _lifetimes(prog: Program, unshared_reductions: bool, reduced_apart: bool = False,
                cheap_math: bool = False, inline: bool = False, defer: bool = False,
-               in_products: bool = False) -> Lifetimes:  # fmt: skip
+               in_products: bool = False, expanded_in_products: bool = False) -> Lifetimes:  # fmt: skip
     ops, index, uses = prog.ops, prog.index, prog.uses
     n = len(ops)
     cats = [category(op) for op in ops]
     regions = inlined_scans(prog) if inline else []
     _inline(prog, cats, regions)
     sliced = _rolled_slices(prog, regions) if in_products else frozenset()
-    kind = _kinds(prog, cats, unshared_reductions, cheap_math, sliced)
+    expanded = expansions(prog) if expanded_in_products else frozenset()
+    kind = _kinds(prog, cats, unshared_reductions, cheap_math, sliced, expanded)
     repeated = _repeated(prog, kind, regions)
     # Where each op runs: itself if it makes a buffer, else where its readers run.
     when = list(range(n))

@@ -260,6 +260,56 @@ def test_attention_scores_are_exponentiated_in_place_on_tpu_and_beside_them_on_g
     assert 0.9 <= predicted["tpu_v5p"] / report.total_bytes <= 1.1, (predicted, report)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"')  # fmt: skip
+def test_a_one_hot_read_by_products_is_computed_inside_them_on_tpu():
+    """An embedding by one-hot product (MaxText's ``use_iota_embed``): the 4096 x 8192 float32
+    one-hot (128 MiB) is read by the lookup's product and by the table's gradient. The TPU
+    compiler computes it inside both, never holding it (12 MiB in all); XLA:CPU's fusion stores
+    it. Predicted as a buffer it would be 11.5x the compiled total."""
+    from planner.cost.buffers import expansions
+    from redist.calibration import Calibration
+
+    vocab, width, tokens = 8192, 128, 4096
+
+    def step(table, ids):
+        def loss(table):
+            one_hot = jnp.asarray(ids[..., None] == jnp.arange(vocab), F32)
+            return jnp.sum(jnp.tanh(one_hot @ table))
+
+        return table - 0.1 * jax.grad(loss)(table)
+
+    args = [jax.ShapeDtypeStruct((vocab, width), F32), jax.ShapeDtypeStruct((tokens,), jnp.int32)]
+    prog = planner.analyze(step, *args)
+    (one_hot,) = [o.results[0].value.name for o in prog.ops
+                  if o.primitive == "convert_element_type" and o.results[0].value.shape == (
+                      tokens, vocab)]  # fmt: skip
+    assert one_hot in expansions(prog)
+    assert lifetimes(prog, "tpu").kind[one_hot] == FUSED
+    assert lifetimes(prog, "cpu").kind[one_hot] == BUFFER
+    sched = prog.schedule({}, {"d": 4}, default="replicate")
+    pred = planner.simulate(prog, sched, Calibration.named("tpu_v5p"))
+    mesh = planner.topology_mesh("v5p:2x2x1", {"d": 4})
+    p = planner.AutoPlan.of(prog, sched, mesh, prediction=pred,
+                            in_tree=jax.tree.structure(tuple(args)),
+                            out_tree=jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
+    report = p.compiled_report()
+    assert report.total_bytes < tokens * vocab * 4 / 4  # the compiler holds no one-hot
+    assert 0.75 <= pred.peak_bytes / report.total_bytes <= 1.25, (pred.peak_bytes, report)
+
+
+def test_a_value_made_of_values_of_its_own_size_is_no_expansion():
+    """Cheap ops on an activation (its size, not smaller) make no expansion; a broadcast
+    vector does."""
+    from planner.cost.buffers import expansions
+
+    prog = planner.analyze(lambda x, s: jnp.sum((x * 2.0) @ jnp.broadcast_to(s, (64, 64))),
+                           jax.ShapeDtypeStruct((64, 64), F32), jax.ShapeDtypeStruct((64,), F32))  # fmt: skip
+    made = {o.primitive: o.results[0].value.name for o in prog.ops}
+    got = expansions(prog)
+    assert made["broadcast_in_dim"] in got and made["mul"] not in got
+
+
 def _offloading_step(offload: bool):
     """SGD through 8 scanned layers whose ``tanh(x @ w)`` is saved for the backward pass, on
     the device or offloaded to the host (a remat policy as MaxText's ``custom`` writes it)."""
