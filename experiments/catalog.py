@@ -163,6 +163,9 @@ _FOLDERS = [
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
                                                 ("config.strategies", "recipe"),
                                                 ("config.remeasure", "recipe"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
+                                                ("config.strategies", "searched_variants"),
+                                                ("config.remeasure", "searched_variants"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the commands from the third on (MaxText's own step, "
@@ -181,7 +184,9 @@ _FOLDERS = [
        "DeepSeek-V3's rows took 40 min each, beside each other); the one after it measures "
        "DeepSeek-V3's plans again, each program judged by what it allocates in HBM (96 min, "
        "beside the tests and other runs), the one after it MaxText's own compile of that recipe "
-       "so (35 min beside the tests)"),
+       "so (35 min beside the tests; run for Llama 3.1 405B on v6e too, 13 min), the last "
+       "DeepSeek-V3's variant row again, the own settings' plan taken from the searched row, "
+       "its search replayed (72 min beside the tests and other runs)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip
