@@ -209,12 +209,25 @@ def test_predicted_peak_is_within_a_quarter_of_the_tpu_compilers_total():
     assert 0.75 <= p.prediction.peak_bytes / report.total_bytes <= 1.25, (p.prediction, report)
 
 
+def _replicated_on_four_v5p_chips(prog, step, args):
+    """``prog`` (of ``step(*args)``) run whole on each of 4 v5p chips: its prediction and the
+    TPU compiler's report."""
+    from redist.calibration import Calibration
+
+    sched = prog.schedule({}, {"d": 4}, default="replicate")
+    pred = planner.simulate(prog, sched, Calibration.named("tpu_v5p"))
+    mesh = planner.topology_mesh("v5p:2x2x1", {"d": 4})
+    p = planner.AutoPlan.of(prog, sched, mesh, prediction=pred,
+                            in_tree=jax.tree.structure(tuple(args)),
+                            out_tree=jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
+    return pred, p.compiled_report()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason='the TPU compiler (libtpu) is not installed: pip install "redist[tpu]"')  # fmt: skip
 def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
     """Linear layers in a scan: each layer's input is kept for its weight's gradient, a product
     alone reads it, and the TPU compiler stores it in bfloat16 (XLA:CPU in float32)."""
-    from redist.calibration import Calibration
 
     def step(ws, x):
         return jax.grad(lambda ws: jnp.sum(jax.lax.scan(lambda h, w: (h @ w, None), x, ws)[0]))(ws)
@@ -222,13 +235,7 @@ def test_tpu_keeps_residuals_only_products_read_in_bfloat16():
     args = [jax.ShapeDtypeStruct((8, 256, 256), F32), jax.ShapeDtypeStruct((8192, 256), F32)]
     prog = planner.analyze(step, *args)
     assert lifetimes(prog, "tpu").narrowed and not lifetimes(prog, "cpu").narrowed
-    sched = prog.schedule({}, {"data": 4}, default="replicate")
-    pred = planner.simulate(prog, sched, Calibration.named("tpu_v5p"))
-    mesh = planner.topology_mesh("v5p:2x2x1", {"data": 4})
-    p = planner.AutoPlan.of(prog, sched, mesh, prediction=pred,
-                            in_tree=jax.tree.structure(tuple(args)),
-                            out_tree=jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
-    report = p.compiled_report()
+    pred, report = _replicated_on_four_v5p_chips(prog, step, args)
     residuals = 8 * 8192 * 256 * 2  # the stacked layer inputs, in bfloat16
     assert report.temp_bytes >= residuals
     # against the compiler's peak: 1.14x, the stack held over the backward loop and each layer
@@ -268,7 +275,6 @@ def test_a_one_hot_read_by_products_is_computed_inside_them_on_tpu():
     compiler computes it inside both, never holding it (12 MiB in all); XLA:CPU's fusion stores
     it. Predicted as a buffer it would be 11.5x the compiled total."""
     from planner.cost.buffers import expansions
-    from redist.calibration import Calibration
 
     vocab, width, tokens = 8192, 128, 4096
 
@@ -287,13 +293,7 @@ def test_a_one_hot_read_by_products_is_computed_inside_them_on_tpu():
     assert one_hot in expansions(prog)
     assert lifetimes(prog, "tpu").kind[one_hot] == FUSED
     assert lifetimes(prog, "cpu").kind[one_hot] == BUFFER
-    sched = prog.schedule({}, {"d": 4}, default="replicate")
-    pred = planner.simulate(prog, sched, Calibration.named("tpu_v5p"))
-    mesh = planner.topology_mesh("v5p:2x2x1", {"d": 4})
-    p = planner.AutoPlan.of(prog, sched, mesh, prediction=pred,
-                            in_tree=jax.tree.structure(tuple(args)),
-                            out_tree=jax.tree.structure(jax.eval_shape(step, *args)))  # fmt: skip
-    report = p.compiled_report()
+    pred, report = _replicated_on_four_v5p_chips(prog, step, args)
     assert report.total_bytes < tokens * vocab * 4 / 4  # the compiler holds no one-hot
     assert 0.75 <= pred.peak_bytes / report.total_bytes <= 1.25, (pred.peak_bytes, report)
 
