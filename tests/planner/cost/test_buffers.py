@@ -643,3 +643,100 @@ def test_a_stack_a_loop_slices_is_held_for_the_whole_loop_and_the_tpu_reads_its_
         lt = lifetimes(prog, backend)
         assert _freed(lt)[(stack, 0)] == backward.stop - 1, backend
         assert slices and all(lt.kind[v] == slice_kind for v in slices), backend
+
+
+def _two_stacks_step(clipped: bool):
+    """A step over two stacks of MLP layers (3 of width 512 -> 1024, then 4 of 512 -> 512), each
+    layer's input and hidden activation offloaded to the host as MaxText offloads its
+    residuals, updated by SGD, ``clipped`` by the gradients' global norm."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["x", "a"],
+        offload_src="device", offload_dst="pinned_host")  # fmt: skip
+
+    def layer(h, w):
+        def body(h, w):
+            h = checkpoint_name(h, "x")
+            return checkpoint_name(jnp.tanh(h @ w[0]), "a") @ w[1]
+
+        return jax.checkpoint(body, policy=policy)(h, w), None
+
+    def step(wa, wb, x):
+        def loss(wa, wb):
+            return jnp.sum(jax.lax.scan(layer, jax.lax.scan(layer, x, wa)[0], wb)[0] ** 2)
+
+        grads = jax.grad(loss, (0, 1))(wa, wb)
+        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+        scale = 0.1 / jnp.maximum(1.0, norm) if clipped else 0.1
+        return jax.tree.map(lambda w, g: w - scale * g, (wa, wb), grads)
+
+    def stack(n, width):
+        return (
+            jax.ShapeDtypeStruct((n, 512, width), F32),
+            jax.ShapeDtypeStruct((n, width, 512), F32),
+        )
+
+    return step, [stack(3, 1024), stack(4, 512), jax.ShapeDtypeStruct((2048, 512), F32)]
+
+
+@pytest.mark.parametrize("clipped", [True, False])
+def test_the_last_layers_weight_gradient_work_waits_for_the_next_stacks_backward_loop(clipped):
+    """PEELED_LAST_LAYER: the TPU compiler runs a backward loop's last layer after the loop, and
+    on MaxText's DeepSeek-V3 step its weight gradients after the next stack's backward loop (the
+    first MoE layer's after the dense layers'): what they read of that layer (here its input and
+    hidden activation back from the host, and the hidden activation's gradient) is held over
+    that loop. Only where the gradients' first use waits for that loop (clipped by a global
+    norm the other stack's gradients are part of); a plain update does not wait, and the
+    compiler runs it before the loop."""
+    step, args = _two_stacks_step(clipped)
+    prog = planner.analyze(step, *args)
+    loops = sorted((r for r in prog.regions if r.kind == "scan"), key=lambda r: r.start)
+    assert len(loops) == 4
+    second, first = loops[2], loops[3]  # the backward loops: the second stack's, then the first's
+    tpu, cpu = lifetimes(prog, "tpu"), lifetimes(prog, "cpu")
+    temporaries = [key for key, end in _freed(cpu).items()
+                   if second.body <= key[0] < second.stop and end < second.stop - 1]  # fmt: skip
+    assert len(temporaries) >= 5
+    held = {key for key in temporaries if _freed(tpu)[key] >= tpu.times[first.stop - 1]}
+    if not clipped:
+        assert not held, held
+        return
+    weight_gradients = {c.name for key in held for c, _ in prog.uses[_value(prog, key)]
+                        if c.primitive == "dot_general" and c.results[0].value.shape == (512, 512)}  # fmt: skip
+    assert len(held) == 3 and all(
+        prog.ops[k].results[0].value.shape == (2048, 512) for k, _ in held
+    )
+    assert all(any(c.name in weight_gradients for c, _ in prog.uses[_value(prog, key)])
+               for key in held) and len(weight_gradients) == 2  # fmt: skip
+
+
+def _value(prog, key) -> str:
+    """The name of buffer ``(op index, result index)``'s value."""
+    return prog.ops[key[0]].results[key[1]].value.name
+
+
+def test_a_shard_maps_results_depend_on_the_operands_its_body_computes_them_from(mesh):
+    """What a ``shard_map``'s deferred results hold (:func:`_operands_feeding`): the operands its
+    body computes them from, through calls inside it (a ``jax.jit`` reading ``a`` whose result
+    used is computed from ``b`` and ``c`` only); an op without a jaxpr holds all its operands."""
+    from planner.cost.buffers import _operands_feeding
+
+    def body(a, b, c):
+        made, _ = jax.jit(lambda b, c, a: (jnp.sin(b) @ c, a + 1))(b, c, a)
+        return a * 2, made
+
+    def f(a, b, c):
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("a"), P("a"), P()),
+                             out_specs=(P("a"), P("a")))(a, b, c)  # fmt: skip
+
+    prog = planner.analyze(f, *[jax.ShapeDtypeStruct((8, 8), F32)] * 3)
+    (op,) = [o for o in prog.ops if o.primitive == "shard_map"]
+    a, b, c = (x.value.name for x in op.operands)
+    assert _operands_feeding(op, frozenset({0})) == (a,)
+    assert _operands_feeding(op, frozenset({1})) == (b, c)
+    assert _operands_feeding(op, frozenset({0, 1})) == (a, b, c)
+    product = planner.analyze(jnp.dot, *[jax.ShapeDtypeStruct((8, 8), F32)] * 2).ops[0]
+    assert _operands_feeding(product, frozenset({0})) == tuple(
+        x.value.name for x in product.operands
+    )
