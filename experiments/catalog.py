@@ -186,7 +186,9 @@ _FOLDERS = [
        "beside the tests and other runs), the one after it MaxText's own compile of that recipe "
        "so (35 min beside the tests; run for Llama 3.1 405B on v6e too, 13 min), the last "
        "DeepSeek-V3's variant row again, the own settings' plan taken from the searched row, "
-       "its search replayed (72 min beside the tests and other runs)"),
+       "its search replayed (72 min beside the tests and other runs; 47 min once its memory model "
+       "held the last layer's deferred weight gradients, no ring plan then predicted within the "
+       "limit, so the plan of least predicted memory compiled)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 3,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip
