@@ -113,7 +113,7 @@ The last layer's deferred work (the TPU compiler, :data:`PEELED_LAST_LAYER`): th
 a backward loop for all its layers but the last, that layer after it, and that layer's weight
 gradients, which nothing needs before the next stack's backward loop ends (a global norm clips
 them), after that loop: what they read of the layer is held over it (:func:`_peeled`; of an
-opaque op, the operands its jaxpr computes them from). MaxText's DeepSeek-V3 with its ring of
+opaque op, the operands its body computes them from). MaxText's DeepSeek-V3 with its ring of
 experts on 512 v5p chips, dumped: its first MoE layer's expert and attention weight gradients
 run after the three dense layers' backward loop, holding the ring's four gathered token chunks
 and their gradients (eight bf16[147456,7168], 2.1 GB each per chip) and the layer's attention
@@ -920,7 +920,7 @@ def _deferrable(prog: Program, inlined: list) -> dict[int, list[tuple[int, int]]
         >>> _deferrable(prog, [])[726]                                  # doctest: +SKIP
         [(747, 1224), (1240, 1674)]
     """
-    spans = [(r.start, r.stop) for r in prog.regions if r.kind in ("scan", "while", "cond")]
+    spans = _region_spans(prog)
     loops = [(r.start, r.stop) for r in _outer_loops(prog, inlined)]
     if not loops:
         return {}
@@ -945,7 +945,7 @@ def _peeled(prog: Program, cats: list[str], kind: dict[str, str], inlined: list)
     that ops outside every loop read first after a later loop ends, one of them waiting for
     that loop (a backward pass's weight gradients, clipped by a global norm, where another
     layer stack's backward follows). An opaque op (a ``shard_map``) holds only the operands
-    those results depend on in its jaxpr.
+    those results are computed from (:attr:`Op.feeds`).
 
     Example:
         >>> _peeled(prog, cats, kind, [])[(1397, 0)]                    # doctest: +SKIP
@@ -962,9 +962,14 @@ def _peeled(prog: Program, cats: list[str], kind: dict[str, str], inlined: list)
     return out
 
 
+def _region_spans(prog: Program) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` of each loop and conditional of ``prog``."""
+    return [(r.start, r.stop) for r in prog.regions if r.kind in ("scan", "while", "cond")]
+
+
 def _outer_loops(prog: Program, inlined: list) -> list:
     """The loops the compiler keeps (:func:`_kept`) that no loop or conditional contains."""
-    spans = [(r.start, r.stop) for r in prog.regions if r.kind in ("scan", "while", "cond")]
+    spans = _region_spans(prog)
     return [r for r in prog.regions if _kept(r, inlined)
             and not any((s, e) != (r.start, r.stop) and s <= r.start and r.stop <= e
                         for s, e in spans)]  # fmt: skip
@@ -975,9 +980,7 @@ class _Reads:
 
     def __init__(self, prog: Program, cats: list[str], kind: dict[str, str]):
         self.prog, self.cats, self.kind = prog, cats, kind
-        self.spans = [
-            (r.start, r.stop) for r in prog.regions if r.kind in ("scan", "while", "cond")
-        ]
+        self.spans = _region_spans(prog)
         self.after: dict[int, frozenset[str]] = {}  # a loop's start -> the values made from it
         self.first: dict[str, int] = {}
 
@@ -1065,50 +1068,15 @@ def _hold_for(prog: Program, cats: list[str], kind: dict[str, str], r, late: dic
 
 
 def _operands_feeding(op: Op, results: frozenset[int]) -> tuple[str, ...]:
-    """The names of ``op``'s operands that its ``results`` (indices) depend on: through its
-    jaxpr for an op that has one (a ``shard_map``), else all of them.
+    """The names of ``op``'s operands that its ``results`` (indices) are computed from: those
+    its :attr:`Op.feeds` names (a ``shard_map``'s, from its body), else all of them.
 
     Example:
         >>> _operands_feeding(moe_backward, frozenset({2, 3}))         # doctest: +SKIP
         ('v2085', 'v2092')
     """
     names = tuple(a.value.name for a in op.operands)
-    params = getattr(op.eqn, "params", None) or {}
-    jaxpr = _open(params.get("jaxpr"))
-    invars = [k for k, v in enumerate(getattr(op.eqn, "invars", ())) if not _literal(v)]
-    if jaxpr is None or len(invars) != len(names) or len(jaxpr.outvars) != len(op.results):
+    if not op.feeds:
         return names
-    deps = _dependence(jaxpr)
-    feeding = frozenset().union(*(deps[i] for i in results))
-    return tuple(n for n, k in zip(names, invars) if k in feeding)
-
-
-def _open(jaxpr):
-    """A jaxpr (a ``ClosedJaxpr``'s own), or None."""
-    return getattr(jaxpr, "jaxpr", jaxpr) if jaxpr is not None else None
-
-
-def _literal(v) -> bool:
-    """Whether a jaxpr variable is a literal (it has a value)."""
-    return hasattr(v, "val")
-
-
-def _dependence(jaxpr) -> list[frozenset[int]]:
-    """Per output of ``jaxpr``, the indices of the inputs it is computed from (through calls'
-    jaxprs; an equation without one: each output from all its inputs).
-
-    Example:
-        >>> _dependence(jax.make_jaxpr(lambda a, b: (a * 2, a + b))(1.0, 2.0).jaxpr)  # doctest: +SKIP
-        [frozenset({0}), frozenset({0, 1})]
-    """
-    deps = {v: frozenset({i}) for i, v in enumerate(jaxpr.invars)}
-    for e in jaxpr.eqns:
-        ins = [frozenset() if _literal(v) else deps.get(v, frozenset()) for v in e.invars]
-        params = getattr(e, "params", None) or {}
-        sub = _open(params.get("jaxpr") or params.get("call_jaxpr"))
-        if sub is not None and (len(sub.invars), len(sub.outvars)) == (len(ins), len(e.outvars)):
-            outs = [frozenset().union(*(ins[i] for i in d)) for d in _dependence(sub)]
-        else:
-            outs = [frozenset().union(*ins)] * len(e.outvars)
-        deps.update(zip(e.outvars, outs))
-    return [frozenset() if _literal(v) else deps.get(v, frozenset()) for v in jaxpr.outvars]
+    feeding = {k for i in results for k in op.feeds[i]}
+    return tuple(n for k, n in enumerate(names) if k in feeding)

@@ -30,6 +30,7 @@ from jax.extend import core as jcore
 
 from planner.program import discover as discovery
 from planner.program import manual, rules
+from planner.program.dependence import result_operands
 from planner.program.ir import Program
 from planner.program.jaxpr_params import inner_jaxpr, live, scan_split
 from planner.program.ops import Access, Loop, Op, Region, Value, is_key
@@ -284,7 +285,10 @@ class _Builder:
     def describe(self, eqn, ins, outs, trips: int) -> Op:
         name = f"{eqn.primitive.name}_{len(self.ops)}"
         if eqn.primitive.name == "shard_map":
-            op = manual.shard_map_op(name, eqn, ins, outs, body_ops(eqn.params["jaxpr"]))
+            op = dataclasses.replace(
+                manual.shard_map_op(name, eqn, ins, outs, body_ops(eqn.params["jaxpr"])),
+                feeds=result_operands(eqn, ins),
+            )
         elif eqn.primitive.name == "pallas_call":  # opaque: its kernel's body, once per grid point
             grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
             runs = math.prod(n for n in grid if isinstance(n, int))

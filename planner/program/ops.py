@@ -118,6 +118,9 @@ class Op:
         body: the ops one run of an opaque op performs on each device, analysed at the shapes
             they see (a ``shard_map``'s body on its tiles, a Pallas kernel's body times its
             grid), which price it; ``()`` for every other op.
+        feeds: for an op with a body (a ``shard_map``), per result the indices of the operands
+            it is computed from (:func:`planner.program.dependence.result_operands`); ``()``:
+            each from all.
         kernel_flops: a Pallas kernel whose grid is sized at run time (megablox's grouped
             matmul: its row tiles follow the groups' sizes): ``(flops, transcendentals)`` of one
             run from the kernel's own cost estimate, as the compiler prices it, which its body
@@ -138,6 +141,7 @@ class Op:
     manual: tuple[tuple[str, tuple[str, ...]], ...] = ()
     body: tuple[Op, ...] = dataclasses.field(default=(), compare=False, repr=False)
     kernel_flops: tuple[float, float] | None = None
+    feeds: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def loop(self) -> dict[str, Loop]:
