@@ -69,6 +69,19 @@ class Program:
         return {k: tuple(v) for k, v in out.items()}
 
     @functools.cached_property
+    def neighbours(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Op name -> the names of the ops producing its operands and of those reading its
+        results, each in program order."""
+        return {
+            o.name: (
+                tuple(self.producer[a.value.name].name for a in o.operands
+                      if a.value.name in self.producer),
+                tuple(c.name for r in o.results for c, _ in self.uses.get(r.value.name, ())),
+            )
+            for o in self.ops
+        }  # fmt: skip
+
+    @functools.cached_property
     def origin(self) -> dict[str, tuple[Value, int]]:
         """Value name -> ``(outer, k)`` for every value a region entry passes into a body
         (:data:`ENTRIES`): the outermost value of the program it is a view of, through nested

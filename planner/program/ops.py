@@ -143,8 +143,16 @@ class Op:
     kernel_flops: tuple[float, float] | None = None
     feeds: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), compare=False, repr=False)
 
-    @property
+    @functools.cached_property
+    def operands_by_size(self) -> tuple[Access, ...]:
+        """The operands, largest first (stable): where two want one mesh axis, the larger keeps
+        its layout and the smaller moves, as XLA's propagation does (a norm's scale split as the
+        weights are gathered, not the activations it scales)."""
+        return tuple(sorted(self.operands, key=lambda a: -math.prod(a.value.shape)))
+
+    @functools.cached_property
     def loop(self) -> dict[str, Loop]:
+        """The loops by name (made once: a search reads it millions of times)."""
         return {lp.name: lp for lp in self.loops}
 
     @property

@@ -467,13 +467,6 @@ propagation settles on; none is right for every program (MaxText's Llama 2 7B: `
 its DeepSeek-V3 tiny: ``"operands"``)."""
 
 
-def _largest_first(accesses) -> list[Access]:
-    """Operands by size, largest first (stable): where two want one mesh axis, the larger keeps
-    its layout and the smaller moves, as XLA's propagation does (a norm's scale split as the
-    weights are gathered, not the activations it scales)."""
-    return sorted(accesses, key=lambda a: -math.prod(a.value.shape))
-
-
 def _try(
     op: Op, mesh, wanted: dict[str, Axes], xla: bool = False, as_wanted: bool = True
 ) -> dict[str, Axes]:
@@ -585,7 +578,7 @@ def _operands_want(op: Op, layout: dict, order: str, wanted: dict) -> None:
 def _each_operand(op: Op, layout: dict, order: str) -> list[Callable]:
     """Per operand of ``op`` with a ``layout``, in ``order``'s order (:data:`ORDERS`),
     ``wants(wanted, used)``: adds the loops that layout splits (:func:`want_loops`)."""
-    accesses = op.operands if order == "operands" else _largest_first(op.operands)
+    accesses = op.operands if order == "operands" else op.operands_by_size
     return [functools.partial(want_loops, acc, layout[acc.value.name])
             for acc in accesses if acc.value.name in layout]  # fmt: skip
 
@@ -609,7 +602,7 @@ def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,
         if len(new) > len(have):
             result[op.name] = new
             return True
-    best, most = have, _parts(have, mesh)
+    best, most = have, None
     seen: set[tuple] = set()  # many users often want one thing: each want tried once
     for wants in each:
         alone: dict[str, Axes] = {}
@@ -618,6 +611,9 @@ def _more_specific(op: Op, mesh, result: dict, xla: bool, as_wanted: bool,
         if not alone or key in seen:
             continue
         seen.add(key)
+        most = _parts(have, mesh) if most is None else most
+        if _parts(alone, mesh) <= most:  # _try keeps some of these axes, so no more parts
+            continue
         new = _try(op, mesh, alone, xla, as_wanted)
         parts = _parts(new, mesh)
         if parts > most:
@@ -635,7 +631,7 @@ def _parts(loops: Mapping[str, Axes], mesh) -> int:
         >>> _parts({"m": ("a",), "n": ("b", "c")}, {"a": 2, "b": 2, "c": 3})
         12
     """
-    return math.prod(mesh[a] for axes in loops.values() for a in axes)
+    return math.prod([mesh[a] for axes in loops.values() for a in axes])
 
 
 def _returned_as_asked(prog: Program, fixed: set[str]) -> dict[str, tuple[Op, Access]]:
@@ -678,12 +674,22 @@ def _propagate(
     xla: bool,
     order: str = "largest",
     rounds: int = 3,
+    remember: bool = True,
 ) -> None:
+    """Complete ``result`` (op name -> loops -> axes; the ``fixed`` ops' kept): forward from
+    the operands' layouts, backward from the users', ``rounds`` times or until nothing changes.
+    ``remember``: an op that settled unchanged is not settled again until what it reads
+    changes (``False``: every op in every round, the reference the tests hold this to)."""
     consumers = prog.uses
     tied = dict((dst, src) for src, dst in prog.ties)
     returned = _returned_as_asked(prog, fixed)
     sched = Schedule(prog, mesh, result)
     as_wanted = order == "largest"
+    near = prog.neighbours if remember else {}
+    # (pass, op) -> the assignments it read (its own, its neighbours') when it last settled
+    # unchanged: it settles unchanged again while they are the same (a search makes thousands
+    # of schedules of MaxText's DeepSeek-V3, each settled here in up to three rounds)
+    settled: dict[tuple[int, str], tuple] = {}
     for k in range(rounds):
         changed = False
         # Forward: an op follows the layouts of its operands (after the first round, only ops
@@ -702,7 +708,12 @@ def _propagate(
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
             elif o.name not in fixed and _refinable(o):
-                changed |= _refine_from(o, mesh, result, layout, xla, as_wanted, order)
+                read = remember and (result[o.name], *[result.get(n) for n in near[o.name][0]])
+                if not read or settled.get((0, o.name)) != read:
+                    if _refine_from(o, mesh, result, layout, xla, as_wanted, order):
+                        changed = True
+                    else:
+                        settled[0, o.name] = read
             for acc in o.results:
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.
@@ -714,7 +725,12 @@ def _propagate(
             if o.name in fixed:
                 continue
             if result.get(o.name):
-                changed |= _refine(o, mesh, result, consumers, sched, xla, as_wanted)
+                read = remember and (result[o.name], *[result.get(n) for n in near[o.name][1]])
+                if not read or settled.get((1, o.name)) != read:
+                    if _refine(o, mesh, result, consumers, sched, xla, as_wanted):
+                        changed = True
+                    else:
+                        settled[1, o.name] = read
                 continue
             wanted = _users_want(o, consumers, result, sched, {})
             result[o.name] = _try(o, mesh, wanted, xla, as_wanted)
