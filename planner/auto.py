@@ -90,7 +90,7 @@ def plan(
     default): the calibration's memory per device less :data:`planner.cost.memory.MEMORY_RESERVE`
     (10%); a number: that; ``None`` or ``float("inf")``: no limit. When nothing fits,
     :class:`planner.cost.memory.MemoryLimitError` names the smallest peak found and its largest
-    buffers.
+    buffers, and holds the plan of that peak (``e.leanest``, to read or run anyway).
 
     ``donate_argnums``: the arguments whose buffers each call donates, as ``jax.jit``'s (e.g. the
     parameters and optimizer state of a training step): outputs of the same shape, dtype and
@@ -178,7 +178,10 @@ def plan(
             if choices:
                 return _choose_remat(candidate_names(choices), traced_as, search_for,
                                      free_for if bound < math.inf else None)  # fmt: skip
-            return (prog, *search_for(None, prog), None)
+            try:
+                return (prog, *search_for(None, prog), None)
+            except MemoryLimitError as e:
+                raise _leanest_found(e, prog, None) from None
         finally:
             searching[0] += time.perf_counter() - start
 
@@ -207,11 +210,30 @@ def plan(
                 else plan_of((prog, sched, simulate(prog, sched, calibration), None))
             )
 
-        p, checks = confirmed(search_under, plan_of, limit, margin, capacity, yours)
+        try:
+            p, checks = confirmed(search_under, plan_of, limit, margin, capacity, yours)
+        except MemoryLimitError as e:
+            raise _leanest_planned(e, plan_of) from None
         checked = dataclasses.replace(p, memory_checks=checks)
         keep_compiled(p, checked)  # the check's compile is the plan's
         return checked
-    return plan_of(search_under(limit))
+    try:
+        return plan_of(search_under(limit))
+    except MemoryLimitError as e:
+        raise _leanest_planned(e, plan_of) from None
+
+
+def _leanest_found(e: MemoryLimitError, prog: Program, remat) -> MemoryLimitError:
+    """``e`` (a search's) with its leanest ``(schedule, prediction)`` as ``plan``'s search
+    finds plans: ``(program, schedule, prediction, remat decision)``."""
+    leanest = None if e.leanest is None else (prog, *e.leanest, remat)
+    return MemoryLimitError(e.limit, e.peak, e.note, leanest=leanest)
+
+
+def _leanest_planned(e: MemoryLimitError, plan_of: Callable) -> MemoryLimitError:
+    """``e`` with its leanest plan found made an :class:`AutoPlan` (by ``plan_of``)."""
+    leanest = None if e.leanest is None else plan_of(e.leanest)
+    return MemoryLimitError(e.limit, e.peak, e.note, leanest=leanest)
 
 
 def _remembered(tried: list, bound: float, search: Callable):
@@ -245,7 +267,7 @@ def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable,
     under the limit (no plan of it could be faster): its cost is recorded as ``(that bound,
     None)``. Only candidates whose fastest plans do not fit and might win need the slow search.
     """
-    best, costs, errors = None, {}, []
+    best, costs, errors = None, {}, []  # errors: (MemoryLimitError, candidate, its program)
     bound: dict[str, float] = {}
     if free_for is not None:
         for name in names:
@@ -260,15 +282,21 @@ def _choose_remat(names: list[str], traced_as: Callable, search_for: Callable,
             sched, pred = search_for(name, prog)
         except MemoryLimitError as e:
             costs[name] = None
-            errors.append(e)
+            errors.append((e, name, prog))
             continue
         costs[name] = (pred.time_s, pred.peak_bytes)
         if best is None or _faster(pred, best[2]):
             best = (prog, sched, pred, name)
     if best is None:
-        raise min(errors, key=lambda e: math.inf if e.peak is None else e.peak.bytes)
+        e, name, prog = min(errors, key=lambda x: _least_peak(x[0]))
+        raise _leanest_found(e, prog, RematDecision(name, costs))
     prog, sched, pred, name = best
     return prog, sched, pred, RematDecision(name, costs)
+
+
+def _least_peak(e: MemoryLimitError) -> float:
+    """The smallest peak ``e`` names, bytes (infinite where it names none)."""
+    return math.inf if e.peak is None else e.peak.bytes
 
 
 def _faster(a, b, tie: float = TIME_TIE) -> bool:

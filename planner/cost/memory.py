@@ -80,10 +80,13 @@ class MemoryLimitError(ValueError):
         limit: the limit, bytes per device.
         peak: the smallest predicted peak seen (:class:`planner.cost.simulator.Peak`: its bytes,
             the op running then, the buffers live then, largest first), or None.
+        leanest: the plan of that peak, or None: from :func:`planner.plan` an
+            :class:`planner.AutoPlan` (to run anyway, or to read: ``e.leanest.explain()``), from
+            :func:`planner.solver.search` its ``(schedule, prediction)``.
     """
 
-    def __init__(self, limit, peak=None, note: str = "", top: int = 5):
-        self.limit, self.peak, self.note = limit, peak, note
+    def __init__(self, limit, peak=None, note: str = "", top: int = 5, leanest=None):
+        self.limit, self.peak, self.note, self.leanest = limit, peak, note, leanest
         text = f"no schedule fits memory_limit_bytes={limit}"
         if note:
             text += f" ({note})"

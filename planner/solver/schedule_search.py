@@ -151,7 +151,10 @@ class _Evaluator:
         # key -> (schedule, what it was priced as, prediction), or None (no valid schedule)
         self.made = memo.table(prog, self.mesh, cal, priced_as, xla, self.pinned)
         self.best_peak = math.inf
-        self.best_peak_schedule: Schedule | None = None
+        self.best_peak_schedule: Schedule | None = None  # as priced
+        # the fastest schedule seen at that peak, as a search returns one, and its seconds
+        self.leanest: tuple[Schedule, Prediction] | None = None
+        self.leanest_s = math.inf
 
     def __call__(
         self, assign: Assignment, default: str = "propagate", stored: dict | None = None
@@ -192,8 +195,9 @@ class _Evaluator:
         if made is None:
             return (math.inf, math.inf, None, None)
         sched, priced, pred = made
-        if pred.peak_bytes < self.best_peak:
+        if (pred.peak_bytes, pred.time_s) < (self.best_peak, self.leanest_s):
             self.best_peak, self.best_peak_schedule = pred.peak_bytes, priced
+            self.leanest, self.leanest_s = (sched, pred), pred.time_s
         if self.limit is not None and pred.peak_bytes > self.limit:
             return (math.inf, pred.peak_bytes, sched, pred)
         return (pred.time_s, pred.peak_bytes, sched, pred)
@@ -631,7 +635,7 @@ def _result(score, evaluate: _Evaluator, limit):
     if sched is None or time_s == math.inf:
         smallest = evaluate.best_peak_schedule
         peak = None if smallest is None else peak_buffers(evaluate.prog, smallest, evaluate.cal)
-        raise MemoryLimitError(limit, peak)
+        raise MemoryLimitError(limit, peak, leanest=evaluate.leanest)
     return sched, pred
 
 
@@ -718,4 +722,4 @@ def search_within(prog, mesh: MeshShape | dict, calibration: Calibration, memory
         note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "
                 f"from the {calibration.backend} calibration; pass another calibration, a larger "
                 "memory_limit_bytes or None for no limit")  # fmt: skip
-        raise MemoryLimitError(e.limit, e.peak, note) from None
+        raise MemoryLimitError(e.limit, e.peak, note, leanest=e.leanest) from None

@@ -113,9 +113,17 @@ def test_a_candidate_no_faster_than_a_plan_that_fits_is_not_searched_under_the_l
     assert "at least 3 s" in decision.describe()
 
 
-def test_nothing_fits_names_the_smallest_peak(mesh, args):
-    with pytest.raises(planner.MemoryLimitError, match="smallest predicted peak"):
+def test_nothing_fits_names_the_smallest_peak_and_holds_its_plan(mesh, args):
+    """The error's plan is the candidate's of that peak, and runs exactly."""
+    with pytest.raises(planner.MemoryLimitError, match="smallest predicted peak") as info:
         planner.plan(STEP, *args, mesh=mesh, memory_limit_bytes=1e5)
+    e = info.value
+    leanest = e.leanest
+    assert isinstance(leanest, planner.AutoPlan)
+    assert leanest.prediction.peak_bytes == e.peak.bytes > 1e5
+    assert leanest.remat.chosen in DEFAULT_CANDIDATES
+    assert leanest.remat.candidates[leanest.remat.chosen] is None  # none fits
+    assert_exact(leanest.jit()(*args), jax.jit(STEP)(*args))
 
 
 @pytest.mark.parametrize("name", list(DEFAULT_CANDIDATES))

@@ -103,6 +103,8 @@ def test_a_limit_nothing_fits_names_the_smallest_peak_and_its_largest_buffers():
     assert f"{largest.name} {largest.dtype}{list(largest.shape)}" in text
     assert f"{largest.bytes:,} bytes per device" in text
     assert "float32[" in text and err.peak.op in text
+    assert err.leanest.prediction.peak_bytes == err.peak.bytes  # the plan of that peak, to run
+    assert err.leanest.mesh == MESH and err.leanest.program.ops
 
 
 def test_the_default_limit_says_where_it_comes_from_when_nothing_fits():

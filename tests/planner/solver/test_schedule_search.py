@@ -1,5 +1,7 @@
 """planner.search / plan / auto_shard: optimal on small chains, memory limits, end to end."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -66,6 +68,28 @@ def test_memory_limit_is_respected_and_explained(mesh):
     assert lpred.peak_bytes <= replicated.peak_bytes // 2
     with pytest.raises(ValueError, match=r"no schedule fits memory_limit_bytes=1000; the smallest"):
         search(prog, mesh, memory_limit_bytes=1000)
+
+
+def test_where_nothing_fits_the_error_holds_the_fastest_schedule_of_least_memory(mesh):
+    """Of the schedules the failing search made (its memo), the one the error holds has the least
+    predicted peak, the peak it names, and is the fastest at that peak."""
+    from planner.solver import schedule_search as ss
+
+    prog = planner.analyze(sgd_step, *mlp_args())
+    memo = ss.Evaluations()
+    with pytest.raises(planner.MemoryLimitError) as info:
+        search(prog, mesh, memory_limit_bytes=1000, memo=memo, greedy_ops=0)
+    sched, pred = info.value.leanest
+    made = [m[2] for _, table in memo._tables.values() for m in table.values() if m is not None]
+    least = min(p.peak_bytes for p in made)
+    assert pred.peak_bytes == least == info.value.peak.bytes
+    assert pred.time_s == min(p.time_s for p in made if p.peak_bytes == least)
+    assert simulate(prog, sched).peak_bytes == least  # the schedule, as the search returns one
+    # of schedules tied at the least peak, the faster is held, whatever the order they came in
+    evaluate = ss._Evaluator(prog, dict(mesh.shape), None, 1000, ss.groups(prog))
+    for peak, time_s, name in [(9, 1.0, "lean"), (5, 3.0, "slow"), (5, 2.0, "fast"), (5, 2.5, "x")]:
+        evaluate._score((name, name, types.SimpleNamespace(peak_bytes=peak, time_s=time_s)))
+    assert evaluate.leanest[0] == "fast" and evaluate.best_peak == 5
 
 
 def test_searches_under_several_limits_share_the_schedules_they_make(mesh, monkeypatch):
