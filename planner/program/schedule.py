@@ -690,6 +690,19 @@ def _propagate(
     # unchanged: it settles unchanged again while they are the same (a search makes thousands
     # of schedules of MaxText's DeepSeek-V3, each settled here in up to three rounds)
     settled: dict[tuple[int, str], tuple] = {}
+
+    def settles(side: int, o: Op, refine: Callable[[], bool]) -> bool:
+        """Whether ``refine()`` changed ``o`` (not called where ``o`` settled unchanged on what
+        it reads now: its assignment and those of its operands' producers, ``side`` 0, or of its
+        results' users, 1)."""
+        read = remember and (result[o.name], *[result.get(n) for n in near[o.name][side]])
+        if read and settled.get((side, o.name)) == read:
+            return False
+        if refine():
+            return True
+        settled[side, o.name] = read
+        return False
+
     for k in range(rounds):
         changed = False
         # Forward: an op follows the layouts of its operands (after the first round, only ops
@@ -708,12 +721,8 @@ def _propagate(
                 changed |= k > 0 and bool(new)
                 result[o.name] = new
             elif o.name not in fixed and _refinable(o):
-                read = remember and (result[o.name], *[result.get(n) for n in near[o.name][0]])
-                if not read or settled.get((0, o.name)) != read:
-                    if _refine_from(o, mesh, result, layout, xla, as_wanted, order):
-                        changed = True
-                    else:
-                        settled[0, o.name] = read
+                changed |= settles(0, o, lambda o=o, layout=layout: _refine_from(
+                    o, mesh, result, layout, xla, as_wanted, order))  # fmt: skip
             for acc in o.results:
                 layout[acc.value.name] = sched.spec(o, acc)
         # Backward: an op left unpartitioned follows what its consumers require of its results.
@@ -725,12 +734,8 @@ def _propagate(
             if o.name in fixed:
                 continue
             if result.get(o.name):
-                read = remember and (result[o.name], *[result.get(n) for n in near[o.name][1]])
-                if not read or settled.get((1, o.name)) != read:
-                    if _refine(o, mesh, result, consumers, sched, xla, as_wanted):
-                        changed = True
-                    else:
-                        settled[1, o.name] = read
+                changed |= settles(1, o, lambda o=o: _refine(
+                    o, mesh, result, consumers, sched, xla, as_wanted))  # fmt: skip
                 continue
             wanted = _users_want(o, consumers, result, sched, {})
             result[o.name] = _try(o, mesh, wanted, xla, as_wanted)
