@@ -226,14 +226,12 @@ def plan(
 def _leanest_found(e: MemoryLimitError, prog: Program, remat) -> MemoryLimitError:
     """``e`` (a search's) with its leanest ``(schedule, prediction)`` as ``plan``'s search
     finds plans: ``(program, schedule, prediction, remat decision)``."""
-    leanest = None if e.leanest is None else (prog, *e.leanest, remat)
-    return MemoryLimitError(e.limit, e.peak, e.note, leanest=leanest)
+    return e.replaced(leanest=None if e.leanest is None else (prog, *e.leanest, remat))
 
 
 def _leanest_planned(e: MemoryLimitError, plan_of: Callable) -> MemoryLimitError:
     """``e`` with its leanest plan found made an :class:`AutoPlan` (by ``plan_of``)."""
-    leanest = None if e.leanest is None else plan_of(e.leanest)
-    return MemoryLimitError(e.limit, e.peak, e.note, leanest=leanest)
+    return e.replaced(leanest=None if e.leanest is None else plan_of(e.leanest))
 
 
 def _remembered(tried: list, bound: float, search: Callable):

@@ -86,7 +86,7 @@ class MemoryLimitError(ValueError):
     """
 
     def __init__(self, limit, peak=None, note: str = "", top: int = 5, leanest=None):
-        self.limit, self.peak, self.note, self.leanest = limit, peak, note, leanest
+        self.limit, self.peak, self.note, self.leanest, self.top = limit, peak, note, leanest, top
         text = f"no schedule fits memory_limit_bytes={limit}"
         if note:
             text += f" ({note})"
@@ -98,6 +98,16 @@ class MemoryLimitError(ValueError):
                      f"({peak.bytes / 2**20:.1f} MiB){where}; its largest buffers:")  # fmt: skip
             text += "".join(f"\n  {b}" for b in peak.buffers[:top])
         super().__init__(text)
+
+    def replaced(self, **changes) -> MemoryLimitError:
+        """This error with ``changes`` to its fields (``limit``, ``peak``, ``note``, ``leanest``).
+
+        Example:
+            >>> e.replaced(note="the default limit")   # doctest: +SKIP
+        """
+        fields = dict(limit=self.limit, peak=self.peak, note=self.note, top=self.top,
+                      leanest=self.leanest)  # fmt: skip
+        return MemoryLimitError(**{**fields, **changes})
 
 
 def default_calibration(mesh) -> Calibration:

@@ -150,11 +150,19 @@ class _Evaluator:
         memo = Evaluations() if memo is None else memo
         # key -> (schedule, what it was priced as, prediction), or None (no valid schedule)
         self.made = memo.table(prog, self.mesh, cal, priced_as, xla, self.pinned)
-        self.best_peak = math.inf
-        self.best_peak_schedule: Schedule | None = None  # as priced
-        # the fastest schedule seen at that peak, as a search returns one, and its seconds
-        self.leanest: tuple[Schedule, Prediction] | None = None
-        self.leanest_s = math.inf
+        # what was made of the schedule of least predicted peak seen, the fastest at that peak:
+        # (schedule, what it was priced as, prediction)
+        self.least: tuple[Schedule, Schedule, Prediction] | None = None
+
+    @property
+    def best_peak(self) -> float:
+        """The least predicted peak seen, bytes (infinite: none yet)."""
+        return math.inf if self.least is None else self.least[2].peak_bytes
+
+    @property
+    def leanest(self) -> tuple[Schedule, Prediction] | None:
+        """The schedule of that peak and its prediction, as a search returns one."""
+        return None if self.least is None else (self.least[0], self.least[2])
 
     def __call__(
         self, assign: Assignment, default: str = "propagate", stored: dict | None = None
@@ -195,9 +203,9 @@ class _Evaluator:
         if made is None:
             return (math.inf, math.inf, None, None)
         sched, priced, pred = made
-        if (pred.peak_bytes, pred.time_s) < (self.best_peak, self.leanest_s):
-            self.best_peak, self.best_peak_schedule = pred.peak_bytes, priced
-            self.leanest, self.leanest_s = (sched, pred), pred.time_s
+        least = self.least and self.least[2]
+        if not least or (pred.peak_bytes, pred.time_s) < (least.peak_bytes, least.time_s):
+            self.least = made
         if self.limit is not None and pred.peak_bytes > self.limit:
             return (math.inf, pred.peak_bytes, sched, pred)
         return (pred.time_s, pred.peak_bytes, sched, pred)
@@ -633,8 +641,8 @@ def _asked(prog: Program, shape: MeshShape, requested: Requested, evaluate: _Eva
 def _result(score, evaluate: _Evaluator, limit):
     time_s, _, sched, pred = score
     if sched is None or time_s == math.inf:
-        smallest = evaluate.best_peak_schedule
-        peak = None if smallest is None else peak_buffers(evaluate.prog, smallest, evaluate.cal)
+        least = evaluate.least
+        peak = None if least is None else peak_buffers(evaluate.prog, least[1], evaluate.cal)
         raise MemoryLimitError(limit, peak, leanest=evaluate.leanest)
     return sched, pred
 
@@ -722,4 +730,4 @@ def search_within(prog, mesh: MeshShape | dict, calibration: Calibration, memory
         note = (f"the default: {1 - MEMORY_RESERVE:.0%} of {capacity / 2**30:.2f} GiB per device "
                 f"from the {calibration.backend} calibration; pass another calibration, a larger "
                 "memory_limit_bytes or None for no limit")  # fmt: skip
-        raise MemoryLimitError(e.limit, e.peak, note, leanest=e.leanest) from None
+        raise e.replaced(note=note) from None

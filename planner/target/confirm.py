@@ -115,8 +115,7 @@ def confirmed(search_under: Callable, plan_of: Callable, limit: float, margin: f
         check = _compiled_check(plan, limit, target, "yours")
         rounds.append(check)
         if check.compiled_bytes is None or check.compiled_bytes > target:
-            raise MemoryLimitError(limit, e.peak, note=_compiled_note(rounds, target),
-                                   leanest=e.leanest) from None  # fmt: skip
+            raise e.replaced(limit=limit, note=_compiled_note(rounds, target)) from None
         warnings.warn(
             "planner: no searched plan compiles within the memory limit; the layout the program "
             f"asks for does, and is the plan ({describe_checks(rounds)})",
@@ -154,8 +153,7 @@ def _searched_rounds(search_under: Callable, plan_of: Callable, limit: float, ma
                 searched, frugal = e.peak.bytes, True
                 plan = plan_of(search_under(searched))
             elif frugal or e.peak is None or e.peak.bytes >= rounds[-1].predicted_bytes:
-                raise MemoryLimitError(limit, e.peak, note=_compiled_note(rounds, target),
-                                       leanest=e.leanest) from None  # fmt: skip
+                raise e.replaced(limit=limit, note=_compiled_note(rounds, target)) from None
             else:
                 searched, frugal = e.peak.bytes, True  # the least memory any plan is predicted at
                 plan = plan_of(search_under(searched))
