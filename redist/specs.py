@@ -12,6 +12,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -160,8 +162,8 @@ def dist_type(
 
 
 def _dtype(dtype: Any, argname: str) -> np.dtype:
-    """``dtype`` as a numpy dtype of a kind JAX arrays have (bool, integers, floats, complex, and
-    ml_dtypes' bfloat16 / float8 / int4 ... types)."""
+    """``dtype`` as a numpy dtype of a kind JAX arrays have: bool, integers, floats, complex and
+    ml_dtypes' bfloat16 / float8 / int4 ... types, as JAX itself answers (:func:`_jax_refuses`)."""
     if dtype is None:
         raise TypeError(
             f"{argname}: expected a dtype such as 'float32' or jnp.bfloat16, got None (numpy would "
@@ -176,13 +178,36 @@ def _dtype(dtype: Any, argname: str) -> np.dtype:
             f"{argname}: {dtype!r} is not a valid numpy/JAX dtype; expected a dtype such as "
             "'float32' or jnp.bfloat16"
         ) from None
-    if dt.kind in "biufc" or (dt.kind == "V" and _ml_bits(dt) is not None):
+    numeric = dt.kind in "biufc" or dt.type.__module__ == "ml_dtypes"
+    if numeric and _jax_refuses(dt) is None:
         return dt
+    kind = _jax_refuses(dt) if numeric else _KIND_NAMES.get(dt.kind, "an unsupported kind")
     raise TypeError(
-        f"{argname}: dtype {dt} ({_KIND_NAMES.get(dt.kind, 'an unsupported kind')}) is not an "
-        "element type of JAX arrays; expected bool, an integer, a float (bfloat16 and float8 "
-        "included) or a complex type"
+        f"{argname}: dtype {dt} ({kind}) is not an element type of JAX arrays; expected bool, an "
+        "integer, a float (bfloat16 and float8 included) or a complex type"
     )
+
+
+@functools.cache
+def _jax_refuses(dt: np.dtype) -> str | None:
+    """Why JAX refuses ``dt`` as an array's element type, or ``None`` where it takes it: JAX's own
+    answer (``jax.dtypes.result_type``), so that a type numpy or ml_dtypes registers and JAX does
+    not (ml_dtypes' ``complex32``, numpy's ``float128``) is refused as JAX refuses it. Imports
+    JAX, which starts no backend.
+
+    Example:
+        >>> _jax_refuses(np.dtype("bfloat16")) is None
+        True
+    """
+    import jax  # JAX decides what its arrays hold; no devices are touched
+
+    try:
+        with warnings.catch_warnings():  # 64-bit types without jax_enable_x64: JAX takes them
+            warnings.simplefilter("ignore")
+            jax.dtypes.result_type(dt)
+    except TypeError:
+        return "a type numpy knows and JAX refuses"
+    return None
 
 
 _KIND_NAMES = {"O": "Python objects", "S": "byte strings", "U": "unicode strings",

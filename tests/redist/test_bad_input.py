@@ -7,6 +7,7 @@ import math
 import re
 import signal
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -270,6 +271,45 @@ def test_dtype_info_refuses_what_is_no_jax_element_type(dtype):
         dtype_info(dtype, argname="x")
     with pytest.raises(TypeError, match=r"^x: "):
         movable_dtype(dtype)
+
+
+def registered_dtypes() -> list[np.dtype]:
+    """Every element type numpy and ml_dtypes register (whatever versions are installed)."""
+    import ml_dtypes
+
+    found = {np.dtype(t) for t in set(np.sctypeDict.values())}
+    for name in dir(ml_dtypes):
+        kind = getattr(ml_dtypes, name)
+        if isinstance(kind, type) and issubclass(kind, np.generic):
+            found.add(np.dtype(kind))
+    return sorted(found, key=str)
+
+
+def jax_takes(dt: np.dtype) -> bool:
+    """JAX's own answer, asked through an array constructor (shapes only, no device)."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        with warnings.catch_warnings():  # 64-bit types without jax_enable_x64: JAX takes them
+            warnings.simplefilter("ignore")
+            jax.eval_shape(lambda: jnp.zeros((0,), dt))
+    except TypeError:
+        return False
+    return True
+
+
+def test_dtype_info_takes_exactly_what_jax_takes():
+    dtypes = registered_dtypes()
+    assert {"bfloat16", "float8_e4m3fn", "int4", "float64"} <= {d.name for d in dtypes}
+    for dt in dtypes:
+        try:
+            dtype_info(dt, argname="x")
+            taken = True
+        except TypeError as e:
+            assert str(e).startswith("x: dtype "), e
+            taken = False
+        assert taken == jax_takes(dt), dt
 
 
 def test_check_options():

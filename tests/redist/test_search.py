@@ -182,12 +182,16 @@ def test_plan_accepts_abstract_mesh_and_dtypes():
 
 
 def test_pure_core_does_not_import_jax():
+    """The search runs without JAX; ``redist.plan`` asks JAX only what element types its arrays
+    take (redist.specs), which starts no backend: no devices are touched."""
     import subprocess
     import sys
 
     code = (
-        "import sys, redist; redist.plan((8, 8), ('a',), (None, 'a'), {'a': 8});"
-        "assert 'jax' not in sys.modules, 'jax was imported'"
+        "import sys; from redist.synthesis import synthesize_uneven; import redist.search;"
+        "assert 'jax' not in sys.modules, 'jax was imported';"
+        "import redist; redist.plan((8, 8), ('a',), (None, 'a'), {'a': 8});"
+        "from jax._src import xla_bridge; assert not xla_bridge.backends_are_initialized()"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
