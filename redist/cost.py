@@ -84,7 +84,11 @@ def search_weight(
     if model == "bytes+copies":
         return w + copies
     if is_calibrated(model):
-        return _calibrated_ns(kind, w, copies, group, model)
+        # A collective is calibrated as what it adds to a chain of kernels that write every
+        # result (experiments/calibrate.py); a slice adds nothing there: XLA fuses it into the
+        # kernel that reads it. Priced as a copy, slicing a small tile and gathering it looked
+        # cheaper than slicing the result at once (r0029: 0.47x XLA's time on CPU).
+        return _calibrated_ns(kind, w, 0 if kind == "dynslice" else copies, group, model)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {model!r}")
 
 
@@ -122,6 +126,24 @@ def _calibrated_ns(kind: str, nbytes: int, copies: int, group: int, model: str) 
         named = nbytes / 2 if kind == "allreduce" else nbytes  # step_cost counts 2x for it
         seconds += cal.collective_time(of_step(kind), named, group)
     return round(seconds * 1e9)
+
+
+def plan_weight(plan, model: str) -> int:
+    """The search's weight of a concrete ``plan`` (a :class:`redist.steps.Plan`) under ``model``:
+    :func:`search_weight` summed over its steps, the permutations that lowering adds included,
+    which the weak search does not see. Steps of even layouts only (no reblocks).
+
+    Example:
+        >>> plan_weight(plan((8,), P(), P("a"), {"a": 2}), "bytes")      # doctest: +SKIP
+        0
+    """
+    total = 0
+    for s in plan.steps:
+        group = plan.mesh.num_devices if s.kind == "allpermute" else s.group_size
+        dim = max(m[0] for m in s.moves) if s.moves else s.dim or 0
+        total += search_weight(s.kind, s.before.local_shape, s.after.local_shape, dim,
+                               plan.itemsize, model, group)  # fmt: skip
+    return total
 
 
 def calibrated_floor_ns(nbytes: int, model: str = "calibrated") -> int:

@@ -82,7 +82,8 @@ def test_tpu_calibrations_do_not_fold_a_permutation_of_large_chunks_into_an_all_
     tpu = redist.plan(shape, src, dst, mesh, cost_model="calibrated:tpu_v5p")
     assert [bool(s.perm) for s in cpu.steps if s.kind == "alltoall"] == [True]
     assert [bool(s.perm) for s in tpu.steps if s.kind == "alltoall"] == [False]
-    assert tpu.kinds[-1] == "allpermute" and tpu.cost_bytes > cpu.cost_bytes
+    # ... and, slicing first in the order the all-to-all lands in, no permutation at all
+    assert "allpermute" not in tpu.kinds and tpu.cost_bytes == cpu.cost_bytes
     small = redist.plan((180, 368, 160), src, dst, mesh, cost_model="calibrated:tpu_v5p")  # 2.6 MB
     assert [bool(s.perm) for s in small.steps if s.kind == "alltoall"] == [True]
 
@@ -91,10 +92,11 @@ P4 = (16,) * 6, P("c", None, None, "a", None, "b"), P(None, None, None, None, No
 
 
 def test_a_tpu_calibrated_plan_gives_way_to_a_leaner_one_within_the_memory_tie():
-    """P4 on the TPU calibration: permute + two all-gathers is predicted 5 % faster than the
-    bytes model's all-to-all + one all-gather, which holds 40 MiB at once against 48: within the
-    TPU's memory_tie the leaner plan is the one returned. The H100's has no tie (XLA:GPU stages
-    an all-to-all as rounds of permutes): its fastest plan stays."""
+    """P4 on the TPU calibration: permute + two all-gathers (the CPU's plan) is predicted 5 %
+    faster than the bytes model's all-to-all + one all-gather, which holds 40 MiB at once
+    against 48: within the TPU's memory_tie the leaner plan is the one returned. On the H100's
+    calibration, which has no tie, the all-to-all is priced faster as lowered (the permutation
+    the two gathers need included) and is chosen on time alone."""
     from redist.calibration import Calibration
     from redist.cost import plan_cost
     from redist.synthesis import leaner
@@ -102,9 +104,10 @@ def test_a_tpu_calibrated_plan_gives_way_to_a_leaner_one_within_the_memory_tie()
     mesh, tpu = {"a": 2, "b": 2, "c": 2}, Calibration.named("tpu_v5p")
     lean = redist.plan(*P4, mesh, cost_model="calibrated:tpu_v5p")
     gpu = redist.plan(*P4, mesh, cost_model="calibrated:h100_sxm")
-    assert lean.kinds == ("alltoall", "allgather") and lean.peak_bytes <= lean.bound_bytes
-    assert gpu.kinds == ("allpermute", "allgather", "allgather")
-    fast = gpu  # the TPU's fastest plan too: its tie alone makes the difference
+    assert lean.kinds == gpu.kinds == ("alltoall", "allgather")
+    assert lean.peak_bytes <= lean.bound_bytes
+    fast = redist.plan(*P4, mesh, cost_model="calibrated:cpu")
+    assert fast.kinds == ("allpermute", "allgather", "allgather")
     assert lean.held_bytes < fast.held_bytes
     assert plan_cost(fast, tpu)[0] < plan_cost(lean, tpu)[0] <= 1.1 * plan_cost(fast, tpu)[0]
     assert leaner(fast, lean, tpu) is lean
