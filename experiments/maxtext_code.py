@@ -32,6 +32,8 @@ import time
 
 from absl import logging
 
+from experiments import recipe_rows
+
 CODE_STRATEGIES = ("recipe", "searched", "searched_variants", "recipe_at_variant")
 """``searched_variants``: for a recipe with ``variants`` (MaxText settings that change what its
 ``shard_map`` bodies compute, such as the expert-parallel degree: each device's experts and the
@@ -669,7 +671,6 @@ def measure_code(name: str, strategies, done: set, config,
     compiling its layers again (``row["estimate_from"]`` says so). A variant search without the
     ``searched`` row takes the own settings' plan from that row among the ``known`` rows,
     replayed (:func:`_own_plan_replayed`), rather than searching and compiling it again."""
-    from experiments.recipes import _row_of
     from planner.cost.memory import MemoryLimitError, default_calibration
     from planner.target.compiled import compile_and_report, plan_compile_and_report
 
@@ -710,7 +711,7 @@ def measure_code(name: str, strategies, done: set, config,
         compiled, report = compile_and_report(step.authors_compile())
         row = {**base, "strategy": strategy, "search_s": 0.0, "variant": variant,
                "compile_s": time.perf_counter() - start,
-               **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
+               **recipe_rows.row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
         return estimated(row, lambda: _authors_kernels(name, layers, cal, at, variant))
 
     def planned(strategy: str, step, p, variant: str | None, extra: dict) -> dict:
@@ -723,7 +724,7 @@ def measure_code(name: str, strategies, done: set, config,
                "memory_checks": [dataclasses.asdict(c) for c in p.memory_checks],
                "not_understood": sorted({o.primitive for o in p.program.ops
                                          if o.how == "replicated"}),
-               **extra, **_row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
+               **extra, **recipe_rows.row_of(compiled, report, cal, mesh.size, None)}  # fmt: skip
         return estimated(row, lambda: _plan_kernels(name, p, layers, cal, at, variant))
 
     if "recipe" in todo:
@@ -784,7 +785,6 @@ def _strategy(row: dict) -> str:
 
 def report_code(rows: list[dict]) -> str:
     """The table of the ``maxtext_code`` rows: per recipe, MaxText's compile against the plan."""
-    from experiments.recipes import _checks, _gb, _seconds
 
     by_strategy = {(r["recipe"], r["strategy"]): r for r in rows}
     rows = [{**by_strategy.get((r["recipe"], r["same_as"]), {}), **r} if "same_as" in r else r
@@ -805,10 +805,10 @@ def report_code(rows: list[dict]) -> str:
         mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "n/a"
         pub = f"{100 * r['published_mfu']:.1f} %" if r.get("published_mfu") else "n/a"
         lines.append(
-            f"| {r['recipe']} | {_strategy(r)} | {_gb(comp)} | "
+            f"| {r['recipe']} | {_strategy(r)} | {recipe_rows.gb(comp)} | "
             f"{'yes' if r.get('fits') else 'no'} | {_predicted_gb(r)} | {ratio} | "
-            f"{f'{est:.4g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {_seconds(r)} | "
-            f"{_checks(r.get('memory_checks'))} |"
+            f"{f'{est:.4g}' if est else 'n/a'} | {vs} | {mfu} | {pub} | {recipe_rows.seconds(r)} | "
+            f"{recipe_rows.checks(r.get('memory_checks'))} |"
         )
     lines += [
         _variants_line(r)
@@ -822,11 +822,10 @@ def _predicted_gb(row: dict) -> str:
     """The row's predicted GB; where its plan is predicted otherwise today than when it was
     measured (:func:`_repredicted`), both, to the digits that tell them apart:
     ``"95.2 (101 measured)"``, ``"105.13 (105.19 measured)"``."""
-    from experiments.recipes import _gb
 
     measured, today = row.get("predicted_peak_bytes_measured"), row.get("predicted_peak_bytes")
     if measured is None or today is None:
-        return _gb(today)
+        return recipe_rows.gb(today)
     digits = next(d for d in range(3, 13) if f"{today:.{d}g}" != f"{measured:.{d}g}" or d == 12)
     return f"{today / 1e9:.{digits}g} ({measured / 1e9:.{digits}g} measured)"
 
@@ -834,17 +833,20 @@ def _predicted_gb(row: dict) -> str:
 def _variants_line(row: dict) -> str:
     """``- r, variants planned: its own settings 26.4 s (34.7 GB); expert 8: no plan fits
     (smallest predicted peak 170 GB)``: what the variant search found, variant by variant."""
-    from experiments.recipes import _gb
 
     parts = []
     for name, found in row["variants"].items():
         label = "its own settings" if name == "None" else name
         if "predicted_s" in found:
             parts.append(
-                f"{label} {found['predicted_s']:.3g} s ({_gb(found['predicted_peak_bytes'])} GB)"
+                f"{label} {found['predicted_s']:.3g} s ({recipe_rows.gb(found['predicted_peak_bytes'])} GB)"
             )
         else:
             peak = re.search(r"smallest predicted peak seen is (\d+)", found.get("error", ""))
-            least = f" (smallest predicted peak {_gb(int(peak.group(1)))} GB)" if peak else ""
+            least = (
+                f" (smallest predicted peak {recipe_rows.gb(int(peak.group(1)))} GB)"
+                if peak
+                else ""
+            )
             parts.append(f"{label}: no plan fits{least}")
     return f"\n- {row['recipe']}, variants planned (predicted step, peak): " + "; ".join(parts)

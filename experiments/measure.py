@@ -22,10 +22,17 @@ REMAT_WARNING = "Involuntary full rematerialization"
 
 
 def force_host_devices(n: int) -> None:
-    """Ask for ``n`` simulated CPU devices; effective only before JAX is first imported."""
-    if "jax" not in sys.modules:
-        flag = f"--xla_force_host_platform_device_count={n}"
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    """Ask for ``n`` simulated CPU devices (replacing an earlier count); effective only before
+    JAX starts its backends (an import of JAX, as ``redist.plan``'s dtype check makes, starts
+    none)."""
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge  # no public way to ask whether backends have started
+
+        if xla_bridge.backends_are_initialized():
+            return
+    flag = "--xla_force_host_platform_device_count="
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(flag)]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}{n}"])
 
 
 def parse_mesh(text: str) -> dict[str, int]:

@@ -44,6 +44,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import recipe_rows
 from experiments.maxtext_model import MODELS, maxtext_step, remat_policy
 from experiments.pod_plans import extrapolated, layer_optimal
 
@@ -246,25 +247,6 @@ def _compile_recipe(recipe: dict, mesh, layers: int | None = None, unroll=1):
     return compile_and_report(jitted.lower(*args))
 
 
-def _row_of(compiled, report, cal, n: int, optimal_s: float | None) -> dict:
-    """The compiled figures of a row; ``recomputed``: the instructions the compiler computes again
-    to fit (:func:`redist.hlo.recomputed`); ``compiled_bytes_accessed``: its kernels' bytes, as
-    the compiler counts them (loop bodies once)."""
-    from planner.target.compiled_time import compiled_time
-    from redist.hlo import recomputed
-
-    row = {"fits": report.fits, "compiled_bytes": report.total_bytes,
-           "hbm_bytes": report.hbm_bytes, "temp_bytes": report.temp_bytes}  # fmt: skip
-    if compiled is not None:
-        ct = compiled_time(compiled, cal, n)
-        row.update(compiled_collective_s=ct.collective_s, collectives=ct.collectives,
-                   recomputed=recomputed(compiled.as_text()),
-                   compiled_bytes_accessed=ct.bytes_accessed)  # fmt: skip
-        if optimal_s is not None:
-            row["estimate_s"] = optimal_s + ct.collective_s
-    return row
-
-
 def measure(name: str, strategies, done: set, config) -> list[dict]:
     """Rows of the ``strategies`` of recipe ``name`` not yet in ``done``."""
     import planner
@@ -297,7 +279,7 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
             optimal = extrapolated(times, layers)
         rows.append({**base, "strategy": "recipe", "search_s": 0.0,
                      "compile_s": time.perf_counter() - start,
-                     **_row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
+                     **recipe_rows.row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
     step, args = recipe_step(recipe, None)
     plans = {}
     if "recipe_planned" in todo:
@@ -340,7 +322,7 @@ def measure(name: str, strategies, done: set, config) -> list[dict]:
         rows.append({**base, **extra, "strategy": strategy, "search_s": p.search_s,
                      "predicted_peak_bytes": p.prediction.peak_bytes,
                      "predicted_s": p.prediction.time_s, "compile_s": time.perf_counter() - start,
-                     **_row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
+                     **recipe_rows.row_of(compiled, report, cal, mesh.size, optimal)})  # fmt: skip
     for row in rows:
         logging.info("%s", json.dumps(row))
     return rows
@@ -378,35 +360,9 @@ def depth_report(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r["recipe"], r["layers"])):
         pred, comp = r["predicted_peak_bytes"], r["compiled_bytes"]
         ratio = f"{pred / comp:.2f}" if pred and comp else "n/a"
-        lines.append(f"| {r['recipe']} | {r['layers']} | {r['remat']} | {_gb(pred)} | "
-                     f"{_gb(comp)} | {ratio} |")  # fmt: skip
+        lines.append(f"| {r['recipe']} | {r['layers']} | {r['remat']} | {recipe_rows.gb(pred)} | "
+                     f"{recipe_rows.gb(comp)} | {ratio} |")  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def _gb(x) -> str:
-    return "n/a" if x is None else f"{x / 1e9:.3g}"
-
-
-def _seconds(row) -> str:
-    """The search seconds (``121.3 (replayed; 337.7 measured)`` for a search replayed on a later
-    planner); for a plan refused after compiling, ``(164 s planning)``."""
-    if "search_s_measured" in row:
-        return f"{row['search_s']:.1f} (replayed; {row['search_s_measured']:.1f} measured)"
-    if "search_s" in row:
-        return f"{row['search_s']:.1f}"
-    return f"({row['planning_s']:.0f} s planning)" if "planning_s" in row else "n/a"
-
-
-def _checks(rounds) -> str:
-    """``2 (over, within; 310 s)``: the plan's compile rounds (:mod:`planner.target.confirm`)."""
-    if not rounds:
-        return ""
-    limit = rounds[0]["searched_limit"]
-    verdicts = ", ".join(
-        "over" if (r["compiled_bytes"] or 0) > (r.get("compiled_limit") or limit) else "within"
-        for r in rounds
-    )
-    return f"{len(rounds)} ({verdicts}; {sum(r['compile_s'] for r in rounds):.0f} s)"
 
 
 def report(rows: list[dict]) -> str:
@@ -426,9 +382,9 @@ def report(rows: list[dict]) -> str:
         est, ref = r.get("estimate_s"), recipe_s.get(r["recipe"])
         vs = f"{est / ref:.2f}x" if est and ref else "n/a"
         sec = f"{est:.3g}" if est else "n/a"
-        lines.append(f"| {r['recipe']} | {r['strategy']} | {r.get('remat', '')} | {_gb(comp)} | "
-                     f"{'yes' if r.get('fits') else 'no'} | {_gb(pred)} | {ratio} | {sec} | {vs} | "
-                     f"{_seconds(r)} | {_checks(r.get('memory_checks'))} |")  # fmt: skip
+        lines.append(f"| {r['recipe']} | {r['strategy']} | {r.get('remat', '')} | {recipe_rows.gb(comp)} | "
+                     f"{'yes' if r.get('fits') else 'no'} | {recipe_rows.gb(pred)} | {ratio} | {sec} | {vs} | "
+                     f"{recipe_rows.seconds(r)} | {recipe_rows.checks(r.get('memory_checks'))} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

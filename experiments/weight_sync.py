@@ -36,8 +36,6 @@ from ml_collections import config_flags
 
 from experiments.measure import force_host_devices, parse_mesh
 
-force_host_devices(8)
-
 
 def parameters(config, rng) -> dict:
     """A Llama-like parameter pytree (numpy), layer by layer."""
@@ -237,6 +235,7 @@ def figure(result: dict, path: str) -> None:
 
 def main(argv):
     del argv
+    force_host_devices(8)
     logging.set_verbosity(logging.WARNING)  # no INFO lines about absent TPU backends
     result = run(flags.FLAGS.config, flags.FLAGS.workdir)
     print(markdown(result))

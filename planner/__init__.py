@@ -25,6 +25,8 @@ The stages, each a package importing only those before it:
    :mod:`planner.target.compiled_time`) and the experts' plans (:mod:`planner.baselines`).
 """
 
+import importlib
+
 from planner import baselines
 from planner.auto import auto_shard, load, plan, price
 from planner.autoplan import AutoPlan
@@ -35,6 +37,7 @@ from planner.program import Access, Loop, Op, Program, Schedule, Value, analyze,
 from planner.program.remat import RematChoice, remat_policy
 from planner.solver import search
 from planner.target import CompiledReport, compiled_report, gpu_mesh, topology_mesh
+from redist import moved
 
 __all__ = [
     "Access",
@@ -66,3 +69,12 @@ __all__ = [
     "gpu_mesh",
     "topology_mesh",
 ]
+
+
+def __getattr__(name: str):
+    """Modules that moved into the stages' packages, read as attributes (``planner.compiled``),
+    with a ``DeprecationWarning`` naming the new place (``redist.moved``)."""
+    old = f"planner.{name}"
+    if old not in moved.MOVED_MODULES:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    return importlib.import_module(old)

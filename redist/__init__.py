@@ -3,6 +3,7 @@
 ``plan`` and the types are pure (no JAX import); ``redistribute`` imports JAX on first use.
 """
 
+from redist import moved
 from redist.reference import run_reference
 from redist.specs import plan
 from redist.steps import Plan, Step
@@ -25,4 +26,7 @@ def __getattr__(name: str):
         from redist.api import redistribute
 
         return redistribute
-    raise AttributeError(f"module 'redist' has no attribute {name!r}")
+    return moved.renamed_attribute("redist", name, globals())
+
+
+moved.install()

@@ -84,11 +84,7 @@ def search_weight(
     if model == "bytes+copies":
         return w + copies
     if is_calibrated(model):
-        # A collective is calibrated as what it adds to a chain of kernels that write every
-        # result (experiments/calibrate.py); a slice adds nothing there: XLA fuses it into the
-        # kernel that reads it. Priced as a copy, slicing a small tile and gathering it looked
-        # cheaper than slicing the result at once (r0029: 0.47x XLA's time on CPU).
-        return _calibrated_ns(kind, w, 0 if kind == "dynslice" else copies, group, model)
+        return _calibrated_ns(kind, w, copies, group, model)
     raise ValueError(f"cost_model must be one of {COST_MODELS}, got {model!r}")
 
 

@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from redist import moved
 from redist.execute import shard_mapped
 from redist.handover import Staging
 from redist.meshes import factor_spec, translate
@@ -466,3 +467,8 @@ def _across(plan: Plan, run_mesh, dst: NamedSharding, explicit: bool, hand_over:
         return _place(v, dst) if hand_over else v
 
     return run
+
+
+def __getattr__(name: str):
+    """``Move``, the old name of :class:`Reshard`, with a ``DeprecationWarning``."""
+    return moved.renamed_attribute("redist.linear", name, globals())

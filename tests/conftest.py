@@ -11,3 +11,9 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+# Start the backends now, with these flags: a runner's force_host_devices, called by a test,
+# changes nothing for the tests after it.
+assert jax.device_count() == 8, jax.devices()

@@ -425,7 +425,7 @@ def test_maxtexts_own_compile_measured_again_to_the_same_program_keeps_its_rows_
 ):
     """A recipe row measured again (a new judge of the device's figure) whose compile repeats its
     previous row's program takes that row's kernels; a changed program compiles its layers."""
-    import experiments.recipes as recipes
+    import experiments.recipe_rows as recipe_rows
     import planner.cost.memory as memory
     import planner.target.compiled as compiled
     from experiments import maxtext_code as mc
@@ -442,7 +442,7 @@ def test_maxtexts_own_compile_measured_again_to_the_same_program_keeps_its_rows_
     monkeypatch.setattr(mc, "_authors_kernels", lambda *a: layers.append(a) or 50.0)
     monkeypatch.setattr(memory, "default_calibration", lambda mesh: "cal")
     monkeypatch.setattr(compiled, "compile_and_report", lambda lowered: (None, None))
-    monkeypatch.setattr(recipes, "_row_of", lambda *a: compiles.pop(0))
+    monkeypatch.setattr(recipe_rows, "row_of", lambda *a: compiles.pop(0))
     name = "deepseek3_671b_v5p_1024"
     old = {"recipe": name, "strategy": "recipe", "variant": None, **program,
            "compiled_bytes": 101, "estimate_s": 115.6}  # fmt: skip

@@ -328,11 +328,14 @@ def test_no_calibration_pays_for_what_a_local_slice_avoids():
     """Over random problems of 4-64 MB (the benchmark's recipe) on four meshes and every shipped
     calibration: a move that dynslices alone solve is planned at 0 bytes, and a calibrated plan
     moves more bytes than the bytes model's (lowered under the same calibration) only where it
-    is priced faster as lowered (the random benchmark measures that claim on CPU)."""
+    is priced faster as lowered (the random benchmark measures that claim on CPU), or, on TPU
+    calibrations, holds less at once within their memory tie (the compiler's temporaries follow
+    the tiles held)."""
     import random
 
-    from redist.cost import plan_weight
+    from redist.cost import model_calibration, plan_weight
     from redist.problems import random_problem
+    from redist.synthesis import leaner
 
     names = shipped_calibrations()
     assert {"cpu", "tpu_v5p", "h100_sxm"} <= set(names), names
@@ -351,5 +354,6 @@ def test_no_calibration_pays_for_what_a_local_slice_avoids():
                 assert plan.cost_bytes == 0, (name, p, str(plan))
             elif plan.cost_bytes > by_bytes.cost_bytes:
                 more += 1
-                assert plan_weight(plan, model) < plan_weight(by_bytes, model), (name, p)
+                faster = plan_weight(plan, model) < plan_weight(by_bytes, model)
+                assert faster or leaner(by_bytes, plan, model_calibration(model)) is plan, (name, p)
     assert zero > 50 and more > 0  # many problems a local slice solves; some trade bytes
