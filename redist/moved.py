@@ -39,7 +39,6 @@ MOVED_MODULES: dict[str, str] = {
     "planner.pipeline": "planner.lowering.gpipe",
     "planner.xla_moves": "planner.lowering.xla_moves",
     "planner.analysis": "planner.program.analysis",
-    "planner.analyze": "planner.program.analysis",
     "planner.discover": "planner.program.discover",
     "planner.halo": "planner.program.halo",
     "planner.jaxpr_params": "planner.program.jaxpr_params",
@@ -52,8 +51,9 @@ MOVED_MODULES: dict[str, str] = {
     "planner.schedule_search": "planner.solver.schedule_search",
     "planner.summary": "planner.report.summary",
 }
-"""Old module path -> where it lives now. (``redist.simulate`` and ``redist.plan`` were modules
-too, but those names are functions of the package now: ``redist.simulate`` is the renamed
+"""Old module path -> where it lives now. (``redist.simulate``, ``redist.plan`` and
+``planner.analyze`` were modules too, but those names are functions of the packages now, which an
+import of the old module would replace: ``redist.simulate`` is the renamed
 :func:`redist.run_reference`.)"""
 
 RENAMED: dict[str, dict[str, str]] = {

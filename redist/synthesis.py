@@ -118,6 +118,10 @@ def fewer_bytes_unless_faster(timed: Plan, lean: Plan, model: str) -> Plan:
         return timed
     if lean.cost_bytes == 0:  # slices alone: every other plan writes the same tile, and sends
         return lean
+    if model_calibration(model).fold_max_bytes is not None:
+        # TPU: the bytes plan may run a permutation of large chunks inside its all-to-all,
+        # which the compiler stages whole (Calibration.fold_max_bytes); time does not see it
+        return timed
     return timed if plan_weight(timed, model) < plan_weight(lean, model) else lean
 
 

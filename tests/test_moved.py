@@ -49,6 +49,15 @@ def test_renamed_names_are_the_new_objects_with_a_warning():
         assert planner.compiled.topology_mesh is planner.topology_mesh
 
 
+def test_no_old_path_shadows_a_name_of_its_package():
+    """Importing ``a.b`` binds ``b`` on ``a``: no old path may be a name the package has."""
+    for old in moved.MOVED_MODULES:
+        package, _, child = old.rpartition(".")
+        assert child not in vars(importlib.import_module(package)) or isinstance(
+            getattr(importlib.import_module(package), child), type(moved)
+        ), old
+
+
 def test_unknown_names_are_still_attribute_errors():
     for module, name in ((redist, "simulat"), (planner, "compile")):
         with pytest.raises(AttributeError, match=rf"has no attribute '{name}'"):

@@ -261,7 +261,7 @@ def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
     """The replay answers each compile of the memory check from the row (the plan's layout and
     predicted bytes) and records today's search seconds only where it finds the row's plan."""
     from experiments import maxtext_code as mc
-    from experiments.recipes import _seconds
+    from experiments.recipe_rows import seconds as _seconds
     from planner.target import confirm
 
     def plan_of(peak, seconds):

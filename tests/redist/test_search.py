@@ -328,9 +328,10 @@ def test_no_calibration_pays_for_what_a_local_slice_avoids():
     """Over random problems of 4-64 MB (the benchmark's recipe) on four meshes and every shipped
     calibration: a move that dynslices alone solve is planned at 0 bytes, and a calibrated plan
     moves more bytes than the bytes model's (lowered under the same calibration) only where it
-    is priced faster as lowered (the random benchmark measures that claim on CPU), or, on TPU
-    calibrations, holds less at once within their memory tie (the compiler's temporaries follow
-    the tiles held)."""
+    is priced faster as lowered (the random benchmark measures that claim on CPU), or holds less
+    at once within the calibration's memory tie. (TPU files, which limit folding a permutation
+    into an all-to-all, keep their search's plan: the bytes plan may fold what the limit
+    refuses.)"""
     import random
 
     from redist.cost import model_calibration, plan_weight
@@ -354,6 +355,9 @@ def test_no_calibration_pays_for_what_a_local_slice_avoids():
                 assert plan.cost_bytes == 0, (name, p, str(plan))
             elif plan.cost_bytes > by_bytes.cost_bytes:
                 more += 1
+                cal = model_calibration(model)
+                if cal.fold_max_bytes is not None:  # TPU: the bytes plan's folds may be refused
+                    continue
                 faster = plan_weight(plan, model) < plan_weight(by_bytes, model)
-                assert faster or leaner(by_bytes, plan, model_calibration(model)) is plan, (name, p)
+                assert faster or leaner(by_bytes, plan, cal) is plan, (name, p)
     assert zero > 50 and more > 0  # many problems a local slice solves; some trade bytes
