@@ -108,7 +108,7 @@ def fewer_bytes_unless_faster(timed: Plan, lean: Plan, model: str) -> Plan:
     writes the same destination tile and communicates besides. (The CPU calibration prices an
     all-gather's bytes above a copy's rate, as it times collectives in a chain whose kernels
     write their results, so by its figures slicing a small tile and gathering it could look
-    cheaper than slicing once; measured, it is 1.4-2x slower.)
+    cheaper than slicing once; measured on 8 CPU devices, it is 1.4-1.7x slower.)
 
     Example:
         >>> fewer_bytes_unless_faster(timed, lean, "calibrated").kinds   # r0029  # doctest: +SKIP
