@@ -93,6 +93,7 @@ def test_the_grid_finds_a_mix_where_memory_rules_out_every_pure_strategy(tmp_pat
 
     config = configs.get_config()
     config.models = "tiny=16x512x32768"
+    config.planner = False  # the grid alone (test_pipeline_search_smoke plans on every mesh)
     roomy = pipeline_search.run(config, str(tmp_path))["tiny"]
     for kind in ("data", "tensor", "pipeline"):
         assert roomy[kind] is not None and roomy[f"best_over_{kind}"] >= 1.0
