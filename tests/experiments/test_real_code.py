@@ -36,7 +36,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("real_code")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    # unoptimised kernels (as conftest.py: the same memory_analysis(); the smoke run times nothing)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     done = subprocess.run(
         [sys.executable, "-m", "experiments.real_code", "--config=configs/real_code/smoke.py",
          f"--workdir={workdir}"],
