@@ -191,7 +191,7 @@ def test_time_check_compiles_plans_and_ranks_them(tmp_path):
     from experiments import time_check
 
     config = time_check_config.get_config()
-    config.topology, config.mesh, config.lm = "v5p:2x2x1", "data:2,tensor:2", "8x16x32x4x2x64"
+    config.topology, config.mesh, config.lm = "v5p:2x2x1", "data:2,tensor:2", "8x32x64x4x2x128"
     config.baselines, config.random_anchors, config.random_ops = "replicated", 1, 0
     summary = time_check.run(config, str(tmp_path))
     assert summary["plans"] == 3 and summary["flops_within_10pct"] == 3

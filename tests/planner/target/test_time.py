@@ -100,7 +100,7 @@ def test_predicted_flops_of_random_lm_plans_match_the_compiler():
     from experiments.time_check import random_anchor_plan
 
     axes = {"data": 2, "fsdp": 2, "tensor": 2}
-    step, args = lm_step(8, 16, 32, 4, 2, 64, True, np.random.default_rng(0), unroll=True)
+    step, args = lm_step(8, 32, 64, 4, 2, 128, True, np.random.default_rng(0), unroll=True)
     p = planner.plan(step, *args, mesh=axes, calibration=CAL)
     prog = p.program
     rng = random.Random(0)
