@@ -50,6 +50,7 @@ from planner.program.constraints import requested_assignment, where
 from planner.program.ir import Program
 from planner.program.manual import check_mesh
 from planner.program.remat import RematDecision, candidate_names, choices_in, choosing
+from planner.report.leaves import state_pairs
 from planner.solver.requested import Requested
 from planner.solver.schedule_search import Evaluations, search_within
 from planner.solver.staged import search_staged
@@ -137,7 +138,13 @@ def plan(
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
     positional = [() if a.static else x for a, x in zip(sig.args, args)]  # static: no inputs
-    prog = donating(analyze(traced, *values), positional, donate_argnums)
+    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
+
+    def analyzed() -> Program:
+        prog = donating(analyze(traced, *values), positional, donate_argnums)
+        return returning(prog, sig.in_tree, out_tree)
+
+    prog = analyzed()
     shape = mesh_shape(mesh)
     check_mesh(prog.ops, shape.sizes, where)
     sizes = shape.sizes
@@ -152,7 +159,7 @@ def plan(
     def traced_as(name):
         if name not in traces:
             with choosing(name):
-                traces[name] = donating(analyze(traced, *values), positional, donate_argnums)
+                traces[name] = analyzed()
         return traces[name]
 
     def search_under(limit_bytes):
@@ -184,8 +191,6 @@ def plan(
                 raise _leanest_found(e, prog, None) from None
         finally:
             searching[0] += time.perf_counter() - start
-
-    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
 
     def plan_of(found) -> AutoPlan:
         prog, sched, pred, remat = found
@@ -382,6 +387,16 @@ def donating(prog: Program, args: tuple, donate_argnums) -> Program:
     return dataclasses.replace(prog, donated=frozenset(names))
 
 
+def returning(prog: Program, in_tree, out_tree) -> Program:
+    """``prog`` with the state it returns in place of an argument
+    (:attr:`planner.program.ir.Program.returned`: the arguments' leaves against the outputs' of
+    their tree position, shapes and dtypes, :func:`planner.report.leaves.state_pairs`), which
+    every plan returns in the layout it takes it in."""
+    pairs = state_pairs(prog, in_tree, out_tree)
+    named = tuple((prog.inputs[i].name, prog.outputs[o].name) for i, o in pairs)
+    return dataclasses.replace(prog, returned=named)
+
+
 def price(
     fn: Callable,
     *args,
@@ -412,14 +427,15 @@ def price(
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
     positional = [() if a.static else x for a, x in zip(sig.args, args)]
+    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     prog = donating(analyze(traced, *values), positional, donate_argnums)
+    prog = returning(prog, sig.in_tree, out_tree)
     shape = mesh_shape(mesh)
     check_mesh(prog.ops, shape.sizes, where)
     calibration = calibration or default_calibration(mesh)
     requested = _requested(prog, values, positional, in_shardings, constraints, shape,
                            xla_only_splits)  # fmt: skip
     sched = requested.schedule(prog, shape, xla_only_splits, calibration)
-    out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
     return AutoPlan.of(prog, sched, mesh, prediction=simulate(prog, sched, calibration),
                        calibration=calibration, signature=sig, out_tree=out_tree,
                        replicated=replicated(prog, shape.sizes, calibration),

@@ -1,5 +1,6 @@
-"""Donated state keeps its layout: a training step's parameters and optimizer state come back in
-the layout they went in, so the next step takes them as they are and their buffers are reused.
+"""State keeps its layout: a training step's parameters and optimizer state come back in the
+layout they went in, so the next step takes them as they are (a training loop feeds them back
+without a reshard) and, where they are donated, their buffers are reused.
 
 ``jax.jit(donate_argnums=...)`` writes an output into a donated input's buffer when both have the
 same shape, dtype and sharding, pairing them in order (the first donated input of a shape and
@@ -7,7 +8,10 @@ dtype with the first output of that shape and dtype, and so on). A plan whose up
 parameter in another layout than the one it was stored in would lose that reuse and hand the
 caller a state that must be moved before the next step. :func:`keep_state_layouts` stores each
 donated input in the layout its paired output is made in (the ops are unchanged; the data flow
-moves the input to what its first consumer needs, and the simulator prices that move).
+moves the input to what its first consumer needs, and the simulator prices that move). State
+that is not donated keeps its layout the same way: the arguments the step returns by tree
+position (:attr:`planner.program.ir.Program.returned`) pair with their outputs
+(:func:`kept_pairs`).
 
 Example:
     >>> sched = keep_state_layouts(prog, sched)  # doctest: +SKIP
@@ -43,10 +47,32 @@ def donated_pairs(prog: Program) -> list[tuple[Value, Value]]:
     return pairs
 
 
-def keep_state_layouts(prog: Program, sched: Schedule) -> Schedule:
-    """``sched`` with every donated input stored in the layout its paired output is left in
-    (:func:`donated_pairs`); ``sched`` itself when they already agree."""
+def kept_pairs(prog: Program) -> list[tuple[Value, Value]]:
+    """``(input, output)`` pairs of the state that comes back in the layout it went in: the donated
+    pairs (:func:`donated_pairs`), then those of the state the step returns in place of an
+    argument (:attr:`planner.program.ir.Program.returned`) that donation does not pair.
+
+    Example:
+        >>> [(i.name, o.name) for i, o in kept_pairs(prog)]  # doctest: +SKIP
+        [('state[0][0]', 'add_41'), ('state[0][1]', 'add_44')]
+    """
     pairs = donated_pairs(prog)
+    taken = {v.name for pair in pairs for v in pair}
+    values = {v.name: v for v in prog.inputs} | {v.name: v for v in prog.outputs}
+    inputs = {v.name for v in prog.inputs}
+    for inp, out in prog.returned:
+        if {inp, out} & taken or out in inputs or out not in prog.producer:
+            continue
+        taken |= {inp, out}
+        pairs.append((values[inp], values[out]))
+    return pairs
+
+
+def keep_state_layouts(prog: Program, sched: Schedule, donated_only: bool = False) -> Schedule:
+    """``sched`` with every state input stored in the layout its paired output is left in
+    (:func:`kept_pairs`; with ``donated_only``, :func:`donated_pairs`: the user's own ``jax.jit``
+    leaves other outputs' layouts to XLA); ``sched`` itself when they already agree."""
+    pairs = donated_pairs(prog) if donated_only else kept_pairs(prog)
     if not pairs:
         return sched
     producers = {prog.producer[out.name].name for _, out in pairs}

@@ -26,7 +26,10 @@ class Program:
     ``ties`` pairs ops that must share one assignment: a scan's carry leaves the body in the
     layout it entered with ``(entry op, exit op)``. ``donated`` names the inputs whose buffers
     the caller donates (``jax.jit(donate_argnums=...)``): an output of the same shape, dtype and
-    layout is written into one instead of a buffer of its own.
+    layout is written into one instead of a buffer of its own. ``returned`` pairs the state a
+    step returns in place of an argument ``(input, output)`` by name (an output of the
+    argument's tree position, shape and dtype: :func:`planner.report.leaves.state_pairs`),
+    donated or not: it comes back in the layout it went in.
     """
 
     ops: tuple[Op, ...]
@@ -37,6 +40,7 @@ class Program:
     regions: tuple[Region, ...] = ()
     ties: tuple[tuple[str, str], ...] = ()
     donated: frozenset[str] = frozenset()
+    returned: tuple[tuple[str, str], ...] = ()
 
     def schedule(self, assign, mesh, default: str = "propagate", stored=None):
         """A :class:`planner.program.schedule.Schedule`: see

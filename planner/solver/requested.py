@@ -111,9 +111,8 @@ class Requested:
         assign = returned_as_given(prog, stored, shape, xla) | self.assignment(prog, shape, xla)
         out: list[Schedule] = []
         for order in ORDERS:
-            sched = keep_state_layouts(
-                prog, make_schedule(prog, assign, shape.sizes, stored=stored, xla=xla, order=order)
-            )
+            made = make_schedule(prog, assign, shape.sizes, stored=stored, xla=xla, order=order)
+            sched = keep_state_layouts(prog, made, donated_only=True)
             if all(sched.assign != s.assign or sched.stored != s.stored for s in out):
                 out.append(sched)
         return out

@@ -314,3 +314,47 @@ def test_donated_state_comes_back_in_the_layout_it_went_in():
         for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
         got, want = p(got[0], x), _momentum_step(want[0], x)
+
+
+def test_state_not_donated_comes_back_in_the_layout_it_went_in():
+    """A step's state that is not donated (a Keras step, jitted without donation) is paired with
+    its outputs by tree position (``Program.returned``); every schedule, random ones included,
+    stores it as the step leaves it, and the compiled plan takes its own outputs back."""
+    import random
+
+    from planner_programs import random_schedule
+
+    from planner.layout.dataflow import dataflow, input_spec, output_specs
+    from planner.layout.donation import donated_pairs, keep_state_layouts, kept_pairs
+
+    mesh = jax.make_mesh((2, 2, 2), ("a", "b", "c"), axis_types=(AxisType.Auto,) * 3)
+    rng = np.random.default_rng(5)
+    w = [rng.standard_normal(s).astype(np.float32) / 10 for s in SHAPES[1:]]
+    state, x = ((w[0], w[1]), (0 * w[0], 0 * w[1])), rng.standard_normal(SHAPES[0]).astype("f4")
+    p = planner.plan(_momentum_step, state, x, mesh=mesh, compare=None, constraints="drop")
+    prog = p.program
+    assert donated_pairs(prog) == [] and len(kept_pairs(prog)) == 4
+    names = [v.name for v in prog.inputs[:4]]
+    assert [i.name for i, _ in kept_pairs(prog)] == names  # the state, not the batch
+
+    def agree(sched):
+        outs = dict(zip([v.name for v in prog.outputs],
+                        output_specs(prog, sched, dataflow(prog, sched))))  # fmt: skip
+        return [outs[o.name] == input_spec(prog, sched, i) for i, o in kept_pairs(prog)]
+
+    r, disagreed = random.Random(0), 0
+    for _ in range(12):
+        sched = prog.schedule(random_schedule(prog, dict(mesh.shape), r), mesh)
+        disagreed += not all(agree(sched))
+        assert all(agree(keep_state_layouts(prog, sched)))
+    assert disagreed  # random schedules do move the state; kept, it comes back as it went in
+    assert all(agree(p.schedule))
+    ins, outs = (jax.tree.leaves(s[0]) for s in (p.in_shardings, p.out_shardings))
+    assert all(i.is_equivalent_to(o, 2) for i, o in zip(ins, outs))
+    args = jax.device_put((state, x), tuple(p.in_shardings))
+    compiled = p.jit().lower(*args).compile()  # fixed input shardings: its outputs fit them
+    got, want = compiled(*args), _momentum_step(state, x)
+    for _ in range(2):
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-6)
+        got, want = compiled(got[0], args[1]), _momentum_step(want[0], x)
