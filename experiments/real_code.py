@@ -5,8 +5,10 @@ Usage:
     python -m experiments.real_code --config=configs/real_code/default.py --workdir=workdir/real_code
 
 Each case (library, dtype, mesh) builds the library's own step tiny on 8 CPU devices
-(:mod:`experiments.libraries`), plans it with :func:`planner.plan` (its sharding constraints as
-hints, the authors' ``in_shardings`` to compare with), prices the authors' layout with
+(:mod:`experiments.libraries`), plans it with :func:`planner.plan` in each mode of
+``config.given_layout`` (comma-separated: ``authors``, its sharding constraints as hints and the
+authors' ``in_shardings`` to compare with; ``hints``, the constraints as hints and no input
+layouts; ``none``, on its own: ``constraints="drop", compare=None``), prices the authors' layout with
 :func:`planner.price` on the same model, then compiles both (``plan.jit()`` and the library's own
 jitted step) and runs two steps of each from the same state: the largest difference of any
 state leaf (relative to its largest value), compiled memory per device (arguments + outputs +
@@ -18,6 +20,8 @@ times the sign of the gradient, so where a gradient is at the level of rounding 
 initialized at zero, a bfloat16 product) the two programs may move a weight in opposite
 directions. ``difference`` (every state leaf, relative to its largest value) shows that;
 ``metrics_difference`` compares the step's loss and metrics after the second step.
+``state_moved`` counts the state leaves the plan returns in another layout than it takes them
+(0: a training loop feeds its outputs back to the compiled plan as they are).
 
 Needs Python >= 3.12 with the libraries (the ``test`` extra installs them there); a library
 that is not installed is reported as skipped.
@@ -115,8 +119,16 @@ def worst_difference(a, b) -> float:
     return worst
 
 
-def measure(case: Case, repeats: int) -> dict:
-    """Plan ``case``, price the authors' layout, compile, run and time both (see the module)."""
+GIVEN_LAYOUTS = {  # config.given_layout -> plan()'s arguments (compare: the authors' or None)
+    "authors": {"constraints": "hint", "compare": True},
+    "hints": {"constraints": "hint", "compare": None},
+    "none": {"constraints": "drop", "compare": None},
+}
+
+
+def measure(case: Case, repeats: int, given_layout: str = "authors") -> dict:
+    """Plan ``case`` with ``given_layout`` (:data:`GIVEN_LAYOUTS`), price the authors' layout,
+    compile, run and time both (see the module)."""
     import jax
 
     import planner
@@ -129,8 +141,10 @@ def measure(case: Case, repeats: int) -> dict:
     out: dict = {}
     with case.context():
         start = time.perf_counter()
+        given = GIVEN_LAYOUTS[given_layout]
         p = planner.plan(case.step, case.state, case.batch, mesh=case.mesh,
-                         donate_argnums=case.donate_argnums, compare=case.in_shardings)  # fmt: skip
+                         donate_argnums=case.donate_argnums, constraints=given["constraints"],
+                         compare=case.in_shardings if given["compare"] else None)  # fmt: skip
         out["plan_s"] = time.perf_counter() - start
         out["search_s"] = p.search_s
         mine = planner.price(case.step, case.state, case.batch, mesh=case.mesh,
@@ -146,6 +160,9 @@ def measure(case: Case, repeats: int) -> dict:
         compiled_a = theirs.lower(state_a, batch_a).compile()
         compiled_p = ours.lower(state_p, batch_p).compile()
         out["authors_mib"], out["plan_mib"] = compiled_mib(compiled_a), compiled_mib(compiled_p)
+        taken, made = (jax.tree.leaves(s[0]) for s in (p.in_shardings, p.out_shardings))
+        out["state_moved"] = sum(not a.is_equivalent_to(b, x.ndim) for a, b, x in
+                                 zip(taken, made, jax.tree.leaves(case.state)))  # fmt: skip
         two, metrics = {}, {}
         for name, f, s, b in (("authors", theirs, state_a, batch_a), ("plan", ours, state_p,
                                                                        batch_p)):  # fmt: skip
@@ -187,21 +204,34 @@ def measure(case: Case, repeats: int) -> dict:
 
 
 def run(config, workdir: str) -> dict:
-    """Every case of ``config.cases`` (``library:dtype:mesh``, comma-separated), measured."""
+    """Every case of ``config.cases`` (``library:dtype:mesh``, comma-separated) in every mode of
+    ``config.given_layout`` (comma-separated, :data:`GIVEN_LAYOUTS`; a case's own modes as a
+    fourth field, ``keras:float32:2axis:authors+none``), measured."""
     os.makedirs(workdir, exist_ok=True)
+    modes = config.get("given_layout", "authors").split(",")
+    if unknown := set(modes) - set(GIVEN_LAYOUTS):
+        raise ValueError(
+            f"config.given_layout: {sorted(unknown)} are not among {list(GIVEN_LAYOUTS)}"
+        )
     results = []
     for spec in config.cases.split(","):
-        library, dtype, mesh = spec.split(":")
-        row = {"library": library, "dtype": dtype, "mesh": mesh}
+        library, dtype, mesh, *own = spec.split(":")  # a fourth field: this case's modes
+        case_modes = own[0].split("+") if own else modes
+        if unknown := set(case_modes) - set(GIVEN_LAYOUTS):
+            raise ValueError(
+                f"case {spec!r}: {sorted(unknown)} are not among {list(GIVEN_LAYOUTS)}"
+            )
         try:
             case = build_case(library, dtype, mesh)
         except ImportError as e:
-            row["skipped"] = str(e)
-            results.append(row)
+            results += [{"library": library, "dtype": dtype, "mesh": mesh, "given_layout": m,
+                         "skipped": str(e)} for m in case_modes]  # fmt: skip
             continue
-        row.update(measure(case, config.repeats))
-        results.append(row)
-        logging.warning("%s", json.dumps(row))
+        for mode in case_modes:
+            row = {"library": library, "dtype": dtype, "mesh": mesh, "given_layout": mode}
+            row.update(measure(case, config.repeats, mode))
+            results.append(row)
+            logging.warning("%s", json.dumps(row))
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(workdir, "report.md"), "w") as f:
@@ -210,25 +240,28 @@ def run(config, workdir: str) -> dict:
 
 
 def report(results: list[dict]) -> str:
-    """The table: per case, compiled memory and measured time of the plan against the authors'
-    layout, both predictions, the search's seconds and the largest state difference."""
+    """The table: per case and given layout, compiled memory and measured time of the plan against
+    the authors' layout, both predictions, the search's seconds, the largest state difference
+    and the state leaves returned in another layout than taken."""
     lines = [
-        "| library | dtype | mesh | compiled MiB plan / authors | measured ms plan / authors "
-        "| predicted ms plan / authors | search s | state / loss difference |",
-        "|---|---|---|---|---|---|---|---|",
+        "| library | dtype | mesh | given layout | compiled MiB plan / authors "
+        "| measured ms plan / authors | predicted ms plan / authors | search s "
+        "| state / loss difference | state moved |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        case = f"| {r['library']} | {r['dtype']} | {r['mesh']} | {r.get('given_layout', 'authors')}"
         if "skipped" in r:
-            lines.append(f"| {r['library']} | {r['dtype']} | {r['mesh']} | skipped: not "
-                         "installed | | | | |")  # fmt: skip
+            lines.append(f"{case} | skipped: not installed | | | | | |")
             continue
         timed = (f"{r['plan_ms']:.0f} / {r['authors_ms']:.0f} = "
                  f"{r['plan_ms'] / r['authors_ms']:.2f}x" if "plan_ms" in r else "not timed")  # fmt: skip
         lines.append(
-            f"| {r['library']} | {r['dtype']} | {r['mesh']} | {r['plan_mib']:.1f} / "
+            f"{case} | {r['plan_mib']:.1f} / "
             f"{r['authors_mib']:.1f} = {r['plan_mib'] / r['authors_mib']:.2f}x | {timed} | "
             f"{r['predicted_plan_ms']:.0f} / {r['predicted_authors_ms']:.0f} | "
-            f"{r['search_s']:.1f} | {r['difference']:.1e} / {r['metrics_difference']:.1e} |"
+            f"{r['search_s']:.1f} | {r['difference']:.1e} / {r['metrics_difference']:.1e} | "
+            f"{r.get('state_moved', '')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -68,11 +68,10 @@ def kept_pairs(prog: Program) -> list[tuple[Value, Value]]:
     return pairs
 
 
-def keep_state_layouts(prog: Program, sched: Schedule, donated_only: bool = False) -> Schedule:
+def keep_state_layouts(prog: Program, sched: Schedule) -> Schedule:
     """``sched`` with every state input stored in the layout its paired output is left in
-    (:func:`kept_pairs`; with ``donated_only``, :func:`donated_pairs`: the user's own ``jax.jit``
-    leaves other outputs' layouts to XLA); ``sched`` itself when they already agree."""
-    pairs = donated_pairs(prog) if donated_only else kept_pairs(prog)
+    (:func:`kept_pairs`); ``sched`` itself when they already agree."""
+    pairs = kept_pairs(prog)
     if not pairs:
         return sched
     producers = {prog.producer[out.name].name for _, out in pairs}

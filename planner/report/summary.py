@@ -45,6 +45,7 @@ from planner.report.words import (
     pipeline_words,
     shape_text,
     spec_text,
+    tie_text,
     times_text,
     xla_only_words,
 )
@@ -98,11 +99,13 @@ class Summary:
     total_ops: int
     time_s: float
     pipelines: tuple[str, ...] = ()
+    tie: str = ""
 
     def as_dict(self) -> dict:
         return {
             "pipelines": list(self.pipelines),
             "prediction": self.prediction,
+            "tie": self.tie,
             "layouts": self.layouts,
             "outputs": self.outputs,
             "heavy_ops": self.heavy,
@@ -123,6 +126,8 @@ class Summary:
                          f"{times_text(self.memory['peak_bytes'], row['peak_bytes'])} the "
                          "memory")  # fmt: skip
             pred.append(line)
+        if self.tie:
+            pred.append(f"  {self.tie}")
         pred += list(self.pipelines)
         heavy = ["Heavy ops (by predicted time; alike ops counted together):"]
         for h in self.heavy:
@@ -311,5 +316,6 @@ def _summarize(plan) -> Summary:
         pred.time_s,
         constraint_words(prog, sched, plan.asked, mesh, pred, asked)
         + pipeline_words(prog, sched) + xla_only_words(sched),
+        tie_text(rows),
     )  # fmt: skip
     return summary

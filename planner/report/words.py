@@ -28,7 +28,7 @@ from planner.program.schedule import (
     xla_splits,
 )
 from planner.report.leaves import state_pairs
-from planner.solver.ties import MEMORY_TIE, TIME_TIE
+from planner.solver.ties import MEMORY_SHARE, MEMORY_TIE, TIME_TIE, frees_enough
 from redist.types import MeshShape
 
 _FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}
@@ -286,6 +286,31 @@ def pipeline_words(prog: Program, sched: Schedule) -> tuple[str, ...]:
                      f"microbatches of {rows} rows, {kind} bubble "
                      f"{100 * bubble(p, st.microbatches, st.repeats):.0f}%")  # fmt: skip
     return tuple(lines)
+
+
+def tie_text(rows: list[dict]) -> str:
+    """Why the plan is not the fastest row of ``explain()``'s prediction, where the reason is a
+    tie in time broken by memory (``""`` otherwise: no row is faster, or the faster one is
+    over the memory limit or the user's layout, which :func:`constraint_words` explains).
+
+    Example:
+        >>> tie_text([{"name": "this plan", "time_s": 1.02, "peak_bytes": 80},
+        ...           {"name": "FSDP", "time_s": 1.0, "peak_bytes": 100}])
+        'chosen over FSDP for its memory: 20% less peak for 1.02x the time (within 3% of the fastest, the plan freeing at least 5% of its peak wins)'
+    """
+    plan, *others = rows
+    faster = [r for r in others if "time_s" in r and r["time_s"] < plan["time_s"]]
+    if not faster:
+        return ""
+    best = min(faster, key=lambda r: (r["time_s"], r["peak_bytes"]))
+    if plan["time_s"] > best["time_s"] * (1 + TIME_TIE) or not frees_enough(
+        plan["peak_bytes"], best["peak_bytes"]
+    ):
+        return ""
+    return (f"chosen over {best['name']} for its memory: "
+            f"{1 - plan['peak_bytes'] / best['peak_bytes']:.0%} less peak for "
+            f"{times_text(plan['time_s'], best['time_s'])} the time (within {TIME_TIE:.0%} of "
+            f"the fastest, the plan freeing at least {MEMORY_SHARE:.0%} of its peak wins)")  # fmt: skip
 
 
 def outputs_text(prog: Program, sched: Schedule, steps, plan, specs) -> str:

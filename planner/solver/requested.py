@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from planner.cost.simulator import simulate
-from planner.layout.donation import donated_pairs, keep_state_layouts
+from planner.layout.donation import keep_state_layouts, kept_pairs
 from planner.program.constraints import MODES, requested_assignment
 from planner.program.ir import Program
 from planner.program.schedule import (
@@ -43,16 +43,17 @@ Assignment = dict[str, dict[str, tuple[str, ...]]]
 def returned_as_given(
     prog: Program, stored: dict[str, Spec], shape: MeshShape, xla: bool = True
 ) -> Assignment:
-    """The loops of the ops making donated state's outputs (:func:`donated_pairs`) split so that
-    each comes back in its input's given layout (``stored``: input name -> whole mesh axes per
-    dimension); an op whose loops cannot lay its result out so is left to propagation.
+    """The loops of the ops making state's outputs (:func:`planner.layout.donation.kept_pairs`:
+    donated or returned in place of an argument) split so that each comes back in its input's
+    given layout (``stored``: input name -> whole mesh axes per dimension); an op whose loops
+    cannot lay its result out so is left to propagation.
 
     Example:
         >>> returned_as_given(prog, {"mu": (("fsdp",), ())}, MeshShape.of({"fsdp": 4}))  # doctest: +SKIP
         {'add_41': {'i0': ('fsdp#0', 'fsdp#1')}}
     """
     out: Assignment = {}
-    for inp, res in donated_pairs(prog):
+    for inp, res in kept_pairs(prog):
         spec, op = stored.get(inp.name), prog.producer.get(res.name)
         if not spec or op is None or op.how == "region" or op.name in out:
             continue
@@ -100,9 +101,9 @@ class Requested:
         self, prog: Program, mesh: MeshShape | dict[str, int], xla: bool = True
     ) -> list[Schedule]:
         """The user's layout as whole schedules: the constrained ops as asked, the inputs stored
-        as given, donated state returned as it was given (the op making each donated input's
-        paired output lays it out as the input: ``jax.jit(out_shardings=in_shardings)``, as
-        MaxText's and Keras' steps are jitted), every other op by propagation from them (as
+        as given, state returned as it was given (the op making each state input's paired
+        output lays it out as the input: ``jax.jit(out_shardings=in_shardings)``, as MaxText's,
+        Keras' and gemma's steps are jitted), every other op by propagation from them (as
         XLA's partitioner propagates), one schedule per way propagation may settle operands
         that want one axis (:data:`planner.program.schedule.ORDERS`; those that differ).
         Raises ``ValueError`` where the inputs' layouts do not fit the mesh."""
@@ -111,8 +112,9 @@ class Requested:
         assign = returned_as_given(prog, stored, shape, xla) | self.assignment(prog, shape, xla)
         out: list[Schedule] = []
         for order in ORDERS:
-            made = make_schedule(prog, assign, shape.sizes, stored=stored, xla=xla, order=order)
-            sched = keep_state_layouts(prog, made, donated_only=True)
+            sched = keep_state_layouts(
+                prog, make_schedule(prog, assign, shape.sizes, stored=stored, xla=xla, order=order)
+            )
             if all(sched.assign != s.assign or sched.stored != s.stored for s in out):
                 out.append(sched)
         return out

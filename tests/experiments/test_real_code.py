@@ -44,8 +44,8 @@ def rows(tmp_path_factory):
         env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    with open(workdir / "results.json") as f:
-        return {r["library"]: r for r in json.load(f)}
+    with open(workdir / "results.json") as f:  # the authors' layout handed over, and "none"
+        return {(r["library"], r["given_layout"]): r for r in json.load(f)}
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
     every op is understood; explain() names the library's own source files; the plan is never
     predicted slower than the authors' layout, which it priced, and compiles to no more memory
     than the authors' jitted step (``memory_analysis()``, which does not drift)."""
-    r = rows[library]
+    r = rows[library, "authors"]
     assert "skipped" not in r, r.get("skipped")
     assert r["metrics_difference"] < 1e-5
     assert r["difference"] < TOLERANCE.get(library, 1e-4)
@@ -78,7 +78,7 @@ def test_the_librarys_own_step_plans_runs_and_equals_the_authors(rows, library):
 
 def test_maxtexts_constraints_are_read_and_reported(rows):
     """MaxText constrains every activation: the plan says how many and which it departs from."""
-    r = rows["maxtext"]
+    r = rows["maxtext", "authors"]
     (line,) = r["departures"]
     assert line.startswith("Sharding constraints: 44 in the program")
     same = (r["predicted_plan_ms"], r["predicted_plan_mib"]) == (r["predicted_authors_ms"],
@@ -95,7 +95,7 @@ def test_maxtexts_sparse_experts_reduce_scatter_their_weight_gradients(rows):
     """MaxText's MoE ``shard_map`` reads each device's experts whole over fsdp; its backward sums
     their gradients over fsdp, which the plan splits as it sums (``psum_scatter``) and keeps
     split (the optimizer's layout), exactly as MaxText's own step computes them."""
-    r = rows["maxtext_qwen3sparse"]
+    r = rows["maxtext_qwen3sparse", "authors"]
     assert r["shard_map_collectives"].get("reduce_scatter", 0) >= 3, r["shard_map_collectives"]
     assert r["difference"] < 1e-4 and r["plan_mib"] < r["authors_mib"]
 
@@ -104,8 +104,20 @@ def test_maxtexts_ring_of_experts_runs_its_steps_through_the_plan(rows):
     """MaxText's ring of experts (tokens gathered over the expert axis, a capped ragged buffer,
     outputs reduce-scattered back) with its step-level dropless fallback: the plan's two steps
     update the state (no overflow rolled them back) and equal MaxText's own."""
-    r = rows["maxtext_qwen3ring"]
+    r = rows["maxtext_qwen3ring", "authors"]
     assert r["overflowed"] is False
     assert r["moved"] > 1e-3, r["moved"]
     assert r["shard_map_collectives"].get("all_gather", 0) >= 2, r["shard_map_collectives"]
     assert r["difference"] < 1e-4 and r["metrics_difference"] < 1e-5
+
+
+@pytest.mark.parametrize("library", ["maxtext", "keras"])
+def test_on_its_own_the_plan_is_exact_and_returns_the_state_as_it_took_it(rows, library):
+    """Handed nothing (``constraints="drop", compare=None``), the plan of the library's own step
+    computes the authors' two steps, returns every state leaf in the layout it takes it (keras-hub's
+    step is not donated: 16 of its 65 leaves came back moved), and is no slower predicted than
+    the authors' layout, which it did not see."""
+    r = rows[library, "none"]
+    assert r["state_moved"] == 0
+    assert r["metrics_difference"] < 1e-5 and r["difference"] < 1e-4
+    assert r["predicted_plan_ms"] <= r["predicted_authors_ms"] * 1.03

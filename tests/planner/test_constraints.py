@@ -270,17 +270,25 @@ def _compiled_traffic(compiled) -> tuple:
 
 
 def test_the_users_layout_runs_as_their_own_jit(mesh):
-    """Priced as the program's constraints ask, ``jit()`` constrains only those and leaves XLA
-    to propagate from them as the user's own ``jax.jit`` does: the same compiled traffic
-    (constraining every value as the planner propagates them compiles otherwise here, and on
-    MaxText's step took twice the time)."""
+    """Priced as the program's constraints ask, ``jit()`` constrains those and the state's
+    layout, and leaves XLA to propagate from them as the user's own ``jax.jit`` does: no more
+    compiled traffic than their jit, with or without ``out_shardings`` for the state (constraining
+    every value as the planner propagates them compiles otherwise here, and on MaxText's step
+    took twice the time). The outputs of the arguments' shapes (the gradients of ``w1``, ``w2``
+    and ``s``) are state: they come back as those arguments went in, as a training step's
+    ``jax.jit(out_shardings=...)`` returns them (there XLA propagates to 8 all-gathers and 2
+    permutes, and 1.18x the bytes of its jit without them)."""
     step, args, layout = _constrained_step(mesh)
     mine = planner.price(step, *args, mesh=mesh, in_shardings=layout)
     shardings = tuple(NamedSharding(mesh, s) for s in layout)
     placed = jax.device_put(args, shardings)
-    theirs = jax.jit(step, in_shardings=shardings).lower(*placed).compile()
     ours = mine.jit().lower(*placed).compile()
-    assert _compiled_traffic(ours) == _compiled_traffic(theirs)
+    assert [s.spec for s in ours.output_shardings] == list(layout[:3])
+    ours_bytes, ours_kinds = _compiled_traffic(ours)
+    for out in ({}, {"out_shardings": shardings[:3]}):
+        theirs = jax.jit(step, in_shardings=shardings, **out).lower(*placed).compile()
+        their_bytes, their_kinds = _compiled_traffic(theirs)
+        assert ours_bytes <= their_bytes and ours_kinds.total() <= their_kinds.total(), out
     _close(mine.jit()(*placed), step(*args), rtol=1e-4)
 
 
