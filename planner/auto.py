@@ -141,8 +141,7 @@ def plan(
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
 
     def analyzed() -> Program:
-        prog = donating(analyze(traced, *values), positional, donate_argnums)
-        return returning(prog, sig.in_tree, out_tree)
+        return _program(traced, values, positional, donate_argnums, sig.in_tree, out_tree)
 
     prog = analyzed()
     shape = mesh_shape(mesh)
@@ -397,6 +396,13 @@ def returning(prog: Program, in_tree, out_tree) -> Program:
     return dataclasses.replace(prog, returned=named)
 
 
+def _program(traced, values, positional, donate_argnums, in_tree, out_tree) -> Program:
+    """The program of ``traced`` on ``values``, its donated inputs (:func:`donating`) and the
+    state it returns (:func:`returning`) marked."""
+    prog = donating(analyze(traced, *values), positional, donate_argnums)
+    return returning(prog, in_tree, out_tree)
+
+
 def price(
     fn: Callable,
     *args,
@@ -428,8 +434,7 @@ def price(
     traced, values = sig.traced(fn, args, kwargs)
     positional = [() if a.static else x for a, x in zip(sig.args, args)]
     out_tree = jax.tree.structure(jax.eval_shape(traced, *values))
-    prog = donating(analyze(traced, *values), positional, donate_argnums)
-    prog = returning(prog, sig.in_tree, out_tree)
+    prog = _program(traced, values, positional, donate_argnums, sig.in_tree, out_tree)
     shape = mesh_shape(mesh)
     check_mesh(prog.ops, shape.sizes, where)
     calibration = calibration or default_calibration(mesh)

@@ -25,6 +25,7 @@ from collections import defaultdict, deque
 
 from planner.layout.dataflow import dataflow, input_spec
 from planner.program.ir import Program
+from planner.program.memo import PerObject
 from planner.program.ops import Value
 from planner.program.schedule import Schedule, even_layout
 
@@ -56,6 +57,13 @@ def kept_pairs(prog: Program) -> list[tuple[Value, Value]]:
         >>> [(i.name, o.name) for i, o in kept_pairs(prog)]  # doctest: +SKIP
         [('state[0][0]', 'add_41'), ('state[0][1]', 'add_44')]
     """
+    return KEPT.get(prog, lambda: _kept_pairs(prog))
+
+
+KEPT: PerObject[list] = PerObject("state pairs")
+
+
+def _kept_pairs(prog: Program) -> list[tuple[Value, Value]]:
     pairs = donated_pairs(prog)
     taken = {v.name for pair in pairs for v in pair}
     values = {v.name: v for v in prog.inputs} | {v.name: v for v in prog.outputs}

@@ -28,7 +28,7 @@ from planner.program.schedule import (
     xla_splits,
 )
 from planner.report.leaves import state_pairs
-from planner.solver.ties import MEMORY_SHARE, MEMORY_TIE, TIME_TIE, frees_enough
+from planner.solver.ties import MEMORY_SHARE, MEMORY_TIE, TIME_TIE, wins_on_memory
 from redist.types import MeshShape
 
 _FRACTION = {2: "half", 3: "a third", 4: "a quarter", 8: "an eighth"}
@@ -303,8 +303,8 @@ def tie_text(rows: list[dict]) -> str:
     if not faster:
         return ""
     best = min(faster, key=lambda r: (r["time_s"], r["peak_bytes"]))
-    if plan["time_s"] > best["time_s"] * (1 + TIME_TIE) or not frees_enough(
-        plan["peak_bytes"], best["peak_bytes"]
+    if not wins_on_memory(
+        (plan["time_s"], plan["peak_bytes"]), (best["time_s"], best["peak_bytes"])
     ):
         return ""
     return (f"chosen over {best['name']} for its memory: "

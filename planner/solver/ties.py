@@ -48,7 +48,18 @@ def best_of(scores: list) -> tuple:
     fastest = min(fitting, key=lambda r: r[:2])
     leanest = min((s for s in fitting if s[0] <= fastest[0] * (1 + TIME_TIE)),
                   key=lambda r: (r[1], r[0]))  # fmt: skip
-    return leanest if frees_enough(leanest[1], fastest[1]) else fastest
+    return leanest if wins_on_memory(leanest[:2], fastest[:2]) else fastest
+
+
+def wins_on_memory(slower: tuple[float, float], fastest: tuple[float, float]) -> bool:
+    """Whether a plan of ``(time, peak)`` ``slower`` beats the ``fastest`` one on a tie: within
+    :data:`TIME_TIE` of its time, freeing at least :data:`MEMORY_SHARE` of its peak.
+
+    Example:
+        >>> wins_on_memory((1.02, 80), (1.0, 100)), wins_on_memory((1.05, 50), (1.0, 100))
+        (True, False)
+    """
+    return slower[0] <= fastest[0] * (1 + TIME_TIE) and frees_enough(slower[1], fastest[1])
 
 
 def frees_enough(peak: float, fastest_peak: float) -> bool:
