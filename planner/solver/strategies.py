@@ -48,6 +48,18 @@ def _dense(prog: Program) -> list[Op]:
     return [o for o in prog.ops if o.dense]
 
 
+def _batch_op(prog: Program) -> Op | None:
+    """The product whose batch loop is the program's batch: the first layer product ``x @ W``
+    (:func:`_weight_ops`) with a batch-like loop, else the first product. Not simply the first
+    product: MaxText's RMSNorm scales its input by a ``dot_general`` batched over the embedding
+    width (``256 @ 8x128x256``), whose batch loop is that width."""
+    for op, _ in _weight_ops(prog):
+        if any(name in op.loop for name in ("m0", "m")):
+            return op
+    dense = _dense(prog)
+    return dense[0] if dense else None
+
+
 def _batch_loop(op: Op) -> str:
     for name in (
         ("n", "m", "m0", "b0") if op.primitive == "conv_general_dilated" else ("m0", "m", "b0")
@@ -58,18 +70,18 @@ def _batch_loop(op: Op) -> str:
 
 
 def batch_extent(prog: Program) -> int | None:
-    """The batch size the expert strategies split: the first product's batch loop's extent (None
-    without a product). Raises ``ValueError`` if that product has no batch-like loop."""
-    dense = _dense(prog)
-    return dense[0].loop[_batch_loop(dense[0])].extent if dense else None
+    """The batch size the expert strategies split: the batch loop's extent of :func:`_batch_op`
+    (None without a product). Raises ``ValueError`` if that product has no batch-like loop."""
+    op = _batch_op(prog)
+    return op.loop[_batch_loop(op)].extent if op is not None else None
 
 
 def data_parallel(prog: Program, axes: Sequence[str]) -> dict:
-    """Split the batch loop of the first dense op over ``axes``."""
-    dense = _dense(prog)
-    if not dense:
+    """Split the batch loop of the batch's product (:func:`_batch_op`) over ``axes``."""
+    op = _batch_op(prog)
+    if op is None:
         raise ValueError("data_parallel needs a dot_general or convolution in the program")
-    return {dense[0].name: {_batch_loop(dense[0]): tuple(axes)}}
+    return {op.name: {_batch_loop(op): tuple(axes)}}
 
 
 def batch_and_channels(
@@ -373,7 +385,8 @@ def expert_schedules(
     if not dense:
         raise ValueError("expert strategies need a dot_general or convolution in the program")
     classes = _Classes(prog)
-    batch = classes.find((dense[0].name, _batch_loop(dense[0])))
+    first = _batch_op(prog)
+    batch = classes.find((first.name, _batch_loop(first)))
     model, width = set(), set()
     for op, pos, row in _layers(prog):
         contracted, free = _weight_loops(op, pos)
