@@ -199,7 +199,8 @@ def real_code_section(workdir: str) -> list[str]:
         table = f.read().strip()
     return ["", "## The code people run (`real_code/`)", "",
             "Each library's own training step, tiny, on 8 CPU devices: the plan against the "
-            "authors' layout.", "", table]  # fmt: skip
+            "authors' layout, searched handed that layout (`authors`) and on its own (`none`: "
+            "`constraints=\"drop\"`, `compare=None`).", "", table]  # fmt: skip
 
 
 def tpu_sections(workdir: str) -> list[str]:
