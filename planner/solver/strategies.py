@@ -50,9 +50,10 @@ def _dense(prog: Program) -> list[Op]:
 
 def _batch_op(prog: Program) -> Op | None:
     """The product whose batch loop is the program's batch: the first layer product ``x @ W``
-    (:func:`_weight_ops`) with a batch-like loop, else the first product. Not simply the first
-    product: MaxText's RMSNorm scales its input by a ``dot_general`` batched over the embedding
-    width (``256 @ 8x128x256``), whose batch loop is that width."""
+    (:func:`_weight_ops`) with a row loop (``m0`` / ``m``; a ``dot_general``'s batch dimension
+    ``b0`` does not count), else the first product. Not simply the first product: MaxText's
+    RMSNorm scales its input by a ``dot_general`` batched over the embedding width
+    (``256 @ 8x128x256``), whose batch loop ``b0`` is that width."""
     for op, _ in _weight_ops(prog):
         if any(name in op.loop for name in ("m0", "m")):
             return op
@@ -162,7 +163,15 @@ def weight_views(prog: Program) -> dict[str, tuple[Value, tuple[int, ...]]]:
 def _weight_ops(prog: Program) -> list[tuple[Op, int]]:
     """Forward layer products ``x @ W`` as ``(op, weight operand position)``: the first product
     that reads a program input, or a view of one (:func:`weight_views`: through scans, transposes,
-    casts), with that operand contracted on its leading dimensions is a layer of that weight."""
+    casts), with that operand contracted on its leading dimensions is a layer of that weight.
+    Made once per program (:func:`_batch_op` and :func:`_layers` both read it)."""
+    return WEIGHT_OPS.get(prog, lambda: _find_weight_ops(prog))
+
+
+WEIGHT_OPS: PerObject[list] = PerObject("layer products per program")
+
+
+def _find_weight_ops(prog: Program) -> list[tuple[Op, int]]:
     views = weight_views(prog)
     seen: set[str] = set()
     out = []
