@@ -74,7 +74,9 @@ def expert_plans(
       split over ``data_axes`` along their embedding width (MaxText's ``embed``: the contracted
       dimension of a column layer's weight, the output one of a row layer's), gathered before each
       use, inside a scan one layer at a time; gradients reduce-scattered, the update on shards.
-      Per-layer vectors (norm scales, biases) stay whole.
+      Per-layer vectors (norm scales, biases) stay whole; a parameter no layer product reads
+      (a mixture of experts' stacked weight read inside a ``shard_map``, a convolution's
+      kernel) is split on its first dimension the data axes divide.
     - ``"fsdp_tensor"``: MaxText's FSDP + tensor parallelism: as ``fsdp``, and heads, MLP hidden
       and vocabulary over ``tensor_axis`` (Megatron: column layers split on their outputs, row
       layers on their contraction, then an all-reduce), in activations and in the stored

@@ -36,7 +36,6 @@ import math
 
 from planner.program.ir import Program
 from planner.program.memo import PerObject
-from planner.program.ops import itemsize
 
 SUNK = frozenset({"checkpoint"})
 """Kinds of region whose recomputation runs where it is read (:func:`run_order`)."""
@@ -46,7 +45,7 @@ ORDERS: PerObject[tuple[int, ...]] = PerObject("the order the compiler runs the 
 
 def _whole_bytes(v) -> int:
     """Bytes of value ``v`` whole (its layout divides every value alike, or nearly)."""
-    return math.prod(v.shape) * itemsize(v.dtype)
+    return v.nbytes
 
 
 def run_order(prog: Program) -> tuple[int, ...]:

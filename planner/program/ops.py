@@ -72,6 +72,11 @@ class Value:
     shape: tuple[int, ...]
     dtype: str
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the value whole, as ``numpy``'s ``nbytes``."""
+        return math.prod(self.shape) * itemsize(self.dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class Access:

@@ -9,8 +9,11 @@ layers alike:
 |-----------------|---------------------------------------------------------------------------|
 | data_parallel   | batch over ``data_axes``; parameters and optimizer replicated             |
 | fsdp            | and parameters, gradients and optimizer state split over ``data_axes`` on |
-|                 | their embedding width (ZeRO-3: gathered per layer, reduce-scattered)      |
+|                 | their embedding width (ZeRO-3: gathered per layer, reduce-scattered); one |
+|                 | no layer product reads on its first dimension they divide                 |
 | fsdp_tensor     | and heads, MLP hidden and vocabulary over ``tensor_axis`` (Megatron)      |
+| ..._sequence    | and the residual stream's embedding width over ``tensor_axis`` (MaxText's |
+|                 | ``activation_embed``; a seed of the search, no row of ``explain()``)      |
 
 Partial strategies (a few ops named, everything else follows by propagation), also the search's
 starting points:
@@ -192,18 +195,32 @@ def _find_weight_ops(prog: Program) -> list[tuple[Op, int]]:
 
 def _layers(prog: Program) -> list[tuple[Op, int, bool]]:
     """The layer products as ``(op, weight position, row)``: Megatron's column layers (their input
-    is whole, ``row`` False) and row layers (their input derives from a column layer's output)."""
+    is whole, ``row`` False) and row layers (their input derives from a column layer's output).
+    A product whose input derives from no floating-point input (a one-hot of the tokens: MaxText's
+    ``use_iota_embed``) is an embedding lookup, a row layer: its contraction is the vocabulary,
+    its output the embedding width, whole after the lookup's sum."""
     layers = dict(_weight_ops(prog))  # op -> position of its weight operand
+    floats = _from_floats(prog)
     split: set[str] = set()  # values derived from a column-split layer's output
     out = []
     for op in prog.ops:
         if op in layers:
-            row = op.operands[1 - layers[op]].value.name in split
+            x = op.operands[1 - layers[op]].value.name
+            row = x in split or x not in floats
             out.append((op, layers[op], row))
             if not row:
                 split.update(r.value.name for r in op.results)
         elif any(a.value.name in split for a in op.operands):
             split.update(r.value.name for r in op.results)
+    return out
+
+
+def _from_floats(prog: Program) -> set[str]:
+    """The names of the values that derive from a floating-point program input."""
+    out = {v.name for v in prog.inputs if v.dtype.startswith(("float", "bfloat", "complex"))}
+    for op in prog.ops:
+        if any(a.value.name in out for a in op.operands):
+            out.update(r.value.name for r in op.results)
     return out
 
 
@@ -305,10 +322,15 @@ class _Rule:
     tensor: str | None
     width: frozenset  # the embedding width: over ``data`` in parameters (FSDP)
     stacked: frozenset  # the layer axes of weights stacked for a scan
+    # MaxText's ``activation_embed`` -> ``tensor``: the embedding width of the activations
+    # outside the tensor-parallel layers (the residual stream, its norms) over ``tensor``, so
+    # that each column layer gathers its input and each row layer reduce-scatters its output
+    sequence: bool = False
 
     def __call__(self, extents, classes) -> list[tuple[str, ...]]:
         """The mesh axes of each dimension (or loop) of the given extents and classes."""
         activation = self.batch in classes
+        outside = self.sequence and activation and not any(c in self.model for c in classes)
         # A per-layer vector (a norm's scale, a bias) stays whole on the data axes, as ZeRO-3
         # keeps parameters under its persistence threshold and MaxText keeps norm scales off
         # its FSDP axes: a gather per tiny vector costs more than it saves.
@@ -321,6 +343,8 @@ class _Rule:
                 axes = (self.tensor,)
             elif activation and c == self.batch:
                 axes = self.data
+            elif outside and c in self.width:
+                axes = (self.tensor,)
             elif not activation and not vector and c in self.width:
                 axes = self.data
             if taken & set(axes):
@@ -369,6 +393,7 @@ def expert_schedules(
     mesh,
     data_axes: Sequence[str] = ("data", "fsdp"),
     tensor_axis: str | None = "tensor",
+    sequence: bool = False,
 ) -> dict[str, Schedule]:
     """The hand strategies an expert writes for a training step, as complete schedules of
     ``prog`` (name -> :class:`planner.program.schedule.Schedule`, see :func:`planner.expert_plans`).
@@ -377,7 +402,10 @@ def expert_schedules(
     (:class:`_Rule`): the loops of one logical axis (:class:`_Classes`: the batch of the first
     product; the heads, MLP hidden and vocabulary dimensions Megatron splits; the embedding width
     FSDP stores split) take the same mesh axes wherever they occur, inside scans too.
-    ``fsdp_tensor`` is left out when ``tensor_axis`` is ``None`` or not a mesh axis of size > 1.
+    ``fsdp_tensor`` is left out when ``tensor_axis`` is ``None`` or not a mesh axis of size > 1;
+    ``sequence`` adds ``fsdp_tensor_sequence``, ``fsdp_tensor`` with the activations' embedding
+    width over ``tensor_axis`` outside the tensor-parallel layers, as MaxText's rules lay them
+    out (``activation_embed``; Megatron's sequence parallelism splits the sequence instead).
 
     Raises:
         ValueError: a data or tensor axis that is not on the mesh, a program without a product
@@ -412,6 +440,8 @@ def expert_schedules(
         for o in prog.ops if o.how == "region" and o.primitive in ENTRIES
         for d, loops in enumerate(o.operands[0].dims) if not loops
     )  # fmt: skip
+    width |= _unlayered_widths(prog, classes, batch, model | width, stacked,
+                               math.prod(sizes[a] for a in data))  # fmt: skip
     rules = {
         "data_parallel": _Rule(batch, data, frozenset(), None, frozenset(), stacked),
         "fsdp": _Rule(batch, data, frozenset(), None, frozenset(width), stacked),
@@ -421,17 +451,43 @@ def expert_schedules(
             raise ValueError("the Megatron dimensions of this program are linked to its batch")
         rules["fsdp_tensor"] = _Rule(batch, data, frozenset(model), tensor_axis,
                                      frozenset(width - model), stacked)  # fmt: skip
+        if sequence:
+            rules["fsdp_tensor_sequence"] = dataclasses.replace(rules["fsdp_tensor"],
+                                                                sequence=True)  # fmt: skip
     loops = {o.name: [classes.find((o.name, lp.name)) for lp in o.loops] for o in prog.ops}
     dims = {v.name: [classes.find((v.name, d)) for d in range(len(v.shape))] for v in prog.inputs}
     return {name: _schedule(prog, (loops, dims), rule, sizes) for name, rule in rules.items()}
+
+
+def _unlayered_widths(prog: Program, classes: _Classes, batch, known: set, stacked: frozenset,
+                      parts: int) -> set:  # fmt: skip
+    """The classes FSDP stores split for the parameters no layer product reads (ZeRO-3 splits
+    every parameter): for each program input without the batch, none of whose dimensions is
+    in ``known`` (a layer's heads or width), and that is no vector (two dimensions > 1 beside
+    a scan's layer axis), its first dimension ``parts`` (the data axes' devices) divides. An
+    expert-stacked weight read only inside a ``shard_map`` (MaxText's mixture of experts:
+    ``wi_0`` of ``[experts, layers, embed, mlp]``) or a convolution's kernel is such a one."""
+    out: set = set()
+    for v in prog.inputs:
+        cls = [classes.find((v.name, d)) for d in range(len(v.shape))]
+        if batch in cls or any(c in known or c in out for c in cls):
+            continue
+        free = [d for d, (n, c) in enumerate(zip(v.shape, cls)) if n > 1 and c not in stacked]
+        if len(free) < 2:
+            continue
+        split = next((d for d in free if v.shape[d] % parts == 0), None)
+        if split is not None:
+            out.add(cls[split])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Experts:
     """The expert strategies of a program on a mesh, made once (:func:`experts`): ``rows``, label
     -> the schedule ``explain()`` prices beside a plan, or why the strategy does not apply
-    (``"n/a: ..."``); ``seeds``, every expert schedule the search starts from (the rows' and
-    FSDP / data parallelism over all but the last axis, which FSDP x tensor leaves it)."""
+    (``"n/a: ..."``); ``seeds``, every expert schedule the search starts from (the rows',
+    FSDP / data parallelism over all but the last axis, which FSDP x tensor leaves it, and FSDP
+    x tensor with the residual stream over the tensor axis too, as MaxText lays it out)."""
 
     rows: dict[str, Schedule | str]
     seeds: tuple[Schedule, ...]
@@ -462,7 +518,8 @@ def _experts(prog: Program, sizes: dict[str, int]) -> Experts:
     made: list[dict[str, Schedule] | ValueError] = []
     for data_axes, tensor_axis in layouts if axes else ():
         try:
-            made.append(expert_schedules(prog, sizes, data_axes, tensor_axis))
+            made.append(expert_schedules(prog, sizes, data_axes, tensor_axis,
+                                         sequence=tensor_axis is not None))  # fmt: skip
         except ValueError as e:  # no product with a batch loop, or heads linked to the batch
             made.append(e)
     seeds = tuple(s for m in made if isinstance(m, dict) for s in m.values())

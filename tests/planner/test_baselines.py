@@ -252,3 +252,110 @@ def test_the_search_is_never_predicted_slower_than_an_expert_strategy():
     fitting = [e.prediction.time_s for e in experts.values() if e.prediction.peak_bytes <= bound]
     assert fitting and p.prediction.time_s <= min(fitting) * (1 + 1e-9)
     assert p.prediction.peak_bytes <= bound
+
+
+def _experts_step(mesh):
+    """A layer, then a mixture of experts as MaxText writes it: the experts' stacked weight
+    ``[experts, embed, mlp]`` constrained whole and read whole by ``shard_map``s over the batch
+    (here twice, as a recomputed layer's forward and its gradient's kernels read it): no layer
+    product of the program reads it."""
+    from jax.sharding import NamedSharding
+
+    def body(h, we):
+        return jnp.tanh(jnp.einsum("bd,edh->beh", h, we)).sum(1)
+
+    def step(params, x):
+        def loss(params):
+            w_in, stacked = params
+            we = jax.lax.with_sharding_constraint(stacked, NamedSharding(mesh, P()))
+            experts = jax.shard_map(body, mesh=mesh, in_specs=(P(DATA), P()), out_specs=P(DATA))
+            h = jnp.tanh(x @ w_in)
+            return jnp.mean(experts(h, we) ** 2) + jnp.mean(experts(h * h, we))
+
+        return jax.tree.map(lambda p, g: p - LR * g, params, jax.grad(loss)(params))
+
+    rng = np.random.default_rng(2)
+    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)  # noqa: E731
+    return step, ((f32(64, 64), f32(4, 64, 256)), f32(256, 64))
+
+
+def test_fsdp_stores_a_weight_only_a_shard_map_reads_split(mesh):
+    """ZeRO-3 splits every parameter: the experts' weight, which no layer product reads, is
+    stored split over the data axes on its first dimension they divide (the experts), its
+    update runs on the shards, and every strategy computes the step exactly."""
+    step, args = _experts_step(mesh)
+    plans = baselines.expert_plans(step, *args, mesh=mesh, data_axes=DATA, tensor_axis=TENSOR)
+    want = jax.jit(step)(*args)
+    for name, p in plans.items():
+        _close(p(*args), want)
+        (w_in, stacked), _ = p.in_specs
+        assert stacked == (P() if name == "data_parallel" else P(DATA)), name
+        assert p.out_specs[1] == stacked  # the update runs on the shards it is stored in
+    stored = {name: p.prediction.input_bytes[1] for name, p in plans.items()}
+    assert stored["fsdp"] * 4 == stored["data_parallel"]
+
+
+def test_refine_gathers_a_weight_two_shard_maps_read_whole_once(mesh):
+    """Under FSDP the experts' weight is gathered for each ``shard_map`` that reads it whole;
+    ``refine`` tries the producers of a ``shard_map``'s gathered
+    operands and lays the constraint before them out whole, so that one gather feeds both, as
+    MaxText's constraint does: predicted faster, and exact."""
+    from planner.solver.schedule_search import _Evaluator, groups, refine
+    from redist.calibration import Calibration
+    from redist.types import MeshShape
+
+    step, args = _experts_step(mesh)
+    prog = planner.analyze(step, *args)
+    sizes, cal = dict(mesh.shape), Calibration.named("tpu_v5p")
+    sched = strategies.expert_schedules(prog, sizes, DATA, TENSOR)["fsdp"]
+    evaluate = _Evaluator(prog, sizes, cal, None, groups(prog))
+    before = evaluate.schedule(sched)
+    after = refine(before, evaluate, MeshShape.of(sizes))
+    stacked = prog.inputs[1]
+    (constraint,) = [o for o in prog.ops if o.primitive == "sharding_constraint"
+                     and o.operands[0].value == stacked]  # fmt: skip
+
+    def gathers(s):
+        return sum(1 for st in dataflow(prog, s) for mv in st.moves
+                   if prog.origin.get(mv.value.name, (mv.value,))[0].shape == stacked.shape
+                   and any(set(a) - set(b) for a, b in zip(mv.src, mv.dst)))  # fmt: skip
+
+    assert any(sched.assign[constraint.name].values()) and gathers(sched) == 2
+    assert not any(after[2].assign[constraint.name].values()) and gathers(after[2]) == 1
+    assert after[0] < before[0]
+    got = planner.lower(prog, after[2], mesh, backend="xla")(*args)
+    _close(got, jax.jit(step)(*args))
+
+
+def _one_hot_lm_step(params, tokens):
+    """An embedding looked up as a product with the tokens' one-hot (MaxText's
+    ``use_iota_embed``), an MLP, and an output layer."""
+
+    def loss(params):
+        table, w1, w2, out = params
+        x = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype) @ table
+        h = x + jax.nn.relu(x @ w1) @ w2
+        return jnp.mean((h @ out) ** 2)
+
+    return jax.tree.map(lambda p, g: p - LR * g, params, jax.grad(loss)(params))
+
+
+def test_a_one_hot_embedding_is_a_row_layer_and_the_next_ones_columns(mesh):
+    """The lookup's product reads no floating-point input but its table: it is a row layer (the
+    vocabulary over the tensor axis, the embedding width over the data axes), and the MLP after
+    it is column, then row, as without it (before, the lookup was taken for a column layer, so
+    every later layer was split the other way round)."""
+    rng = np.random.default_rng(3)
+    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)  # noqa: E731
+    args = ((f32(64, 32), f32(32, 128), f32(128, 32), f32(32, 16)),
+            rng.integers(0, 64, (16, 8)).astype(np.int32))  # fmt: skip
+    prog = planner.analyze(_one_hot_lm_step, *args)
+    assert [row for _, _, row in strategies._layers(prog)] == [True, False, True, False]
+    plans = baselines.expert_plans(_one_hot_lm_step, *args, mesh=mesh, data_axes=DATA,
+                                   tensor_axis=TENSOR)  # fmt: skip
+    table, w1, w2, out = plans["fsdp_tensor"].in_specs[0]
+    assert (table, w1, w2, out) == (P(TENSOR, DATA), P(DATA, TENSOR), P(TENSOR, DATA),
+                                    P(DATA, TENSOR))  # fmt: skip
+    want = jax.jit(_one_hot_lm_step)(*args)
+    for p in plans.values():
+        _close(p(*args), want)
