@@ -125,6 +125,8 @@ class Summary:
                 line += (f"   this plan {times_text(row['time_s'], self.time_s)} as fast, "
                          f"{times_text(self.memory['peak_bytes'], row['peak_bytes'])} the "
                          "memory")  # fmt: skip
+            if "over" in row:
+                line += f" (over the {row['over'] / 1e9:.3g} GB searched under)"
             pred.append(line)
         if self.tie:
             pred.append(f"  {self.tie}")
@@ -232,6 +234,10 @@ def _summarize(plan) -> Summary:
     if asked is not None:
         rows.append({"name": "your layout (constraints, inputs)", "time_s": asked.time_s,
                      "peak_bytes": asked.peak_bytes})  # fmt: skip
+    searched = [c.searched_limit for c in plan.memory_checks if c.layout == "searched"]
+    for row in rows[1:]:  # a faster row the search could not take: say why
+        if searched and row.get("peak_bytes", 0) > searched[-1] and row["time_s"] < pred.time_s:
+            row["over"] = searched[-1]
     func = getattr(getattr(prog.jaxpr, "jaxpr", None), "debug_info", None)
     func = getattr(func, "func_src_info", None) or "the function"
     if not any(sched.assign.values()):
