@@ -34,8 +34,11 @@ from absl import logging
 
 from experiments import recipe_rows
 
-CODE_STRATEGIES = ("recipe", "searched", "searched_variants", "recipe_at_variant")
-"""``searched_variants``: for a recipe with ``variants`` (MaxText settings that change what its
+CODE_STRATEGIES = ("recipe", "searched", "searched_variants", "recipe_at_variant", "on_its_own")
+"""``searched``: the plan searched with MaxText's layout handed over (its constraints as hints,
+its ``in_shardings`` priced beside); ``on_its_own``: the plan searched from the step alone
+(``constraints="drop", compare=None``: what a user without MaxText's rules gets);
+``searched_variants``: for a recipe with ``variants`` (MaxText settings that change what its
 ``shard_map`` bodies compute, such as the expert-parallel degree: each device's experts and the
 sizes of its all-to-alls are fixed when the step is traced, so no plan of one trace can change
 them), the step traced at the recipe's own settings and at each variant, each trace planned, and
@@ -593,14 +596,17 @@ def _planned_again(built, row: dict, exact: bool = True):
     return p
 
 
-def _planned(built):
+def _planned(built, on_its_own: bool = False):
     """The planner's plan of ``built``'s step with its defaults (memory limit from the chip's
-    HBM, confirmed by compiling), MaxText's input layouts priced beside it."""
+    HBM, confirmed by compiling), MaxText's input layouts priced beside it; ``on_its_own``: with
+    nothing of MaxText's handed over (its constraints dropped, no input layouts to compare)."""
     import planner
 
+    given = (dict(constraints="drop", compare=None) if on_its_own
+             else dict(compare=built.in_shardings))  # fmt: skip
     with built.context():
         return planner.plan(built.step, *built.args, mesh=built.mesh,
-                            donate_argnums=built.donate_argnums, compare=built.in_shardings)  # fmt: skip
+                            donate_argnums=built.donate_argnums, **given)  # fmt: skip
 
 
 def _variant_search(name: str, built, own=None) -> tuple[str | None, object, object, dict, float]:
@@ -677,7 +683,7 @@ def measure_code(name: str, strategies, done: set, config,
     recipe = CODE_RECIPES[name]
     todo = [s for s in strategies if (name, s) not in done]
     if "variants" not in recipe:
-        todo = [s for s in todo if s in ("recipe", "searched")]
+        todo = [s for s in todo if s in ("recipe", "searched", "on_its_own")]
     if not todo:
         return []
     built = build(name)
@@ -739,6 +745,15 @@ def measure_code(name: str, strategies, done: set, config,
                          "planning_s": time.perf_counter() - start})  # fmt: skip
             return rows
         rows.append(planned("searched", built, own, None, {}))
+    if "on_its_own" in todo:
+        start = time.perf_counter()
+        try:
+            alone = _planned(built, on_its_own=True)
+        except MemoryLimitError as e:
+            rows.append({**base, "strategy": "on_its_own", "fits": False, "error": str(e)[:800],
+                         "planning_s": time.perf_counter() - start})  # fmt: skip
+        else:
+            rows.append(planned("on_its_own", built, alone, None, {}))
     if {"searched_variants", "recipe_at_variant"} & set(todo):
         if own is None:
             own = _own_plan_replayed(name, built, known)

@@ -12,7 +12,8 @@ def get_config() -> ml_collections.ConfigDict:
     # experiments/maxtext_code.py CODE_RECIPES
     c.recipes = "llama2_7b_v5p_128,llama2_70b_v5p_512"
     # the variant strategies run for recipes with variants only (Qwen3-235B's expert and tensor
-    # parallelism)
+    # parallelism); "on_its_own" (not run by default: results/recipes has no such rows yet) adds
+    # the plan searched with nothing of MaxText's handed over (constraints dropped, no layouts)
     c.strategies = "recipe,searched,searched_variants,recipe_at_variant"
     c.depths = ""
     c.layer_estimate = True  # kernels' time per layer from 1- and 2-layer compiles

@@ -586,3 +586,24 @@ def test_a_variant_search_measured_again_takes_the_own_plan_from_the_searched_ro
     rows[1]["changed"] = True
     assert mc._own_plan_replayed("r", "step", rows) is None
     assert mc._own_plan_replayed("r", "step", rows[:1]) is None and len(replays) == 2
+
+
+def test_on_its_own_plans_hand_nothing_of_maxtexts_over(monkeypatch):
+    """``on_its_own`` plans the step with MaxText's constraints dropped and no input layouts to
+    compare; ``searched`` hands MaxText's ``in_shardings`` over and keeps its constraints as
+    hints."""
+    import contextlib
+
+    import planner
+    from experiments import maxtext_code as mc
+
+    asked = []
+    monkeypatch.setattr(planner, "plan", lambda *a, **kw: asked.append(kw))
+    built = types.SimpleNamespace(step=None, args=(), mesh="mesh", donate_argnums=(0,),
+                                  in_shardings="theirs", context=contextlib.nullcontext)  # fmt: skip
+    mc._planned(built, on_its_own=True)
+    mc._planned(built)
+    assert asked[0] == {"mesh": "mesh", "donate_argnums": (0,), "constraints": "drop",
+                        "compare": None}  # fmt: skip
+    assert asked[1] == {"mesh": "mesh", "donate_argnums": (0,), "compare": "theirs"}
+    assert "on_its_own" in mc.CODE_STRATEGIES
