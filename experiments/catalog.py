@@ -189,7 +189,7 @@ _FOLDERS = [
        "its search replayed (72 min beside the tests and other runs; 47 min once its memory model "
        "held the last layer's deferred weight gradients, no ring plan then predicted within the "
        "limit, so the plan of least predicted memory compiled)"),
-    Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 4,
+    Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 5,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
 ]  # fmt: skip
 
