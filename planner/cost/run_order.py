@@ -43,11 +43,6 @@ SUNK = frozenset({"checkpoint"})
 ORDERS: PerObject[tuple[int, ...]] = PerObject("the order the compiler runs the ops in")
 
 
-def _whole_bytes(v) -> int:
-    """Bytes of value ``v`` whole (its layout divides every value alike, or nearly)."""
-    return v.nbytes
-
-
 def run_order(prog: Program) -> tuple[int, ...]:
     """The op indices of ``prog`` in the order the compiler runs them (see the module docstring);
     ``tuple(range(len(prog.ops)))`` where nothing moves. Computed once per program.
@@ -163,8 +158,8 @@ def _sunk(prog: Program, units: list[list[int]], stop: int) -> list[int]:
             continue
         read = {a.value.name: a.value for op in ops for a in op.operands
                 if a.value.name not in made}  # fmt: skip
-        longer = sum(_whole_bytes(v) for n, v in read.items() if read_until(n, u) < to)
-        if longer <= sum(_whole_bytes(made[n]) for n in later):
+        longer = sum(v.nbytes for n, v in read.items() if read_until(n, u) < to)
+        if longer <= sum(made[n].nbytes for n in later):
             place[u] = to
     moved: dict[int, list[int]] = {}
     for u, p in enumerate(place):
