@@ -359,3 +359,34 @@ def test_a_one_hot_embedding_is_a_row_layer_and_the_next_ones_columns(mesh):
     want = jax.jit(_one_hot_lm_step)(*args)
     for p in plans.values():
         _close(p(*args), want)
+
+
+@pytest.mark.parametrize("case", ["scanned_lm", "one_hot_lm"])
+def test_the_sequence_seed_computes_the_step(mesh, case):
+    """The search's seed with the residual stream's embedding width over the tensor axis (MaxText's
+    ``activation_embed``), no row of ``explain()`` and so not among ``expert_plans``, runs the
+    step exactly, and does lay the residual stream out over the tensor axis."""
+    if case == "scanned_lm":
+        step, args = _lm(True)
+    else:
+        rng = np.random.default_rng(3)
+        f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)  # noqa: E731
+        step, args = _one_hot_lm_step, ((f32(64, 32), f32(32, 128), f32(128, 32), f32(32, 16)),
+                                        rng.integers(0, 64, (16, 8)).astype(np.int32))  # fmt: skip
+    prog = planner.analyze(step, *args)
+    scheds = strategies.expert_schedules(prog, dict(mesh.shape), DATA, TENSOR, sequence=True)
+    sched = scheds["fsdp_tensor_sequence"]
+
+    def over_tensor(s, op):
+        return TENSOR in sum(s.assign.get(op.name, {}).values(), ())
+
+    # ops outside the tensor-parallel layers (the residual's adds, the norms) take the tensor axis
+    assert any(over_tensor(sched, o) and not over_tensor(scheds["fsdp_tensor"], o)
+               for o in prog.ops if not o.dense)  # fmt: skip
+    want = jax.jit(step)(*args)
+    got = jax.tree.unflatten(jax.tree.structure(want),
+                             list(planner.lower(prog, sched, mesh, backend="xla")(*args)))  # fmt: skip
+    if case == "scanned_lm":  # Adam's first step (see the module)
+        assert_step_equal(got, want, param_atol=0.05 * LR)
+    else:
+        _close(got, want)
