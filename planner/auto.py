@@ -193,11 +193,13 @@ def plan(
 
     def plan_of(found) -> AutoPlan:
         prog, sched, pred, remat = found
+        own = next((o for m in made.values() if (o := m.own_best(sched)) is not None), None)
         return AutoPlan.of(prog, sched, mesh, prediction=pred, calibration=calibration,
                            signature=sig, out_tree=out_tree, search_s=searching[0],
                            replicated=replicated(prog, sizes, calibration),
                            donate_argnums=_argnums(donate_argnums, len(args)), remat=remat,
-                           asked=requested.asked(prog, shape, xla_only_splits, calibration))  # fmt: skip
+                           asked=requested.asked(prog, shape, xla_only_splits, calibration),
+                           on_its_own=own)  # fmt: skip
 
     if checks_compiled(check_memory, mesh_devices(mesh), limit):
         margin = MARGIN if check_memory == "auto" else None

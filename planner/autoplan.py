@@ -98,19 +98,23 @@ class AutoPlan:
     remat: RematDecision | None = None  # what checkpointed layers save, where the planner chose
     memory_checks: tuple[MemoryCheck, ...] = ()  # the compiles that confirmed its memory
     asked: Schedule | None = None  # the layout the program asks for (planner.solver.requested)
+    # where the plan is that layout as given: what the search chose without it, predicted
+    on_its_own: Prediction | None = None
 
     @classmethod
     def of(cls, program: Program, schedule: Schedule, mesh, *, prediction=None,
            calibration: Calibration | None = None, signature: Signature | None = None,
            in_tree=None, out_tree=None, search_s: float = 0.0, replicated=None,
            donate_argnums: tuple[int, ...] = (), remat: RematDecision | None = None,
-           memory_checks: tuple[MemoryCheck, ...] = (), asked: Schedule | None = None) -> AutoPlan:  # fmt: skip
+           memory_checks: tuple[MemoryCheck, ...] = (), asked: Schedule | None = None,
+           on_its_own: Prediction | None = None) -> AutoPlan:  # fmt: skip
         """A plan of ``schedule`` for ``program`` on ``mesh``, every other field by name:
         ``prediction`` (``None``: not priced), the ``calibration`` it was priced on, the
         ``signature`` of the arguments it was made for (``in_tree`` defaults to its), the
         search's seconds, full ``replicated``'s prediction, what :meth:`jit` donates, the remat
-        decision, the compiles that confirmed its memory and the layout the program ``asked``
-        for.
+        decision, the compiles that confirmed its memory, the layout the program ``asked``
+        for and, where the plan is that layout, the prediction of the search's choice without it
+        (``on_its_own``).
 
         Example:
             >>> AutoPlan.of(prog, sched, mesh, prediction=simulate(prog, sched))  # doctest: +SKIP
@@ -119,7 +123,7 @@ class AutoPlan:
             in_tree = signature.in_tree
         return cls(program, schedule, prediction, mesh, search_s, in_tree, out_tree, replicated,
                    calibration, signature, tuple(donate_argnums), remat, tuple(memory_checks),
-                   asked)  # fmt: skip
+                   asked, on_its_own)  # fmt: skip
 
     @functools.cached_property
     def comparisons(self) -> Comparisons:

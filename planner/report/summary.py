@@ -5,7 +5,9 @@ are written on) and the user's pytree paths:
 
 1. the prediction: step time and peak memory per device of the plan, of full replication (every
    device runs the whole step), of data parallelism over the whole mesh and of FSDP (the same,
-   with the weights stored split), all simulated on the plan's mesh and calibration;
+   with the weights stored split), of the layout the program asks for ("your layout") and,
+   where the plan is that layout, of what the search chose without it, all simulated on the
+   plan's mesh and calibration;
 2. the layout of each input by its pytree path, identical subtrees written once;
 3. the heavy ops, with the line of the user's code that made them and how they are split;
 4. the collectives of one step, by kind;
@@ -234,6 +236,10 @@ def _summarize(plan) -> Summary:
     if asked is not None:
         rows.append({"name": "your layout (constraints, inputs)", "time_s": asked.time_s,
                      "peak_bytes": asked.peak_bytes})  # fmt: skip
+    own = plan.on_its_own  # the plan is the user's layout: what the search chose without it
+    if own is not None:
+        rows.append({"name": "the search without your layout", "time_s": own.time_s,
+                     "peak_bytes": own.peak_bytes})  # fmt: skip
     searched = [c.searched_limit for c in plan.memory_checks if c.layout == "searched"]
     for row in rows[1:]:  # a faster row the search could not take: say why
         if searched and row.get("peak_bytes", 0) > searched[-1] and row["time_s"] < pred.time_s:

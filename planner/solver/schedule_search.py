@@ -124,6 +124,25 @@ class Evaluations:
 
     def __init__(self):
         self._tables: dict[tuple, tuple[tuple, dict]] = {}
+        # id of a user's layout a search returned -> (that schedule, the search's own best
+        # score: what it would have returned without the user's layout; see :meth:`own_best`)
+        self._instead: dict[int, tuple[Schedule, tuple]] = {}
+
+    def own_best(self, sched: Schedule) -> Prediction | None:
+        """Where a search of these returned ``sched`` as the user's own layout (their
+        constraints and inputs, kept on a tie or predicted best), the prediction of what it
+        would have returned without that layout; else ``None``.
+
+        Example:
+            >>> memo.own_best(plan.schedule).time_s                       # doctest: +SKIP
+            0.1123
+        """
+        kept = self._instead.get(id(sched))
+        return kept[1][3] if kept is not None and kept[0] is sched else None
+
+    def keep_own_best(self, sched: Schedule, own: tuple) -> None:
+        """Record ``own`` (a score) as the search's own best where it returned ``sched``."""
+        self._instead[id(sched)] = (sched, own)
 
     def fastest_s(self, prog: Program) -> float:
         """The predicted seconds of the fastest schedule made for ``prog`` (inf: none)."""
@@ -147,7 +166,7 @@ class _Evaluator:
         self.prog, self.mesh, self.cal, self.limit = prog, dict(mesh), cal, limit
         self.groups, self.priced_as, self.xla = groups, priced_as, xla
         self.pinned = pinned or {}  # op -> loops every schedule keeps (constraints="keep")
-        memo = Evaluations() if memo is None else memo
+        self.memo = memo = Evaluations() if memo is None else memo
         # key -> (schedule, what it was priced as, prediction), or None (no valid schedule)
         self.made = memo.table(prog, self.mesh, cal, priced_as, xla, self.pinned)
         # what was made of the schedule of least predicted peak seen, the fastest at that peak:
@@ -376,9 +395,21 @@ def search(
 
 def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, limit):
     """The search's answer from its scored candidates: the best of them, refined, or the user's
-    own layout where that ties (:func:`users_on_a_tie`); raises where nothing fits."""
-    best = refine(best_of(results), evaluate, shape)
-    return _result(users_on_a_tie(best, asked), evaluate, limit)
+    own layout where that ties (:func:`users_on_a_tie`); raises where nothing fits. Where the
+    answer is the user's layout as given, the memo keeps what the search would have answered
+    without it (:meth:`Evaluations.own_best`: ``explain()`` says it)."""
+    first = best_of(results)
+    best = refine(first, evaluate, shape)
+    chosen = users_on_a_tie(best, asked)
+    if chosen[2] is not None and any(chosen is a for a in asked):  # the user's layout as given
+        # and what the search would have chosen without it
+        mine = best if not any(first is a for a in asked) else None
+        own = [r for r in results if not any(r is a for a in asked)]
+        if mine is None and own:
+            mine = refine(best_of(own), evaluate, shape)
+        if mine is not None and mine[2] is not None and not math.isinf(mine[0]):
+            evaluate.memo.keep_own_best(chosen[2], mine)
+    return _result(chosen, evaluate, limit)
 
 
 def users_on_a_tie(best: tuple, asked: list) -> tuple:

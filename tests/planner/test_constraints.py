@@ -357,6 +357,24 @@ def test_a_departure_must_buy_more_than_the_cost_models_error(mesh):
     assert users_on_a_tie((t, m, "plan", None), [(t * 1.1, m, "yours", None)])[2] == "plan"
 
 
+def test_where_the_plan_is_the_users_layout_explain_says_what_the_search_chose_without_it(mesh):
+    """Handed a layout the search keeps (here its own choice on its own, and data parallelism
+    asked by a constraint), the plan says what it would have been without it: the prediction of
+    ``plan(..., constraints="drop", compare=None)``; a plan that departs says nothing more."""
+    step, args, layout = _constrained_step(mesh)
+    mlp, mlp_args = _mlp(mesh, P(("fsdp", "tensor")))
+    for f, a, mode in ((step, args, "drop"), (mlp, mlp_args, "hint")):
+        alone = planner.plan(f, *a, mesh=mesh, constraints="drop", compare=None)
+        p = planner.plan(f, *a, mesh=mesh, constraints=mode, compare=alone.in_shardings)
+        assert p.asked is not None and p.on_its_own is not None
+        got = (p.on_its_own.time_s, p.on_its_own.peak_bytes)
+        assert got == (alone.prediction.time_s, alone.prediction.peak_bytes)
+        (row,) = [line for line in p.explain().splitlines() if "without your layout" in line]
+        assert "this plan 1.00x as fast, 1.00x the memory" in row
+    departs = planner.plan(step, *args, mesh=mesh, compare=layout)
+    assert departs.on_its_own is None and "without your layout" not in departs.explain()
+
+
 def test_a_scan_carries_its_value_in_the_layout_its_body_asks(mesh):
     """A carry entering a scan in one layout (an embedding lookup's, from the table's split)
     whose body constrains it to another is carried in the body's layout, moved once as the loop
