@@ -191,6 +191,8 @@ _FOLDERS = [
        "limit, so the plan of least predicted memory compiled)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 5,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
+    Folder("ranking", (Run("ranking", "ranking/default"),), Needs.LIBRARIES, 5,
+           "JAX 0.12.0.1, MaxText 0.2.5"),
 ]  # fmt: skip
 
 FOLDERS: dict[str, Folder] = {f.name: f for f in _FOLDERS}

@@ -66,7 +66,8 @@ def summary(workdir: str) -> str:
     """``workdir/README.md``'s text, read from the folders there (sections of absent ones left out)."""
     sections = (redistribution_sections(workdir) + planner_search_section(workdir)
                 + lowering_section(workdir) + tpu_sections(workdir) + spatial_section(workdir)
-                + uneven_section(workdir) + real_code_section(workdir))  # fmt: skip
+                + uneven_section(workdir) + real_code_section(workdir)
+                + ranking_section(workdir))  # fmt: skip
     lines = ["# Results", "",
              "Every folder's `command.txt` names the commands that made it; "
              "`python -m experiments.results` regenerates the ones that run on 8 simulated CPU "
@@ -201,6 +202,21 @@ def real_code_section(workdir: str) -> list[str]:
             "Each library's own training step, tiny, on 8 CPU devices: the plan against the "
             "authors' layout, searched handed that layout (`authors`) and on its own (`none`: "
             "`constraints=\"drop\"`, `compare=None`).", "", table]  # fmt: skip
+
+
+def ranking_section(workdir: str) -> list[str]:
+    """Markdown on ``ranking/`` (the cost model's order of many plans of MaxText's tiny step
+    against the measured order), run on its own as ``real_code/`` is, and read here."""
+    s = _read(workdir, "ranking", "summary.json")
+    config = _read(workdir, "ranking", "config.json") or {}
+    if not s:
+        return []
+    return ["", "## Predicted against measured order (`ranking/`)", "",
+            f"{s['plans']} plans of `{config.get('case', 'one step')}` (the search's, the experts', the authors' layout, "
+            f"random ones), predicted and measured on 8 CPU devices: Spearman "
+            f"{s['spearman']:.3f}; {s['pairs_within_25pct']:.0%} of {s['pairs']} pairs have a "
+            f"predicted ratio within 25 % of the measured one (worst {s['worst_pair_ratio']:.2f}x "
+            "off). Every plan: [ranking/report.md](ranking/report.md)."]  # fmt: skip
 
 
 def tpu_sections(workdir: str) -> list[str]:
