@@ -85,6 +85,104 @@ def layouts(params) -> tuple[dict, dict]:
     return train, serve
 
 
+def tunix_states(config):
+    """tunix's own Qwen3 (``tunix.models.qwen3``, built from ``config``'s sizes, no weights
+    downloaded; ``config.experts`` > 0: its mixture of experts) placed as tunix places a model
+    on a mesh (its parameters' partition specs over ``fsdp`` and ``tp``): its ``nnx.Param``
+    state on the trainer mesh and on the sampler mesh (``config.disjoint``: the trainer on the
+    first 4 devices, the sampler on the other 4), as tunix's ``sync_weights`` hands them to
+    ``reshard_pytree``."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from tunix.models.qwen3 import model as qwen3
+
+    devices = np.array(jax.devices()[:8])
+    halves = (devices[:4], devices[4:]) if config.disjoint else (devices, devices)
+    meshes = []
+    for key, devs in zip(("train_mesh", "serve_mesh"), halves):
+        axes = parse_mesh(getattr(config, key))
+        meshes.append(Mesh(devs.reshape(tuple(axes.values())), tuple(axes)))
+    experts = dict(num_experts=config.experts, num_experts_per_tok=2) if config.experts else {}
+    model_config = qwen3.ModelConfig(
+        num_layers=config.layers, vocab_size=config.vocab, embed_dim=config.d_model,
+        hidden_dim=config.ffn, num_heads=config.heads, head_dim=config.d_model // config.heads,
+        num_kv_heads=config.heads, rope_theta=1_000_000, norm_eps=1e-6, **experts,
+    )  # fmt: skip
+    states = []
+    for seed, mesh in enumerate(meshes):
+        graph, state = nnx.split(qwen3.Qwen3(model_config, rngs=nnx.Rngs(seed)))
+        shardings = jax.tree.map(lambda p, m=mesh: NamedSharding(m, PartitionSpec() if p is None else p),
+                                 nnx.get_partition_spec(state))  # fmt: skip
+        states.append(nnx.state(nnx.merge(graph, jax.device_put(state, shardings)), nnx.Param))
+    return states[0], states[1]
+
+
+def run_tunix(config, workdir: str) -> dict:
+    """The sync of tunix's ``sync_weights`` (trainer to sampler, tunix's own Qwen3 states) by
+    tunix's ``reshard_pytree`` and by redist's drop-in (``redist.integrations.tunix``), and, on
+    one device set, by XLA's reshard of the tree in one ``jit``; timed interleaved."""
+    import jax
+    import numpy as np
+
+    import redist
+    from experiments.measure import compile_stats, interleaved_times
+    from redist.integrations import tunix as redist_tunix
+
+    source, target = tunix_states(config)
+    src = jax.tree.map(lambda a: a.sharding, source)
+    dst = jax.tree.map(lambda a: a.sharding, target)
+    values = [np.asarray(a) for a in jax.tree.leaves(source)]
+    tunix_own = redist_tunix.tunix_reshard_pytree()
+
+    def tunix_path():  # on CPU its device_put copies through the host: allowed here
+        with jax.transfer_guard("allow"):
+            return tunix_own(source, target)
+
+    thunks = {"tunix": tunix_path, "redist": lambda: redist_tunix.reshard_pytree(source, target)}
+    result: dict = {"config": config.to_dict(), "methods": {}, "baseline": "tunix"}
+    if config.memory_budget_kib:
+        budget = int(config.memory_budget_kib * 1024)
+        result["budget_bytes"] = budget
+        thunks["redist_budget"] = lambda: redist_tunix.reshard_pytree(source, target,
+                                                                      memory_budget=budget)  # fmt: skip
+    if not config.disjoint:  # one device set: XLA's reshard, and both compiled programs' memory
+        xla = jax.jit(lambda p: p, out_shardings=dst)
+        thunks["xla"] = lambda: xla(source)
+        programs = {"redist": jax.jit(lambda p: redist.redistribute(p, src, dst)), "xla": xla}
+        for name, fn in programs.items():  # redist's is the program the drop-in runs
+            compiled, stats = compile_stats(fn, source)
+            result["methods"][name] = {"temp_bytes": stats.temp_bytes,
+                                       "collectives": stats.collective_kinds,
+                                       "collective_bytes": stats.collective_bytes,
+                                       "full_remat": stats.full_remat,
+                                       "held_bytes": held_bytes(compiled)}  # fmt: skip
+    result["param_bytes"] = sum(v.nbytes for v in values)
+    result["train_bytes_per_device"] = per_device(values, jax.tree.leaves(src))
+    result["serve_bytes_per_device"] = per_device(values, jax.tree.leaves(dst))
+    guard = (jax.transfer_guard_host_to_device, jax.transfer_guard_device_to_host)
+    for name, thunk in thunks.items():
+        if name == "tunix":
+            out = thunk()
+        else:  # as tunix's sync_weights runs it on CPU: no transfer between host and devices
+            with guard[0]("disallow_explicit"), guard[1]("disallow_explicit"):
+                out = thunk()
+        leaves = jax.tree.leaves(out)
+        same = all(np.array_equal(np.asarray(a), b) for a, b in zip(leaves, values))
+        placed = all(a.sharding.is_equivalent_to(s, a.ndim)
+                     for a, s in zip(leaves, jax.tree.leaves(dst)))  # fmt: skip
+        result["methods"].setdefault(name, {}).update(exact=same, placed=placed)
+    times = interleaved_times(list(thunks.values()), config.repeats, config.warmup,
+                              config.min_time_s)  # fmt: skip
+    for name, t in zip(thunks, times):
+        result["methods"][name]["time_s"] = t["median"]
+    base = result["methods"]["tunix"]["time_s"]
+    for m in result["methods"].values():
+        m["speedup_vs_tunix"] = base / m["time_s"]
+    return result
+
+
 def held_bytes(compiled) -> int:
     """What a device holds during the call: arguments, results and temporaries, less the
     result buffers that reuse donated arguments."""
@@ -111,6 +209,8 @@ def run(config, workdir: str) -> dict:
     import redist
     from experiments.measure import compile_stats, interleaved_times
 
+    if config.model == "tunix_qwen3":
+        return _written(run_tunix(config, workdir), workdir, config.figures)
     devices = np.array(jax.devices()[:8])
     meshes = {}
     for key in ("train_mesh", "serve_mesh"):
@@ -164,12 +264,17 @@ def run(config, workdir: str) -> dict:
     base = result["methods"]["xla"]["time_s"]
     for m in result["methods"].values():
         m["speedup_vs_xla"] = base / m["time_s"]
+    return _written(result, workdir, config.figures)
+
+
+def _written(result: dict, workdir: str, figures: bool) -> dict:
+    """``result`` written under ``workdir``: results.json, report.md, weight_sync.png."""
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     with open(os.path.join(workdir, "report.md"), "w") as f:
         f.write(markdown(result))
-    if config.figures:
+    if figures:
         figure(result, os.path.join(workdir, "weight_sync.png"))
     return result
 
@@ -179,8 +284,18 @@ def markdown(result: dict) -> str:
 
     c = result["config"]
     mib = 2**20
-    model = (f"{c['layers']} layers, d_model {c['d_model']}, ffn {c['ffn']}, vocab {c['vocab']}"
-             if c["model"] == "llama" else f"{c['model']} shrunk (experiments.frontier_weights)")  # fmt: skip
+    sizes = f"{c['layers']} layers, d_model {c['d_model']}, ffn {c['ffn']}, vocab {c['vocab']}"
+    model = {"llama": sizes,
+             "tunix_qwen3": f"tunix's own Qwen3 (tunix.models.qwen3), {sizes}"
+                            + (f", {c['experts']} experts" if c.get("experts") else "")
+             }.get(c["model"], f"{c['model']} shrunk (experiments.frontier_weights)")  # fmt: skip
+    base = result.get("baseline", "xla")
+    where = ("the first 4 devices to the other 4" if c.get("disjoint")
+             else "the same 8 devices")  # fmt: skip
+    tunix = (" `tunix` is tunix's own `reshard_pytree` (outside Pathways one `jax.device_put` of "
+             "the tree; on CPU a copy through the host), `redist` the drop-in "
+             "`redist.integrations.tunix.reshard_pytree`, run with tunix's CPU transfer guards."
+             if base == "tunix" else "")  # fmt: skip
     budget = (f" `redist_budget` moves the tree eagerly within {result['budget_bytes'] / mib:.2f} "
               "MiB in flight per device." if "budget_bytes" in result else "")  # fmt: skip
     lines = [
@@ -190,12 +305,12 @@ def markdown(result: dict) -> str:
         f"{c['dtype']}: {result['param_bytes'] / mib:.1f} MiB of parameters; per device "
         f"{result['train_bytes_per_device'] / mib:.2f} MiB when training, "
         f"{result['serve_bytes_per_device'] / mib:.2f} MiB when serving. "
-        f"Mesh `{c['train_mesh']}` to mesh `{c['serve_mesh']}` over the same 8 devices.{budget}",
+        f"Mesh `{c['train_mesh']}` to mesh `{c['serve_mesh']}` over {where}.{budget}{tunix}",
         "",
         "Temporary memory is the compiled program's scratch per device; held is what a device "
         "holds during the call (parameters in and out plus scratch, less donated buffers reused).",
         "",
-        "| method | exact | placed | time ms | vs XLA | temp MiB | held MiB | collectives |",
+        f"| method | exact | placed | time ms | vs {base} | temp MiB | held MiB | collectives |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in result["methods"].items():
@@ -205,7 +320,7 @@ def markdown(result: dict) -> str:
             held += f" ({m['held_bytes_donated'] / mib:.2f} donated)"
         colls = collectives_cell(m.get("collectives", {}), m.get("full_remat", False))
         lines.append(f"| {name} | {m['exact']} | {m['placed']} | {m['time_s'] * 1e3:.2f} | "
-                     f"{m['speedup_vs_xla']:.2f}x | {temp} | {held} | {colls} |")  # fmt: skip
+                     f"{m['speedup_vs_' + base]:.2f}x | {temp} | {held} | {colls} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

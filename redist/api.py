@@ -276,8 +276,11 @@ def redistribute(
     dst)``. Works eagerly, inside ``jax.jit`` and under ``jax.grad``. ``dst`` may be a
     ``NamedSharding`` on another mesh: over the same devices in the same order the move is
     planned on the prime factors of one of the meshes (inside ``jit`` too); over devices in
-    another order, or other devices, it is a direct device-to-device transfer of the pieces each
-    destination device lacks (eager only: JAX runs one jit on one device order). Onto devices of
+    another order, or other devices, it runs eagerly (JAX runs one jit on one device order): the
+    leaves are moved to ``dst``'s layout on their own devices in one program, then every tile is
+    copied whole to the device that holds it, device to device (where one device count divides
+    the other; otherwise each destination device receives the pieces of its tile it lacks,
+    :mod:`redist.transfer`). Onto devices of
     other processes (a trainer and an inference server under JAX's multi-controller runtime;
     every process calls ``redistribute``), each leaf is moved to ``dst``'s layout on its own
     devices by the plan, then every tile is handed over whole by JAX's cross-host transfers, all
@@ -336,7 +339,7 @@ def redistribute(
         ValueError / TypeError: naming the argument, dimension and axis for invalid layouts.
     """
     options = check_options(cost_model, fold_min_bytes, allow_auto=True)
-    budget = _checked_budget(memory_budget)
+    budget = checked_budget(memory_budget)
     src = _MISSING if dst is _MISSING else src_or_dst
     dst = src_or_dst if dst is _MISSING else dst
     if hasattr(x, "shape") and hasattr(x, "dtype") and budget is None:
@@ -371,16 +374,18 @@ def redistribute(
 
 
 def _moved(which, leaves, srcs, dsts, mesh, options, donate: bool) -> list:
-    """Leaves ``which`` moved, one by one, except moves to other processes' devices: those are
-    handed over together (:func:`redist.linear.hand_over`: one program, one batched transfer)."""
+    """Leaves ``which`` moved, one by one, except moves onto other devices (of this process or
+    others): those are handed over together where they can be staged (:func:`redist.linear.
+    hand_over`: one program, then every tile copied whole, one batched transfer)."""
     out, across = [], []
     for k in which:
         v, d = leaves[k], dsts[k]
         # (every process must take the same path: a move to or from other processes' devices)
-        elsewhere = not isinstance(v, jax.core.Tracer) and isinstance(d, NamedSharding) and \
-            not (d.is_fully_addressable and getattr(v, "is_fully_addressable", True))  # fmt: skip
+        elsewhere = not isinstance(v, jax.core.Tracer) and isinstance(d, NamedSharding) and (
+            not (d.is_fully_addressable and getattr(v, "is_fully_addressable", True))
+            or _other_devices(v, d))  # fmt: skip
         move = _reshard_of(v, srcs[k], d, mesh, options)[0] if elsewhere else None
-        if move is not None and move.across_processes:
+        if move is not None and (move.across_processes or move.eager_only and move.stageable):
             move.check_uneven(eager=True)
             across.append((len(out), v, move))
             out.append(None)
@@ -393,7 +398,15 @@ def _moved(which, leaves, srcs, dsts, mesh, options, donate: bool) -> list:
     return out
 
 
-def _checked_budget(memory_budget) -> int | None:
+def _other_devices(v, d: NamedSharding) -> bool:
+    """Whether array ``v`` lives on other devices than ``d``'s mesh lists (or in another order)."""
+    s = getattr(v, "sharding", None)
+    return isinstance(s, NamedSharding) and device_ids(s.mesh) != device_ids(d.mesh)
+
+
+def checked_budget(memory_budget) -> int | None:
+    """``memory_budget`` as whole bytes per device (``None`` stays ``None``), or a ``TypeError`` /
+    ``ValueError`` naming it."""
     if memory_budget is None:
         return None
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):

@@ -167,6 +167,16 @@ class Reshard:
         return self._route[0] in ("transfer", "stage")
 
     @property
+    def stageable(self) -> bool:
+        """Whether the move can be staged on ``x``'s devices and its tiles handed over whole
+        (:mod:`redist.handover`: one device count divides the other)."""
+        try:
+            self.staging.mesh  # noqa: B018 (checks the sizes)
+        except NotImplementedError:
+            return False
+        return True
+
+    @property
     def across_processes(self) -> bool:
         """Whether the move reaches devices of other processes (see :func:`hand_over`)."""
         return self._route[0] == "stage"

@@ -7,15 +7,22 @@ hold: the intersections of its tile with the source tiles (one copy of each, fro
 source device that holds it). Every element travels at most once to each device that needs it and
 never through the host's copy of the whole array.
 
-Memory: a destination device holds its tile, built up in place, plus the piece in flight; a source
-device holds its tile plus the slice it sends. So per device at most ``src tile + dst tile``, and
-``max(src tile, dst tile)`` plus one piece where a device is only a source or only a destination.
+Each source device cuts the pieces it sends in one program, every piece crosses in one batched
+``jax.device_put`` (device to device), and each destination device writes its pieces into its
+tile in one program: three dispatches per device set rather than three per piece (4 to 4 CPU
+devices, tunix's Qwen3 tree of 29 MiB: 116 ms one piece at a time).
+
+Memory: a source device holds its tile plus the pieces cut from it (a piece that is its whole
+tile is sent as it is), at most one tile more where each piece goes to one device; a destination
+device holds the pieces it received plus the tile they are written into, at most twice its tile.
 
 Example:
     >>> y = transfer(x, NamedSharding(serving_mesh, P(None, "tp")))  # doctest: +SKIP
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +36,27 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int
 def _overlap(a, b):
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return out if all(lo < hi for lo, hi in out) else None
+
+
+# Every program below takes its bounds as static arguments (compiled in): eagerly, a slice or an
+# update with Python ints sends the ints from the host, which tunix's sync on CPU forbids.
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cut(data: jax.Array, bounds: tuple) -> tuple[jax.Array, ...]:
+    """The pieces ``data[lo:hi, ...]`` for each ``((lo, hi), ...)`` of ``bounds``, in one program
+    on ``data``'s device."""
+    return tuple(jax.lax.slice(data, tuple(lo for lo, _ in b), tuple(hi for _, hi in b))
+                 for b in bounds)  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _assembled(pieces: tuple, starts: tuple, shape: tuple[int, ...], dtype) -> jax.Array:
+    """A tile of ``shape`` from ``pieces`` written at ``starts``, in one program on their device."""
+    tile = jnp.zeros(shape, dtype)
+    for piece, start in zip(pieces, starts):
+        tile = jax.lax.dynamic_update_slice(tile, piece, start)
+    return tile
 
 
 def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.Array:
@@ -48,26 +76,43 @@ def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.A
     shards = [(_bounds(sh.index, shape), sh.device, sh.data) for sh in x.addressable_shards]
     seen: set = set()
     sources = [s for s in shards if not (s[0] in seen or seen.add(s[0]))]  # one holder per tile
-    pieces = []
+    tiles: list = []  # per destination device: its array, or (sends, starts, shape, device)
+    cuts: dict[int, list] = {}  # source index -> bounds of the pieces it sends, in order
+    sends: list[tuple] = []  # (source index, index of its piece or None: whole, device)
     for device, index in dst.addressable_devices_indices_map(shape).items():
         want = _bounds(index, shape)
-        local = next((data for b, dev, data in sources if b == want and dev == device), None)
+        local = next((data for b, dev, data in shards if b == want and dev == device), None)
         if local is not None:  # the device already holds its tile
-            pieces.append(local)
+            tiles.append(local)
             continue
-        exact = next((data for b, _, data in sources if b == want), None)
-        if exact is not None:
-            pieces.append(jax.device_put(exact, device))
-            continue
-        tile = jnp.zeros(tuple(hi - lo for lo, hi in want), x.dtype, device=device)
-        for held, _, data in sources:
+        parts, starts = [], []
+        for k, (held, _, _) in enumerate(sources):
             part = _overlap(held, want)
             if part is None:
                 continue
-            piece = data[tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(part, held))]
-            start = tuple(lo - w0 for (lo, _), (w0, _) in zip(part, want))
-            tile = jax.lax.dynamic_update_slice(tile, jax.device_put(piece, device), start)
-        pieces.append(tile)
+            if part == held:  # the whole source tile: sent as it is
+                sends.append((k, None, device))
+            else:
+                cuts.setdefault(k, []).append(tuple((lo - h0, hi - h0)
+                                                    for (lo, hi), (h0, _) in zip(part, held)))  # fmt: skip
+                sends.append((k, len(cuts[k]) - 1, device))
+            parts.append(len(sends) - 1)
+            starts.append(tuple(lo - w0 for (lo, _), (w0, _) in zip(part, want)))
+        tiles.append((parts, tuple(starts), tuple(hi - lo for lo, hi in want), device))
+    cut = {k: _cut(sources[k][2], tuple(b)) for k, b in cuts.items()}  # each on its device
+    sent = jax.device_put(
+        [sources[k][2] if i is None else cut[k][i] for k, i, _ in sends], [d for _, _, d in sends]
+    )  # one batched call, device to device
+    pieces = []
+    for tile in tiles:
+        if not isinstance(tile, tuple):
+            pieces.append(tile)
+            continue
+        parts, starts, tile_shape, device = tile
+        if len(parts) == 1 and tile_shape == tuple(sent[parts[0]].shape):
+            pieces.append(sent[parts[0]])  # a whole source tile, copied
+        else:
+            pieces.append(_assembled(tuple(sent[i] for i in parts), starts, tile_shape, x.dtype))
     out = jax.make_array_from_single_device_arrays(shape, dst, pieces)
     if donate:
         kept = {id(p) for p in pieces}

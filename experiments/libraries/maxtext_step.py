@@ -40,7 +40,7 @@ REQUIREMENTS = (
     "jinja2==3.1.6",
     "aqtp==0.9.0",
     "tokamax==0.0.17",  # and qwix 0.1.8
-    "transformers==5.24.0",  # and huggingface_hub 2.4.0
+    "transformers==5.12.1",  # the newest beside google-tunix 0.1.7 (safetensors < 0.8)
     "grain==0.2.18",
     "drjax==0.2.1",
     "pillow==13.0.0",

@@ -92,6 +92,9 @@ def test_other_devices_and_errors():
         # an eager jax.grad runs the transfer and its reverse eagerly
         g = jax.grad(lambda v, dst=dst: (redist.redistribute(v, dst) ** 2).sum())(x)
         _check(g, 2 * arr, NamedSharding(first, P("i")))
+    # 4 devices to 3: no staging (neither count divides the other), pieces sent to each device
+    three = NamedSharding(Mesh(DEVICES[5:], ("t",)), P(None, None))
+    _check(redist.redistribute(x, three), arr, three)
     reordered = NamedSharding(Mesh(DEVICES[[1, 0, 3, 2]], ("i",)), P("i"))
     with pytest.raises(ValueError, match="same order"):
         jax.jit(lambda v: redist.redistribute(v, NamedSharding(first, P("i")), reordered))(x)
