@@ -92,6 +92,13 @@ _FOLDERS = [
         Run("weight_sync", "weight_sync/frontier_small", (("config.model", "deepseek_v3"),),
             sub="deepseek_v3")), Needs.HOST, 0.5,
         "Qwen3-235B's and DeepSeek-V3's trees shrunk to 8 CPU devices, timed"),
+    Folder("weight_sync_tunix", (
+        Run("weight_sync", "weight_sync/tunix", sub="qwen3"),
+        Run("weight_sync", "weight_sync/tunix", (("config.experts", "8"),), sub="qwen3_moe"),
+        Run("weight_sync", "weight_sync/tunix", (("config.disjoint", "True"),
+            ("config.train_mesh", "fsdp:4,tp:1"), ("config.serve_mesh", "fsdp:1,tp:4")),
+            sub="qwen3_disjoint")), Needs.HOST, 2,
+        "tunix's own Qwen3 (google-tunix 0.1.7), its trainer's mesh to its sampler's"),
     Folder("weight_sync_disaggregated", (
         Run("weight_sync_disaggregated", "weight_sync/disaggregated", sub="qwen3_235b"),
         Run("weight_sync_disaggregated", "weight_sync/disaggregated",
@@ -166,6 +173,8 @@ _FOLDERS = [
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "deepseek3_671b_v5p_1024"),
                                                 ("config.strategies", "searched_variants"),
                                                 ("config.remeasure", "searched_variants"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "qwen3_235b_v5p_512"),
+                                                ("config.strategies", "on_its_own"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the commands from the third on (MaxText's own step, "
@@ -184,11 +193,12 @@ _FOLDERS = [
        "DeepSeek-V3's rows took 40 min each, beside each other); the one after it measures "
        "DeepSeek-V3's plans again, each program judged by what it allocates in HBM (96 min, "
        "beside the tests and other runs), the one after it MaxText's own compile of that recipe "
-       "so (35 min beside the tests; run for Llama 3.1 405B on v6e too, 13 min), the last "
+       "so (35 min beside the tests; run for Llama 3.1 405B on v6e too, 13 min), the next "
        "DeepSeek-V3's variant row again, the own settings' plan taken from the searched row, "
        "its search replayed (72 min beside the tests and other runs; 47 min once its memory model "
        "held the last layer's deferred weight gradients, no ring plan then predicted within the "
-       "limit, so the plan of least predicted memory compiled)"),
+       "limit, so the plan of least predicted memory compiled), the last Qwen3-235B's plan on "
+       "its own (constraints='drop', compare=None; 7 min)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 5,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
     Folder("ranking", (Run("ranking", "ranking/default"),), Needs.LIBRARIES, 5,
