@@ -97,7 +97,7 @@ _FOLDERS = [
         Run("weight_sync", "weight_sync/tunix", (("config.experts", "8"),), sub="qwen3_moe"),
         Run("weight_sync", "weight_sync/tunix", (("config.disjoint", "True"),
             ("config.train_mesh", "fsdp:4,tp:1"), ("config.serve_mesh", "fsdp:1,tp:4")),
-            sub="qwen3_disjoint")), Needs.HOST, 2,
+            sub="qwen3_disjoint")), Needs.HOST, 8,
         "tunix's own Qwen3 (google-tunix 0.1.7), its trainer's mesh to its sampler's"),
     Folder("weight_sync_disaggregated", (
         Run("weight_sync_disaggregated", "weight_sync/disaggregated", sub="qwen3_235b"),

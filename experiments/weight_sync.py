@@ -86,37 +86,64 @@ def layouts(params) -> tuple[dict, dict]:
 
 
 def tunix_states(config):
-    """tunix's own Qwen3 (``tunix.models.qwen3``, built from ``config``'s sizes, no weights
-    downloaded; ``config.experts`` > 0: its mixture of experts) placed as tunix places a model
-    on a mesh (its parameters' partition specs over ``fsdp`` and ``tp``): its ``nnx.Param``
-    state on the trainer mesh and on the sampler mesh (``config.disjoint``: the trainer on the
-    first 4 devices, the sampler on the other 4), as tunix's ``sync_weights`` hands them to
+    """tunix's own Qwen3 (:mod:`experiments.libraries.tunix_grpo`, ``config``'s sizes;
+    ``config.experts`` > 0: its mixture of experts) placed as tunix places a model on a mesh
+    (its parameters' partition specs over ``fsdp`` and ``tp``): its ``nnx.Param`` state on the
+    trainer mesh and on the sampler mesh (``config.disjoint``: the trainer on the first 4
+    devices, the sampler on the other 4), as tunix's ``sync_weights`` hands them to
     ``reshard_pytree``."""
     import jax
     import numpy as np
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    from tunix.models.qwen3 import model as qwen3
+    from jax.sharding import Mesh
+
+    from experiments.libraries import tunix_grpo
 
     devices = np.array(jax.devices()[:8])
     halves = (devices[:4], devices[4:]) if config.disjoint else (devices, devices)
-    meshes = []
-    for key, devs in zip(("train_mesh", "serve_mesh"), halves):
-        axes = parse_mesh(getattr(config, key))
-        meshes.append(Mesh(devs.reshape(tuple(axes.values())), tuple(axes)))
-    experts = dict(num_experts=config.experts, num_experts_per_tok=2) if config.experts else {}
-    model_config = qwen3.ModelConfig(
-        num_layers=config.layers, vocab_size=config.vocab, embed_dim=config.d_model,
-        hidden_dim=config.ffn, num_heads=config.heads, head_dim=config.d_model // config.heads,
-        num_kv_heads=config.heads, rope_theta=1_000_000, norm_eps=1e-6, **experts,
-    )  # fmt: skip
+    model = _tunix_model(config)
     states = []
-    for seed, mesh in enumerate(meshes):
-        graph, state = nnx.split(qwen3.Qwen3(model_config, rngs=nnx.Rngs(seed)))
-        shardings = jax.tree.map(lambda p, m=mesh: NamedSharding(m, PartitionSpec() if p is None else p),
-                                 nnx.get_partition_spec(state))  # fmt: skip
-        states.append(nnx.state(nnx.merge(graph, jax.device_put(state, shardings)), nnx.Param))
+    for seed, (key, devs) in enumerate(zip(("train_mesh", "serve_mesh"), halves)):
+        axes = parse_mesh(getattr(config, key))
+        mesh = Mesh(devs.reshape(tuple(axes.values())), tuple(axes))
+        states.append(nnx.state(tunix_grpo.placed(model, mesh, seed), nnx.Param))
     return states[0], states[1]
+
+
+def _tunix_model(config):
+    from experiments.libraries import tunix_grpo
+
+    return tunix_grpo.qwen3_config(config.layers, config.vocab, config.d_model, config.ffn,
+                                   config.heads, config.experts)  # fmt: skip
+
+
+def tunix_loop(config) -> dict:
+    """tunix's GRPO loop on the same model (:func:`experiments.libraries.tunix_grpo.train`),
+    ``config.loop_steps`` updates each followed by a sync, run with tunix's sync and with
+    redist's, twice each, alternately: every sync's seconds (the first of a run compiles and is
+    left out) and whether the sampler's weights and log-probabilities agree."""
+    import numpy as np
+
+    from experiments.libraries import tunix_grpo
+
+    kind = "disjoint" if config.disjoint else "colocated"
+    runs: dict = {"tunix": [], "redist": []}
+    for _ in range(2):
+        for sync in runs:
+            runs[sync].append(tunix_grpo.train(_tunix_model(config), kind, config.loop_steps, sync))
+    out: dict = {"steps": config.loop_steps, "meshes": kind}
+    for sync, rs in runs.items():
+        warm = [t for r in rs for t in r.sync_s[1:]]
+        out[sync] = {"sync_s_median": float(np.median(warm)), "syncs": len(warm)}
+    a, b = runs["redist"][0], runs["tunix"][0]
+    import jax
+
+    out["same_sampler_weights"] = all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a.sampler_weights), jax.tree.leaves(b.sampler_weights))
+    )
+    out["same_logps"] = bool(np.array_equal(a.logps, b.logps))
+    return out
 
 
 def run_tunix(config, workdir: str) -> dict:
@@ -127,7 +154,7 @@ def run_tunix(config, workdir: str) -> dict:
     import numpy as np
 
     import redist
-    from experiments.measure import compile_stats, interleaved_times
+    from experiments.measure import compile_stats
     from redist.integrations import tunix as redist_tunix
 
     source, target = tunix_states(config)
@@ -161,25 +188,11 @@ def run_tunix(config, workdir: str) -> dict:
     result["param_bytes"] = sum(v.nbytes for v in values)
     result["train_bytes_per_device"] = per_device(values, jax.tree.leaves(src))
     result["serve_bytes_per_device"] = per_device(values, jax.tree.leaves(dst))
-    guard = (jax.transfer_guard_host_to_device, jax.transfer_guard_device_to_host)
-    for name, thunk in thunks.items():
-        if name == "tunix":
-            out = thunk()
-        else:  # as tunix's sync_weights runs it on CPU: no transfer between host and devices
-            with guard[0]("disallow_explicit"), guard[1]("disallow_explicit"):
-                out = thunk()
-        leaves = jax.tree.leaves(out)
-        same = all(np.array_equal(np.asarray(a), b) for a, b in zip(leaves, values))
-        placed = all(a.sharding.is_equivalent_to(s, a.ndim)
-                     for a, s in zip(leaves, jax.tree.leaves(dst)))  # fmt: skip
-        result["methods"].setdefault(name, {}).update(exact=same, placed=placed)
-    times = interleaved_times(list(thunks.values()), config.repeats, config.warmup,
-                              config.min_time_s)  # fmt: skip
-    for name, t in zip(thunks, times):
-        result["methods"][name]["time_s"] = t["median"]
-    base = result["methods"]["tunix"]["time_s"]
-    for m in result["methods"].values():
-        m["speedup_vs_tunix"] = base / m["time_s"]
+    # redist's as tunix's sync_weights runs it on CPU: no transfer between host and devices
+    checked_and_timed(result, thunks, values, jax.tree.leaves(dst), config, "tunix",
+                      guarded=[n for n in thunks if n != "tunix"])  # fmt: skip
+    if config.loop_steps:
+        result["loop"] = tunix_loop(config)
     return result
 
 
@@ -207,7 +220,7 @@ def run(config, workdir: str) -> dict:
     from jax.sharding import Mesh, NamedSharding
 
     import redist
-    from experiments.measure import compile_stats, interleaved_times
+    from experiments.measure import compile_stats
 
     if config.model == "tunix_qwen3":
         return _written(run_tunix(config, workdir), workdir, config.figures)
@@ -250,21 +263,39 @@ def run(config, workdir: str) -> dict:
         budget = int(config.memory_budget_kib * 1024)
         result["budget_bytes"] = budget
         thunks["redist_budget"] = lambda: redist.redistribute(x, src, dst, memory_budget=budget)
+    checked_and_timed(result, thunks, jax.tree.leaves(params), jax.tree.leaves(dst), config, "xla")
+    return _written(result, workdir, config.figures)
+
+
+def checked_and_timed(result: dict, thunks: dict, values: list, dsts: list, config,
+                      baseline: str, guarded: tuple | list = ()) -> None:  # fmt: skip
+    """Each thunk's result checked leaf by leaf against ``values`` (exact) and ``dsts``
+    (placed), those named in ``guarded`` run with transfers between host and devices
+    forbidden; then all timed interleaved, with speed-ups against ``baseline``'s time, into
+    ``result["methods"]``."""
+    import jax
+    import numpy as np
+
+    from experiments.measure import interleaved_times
+
     for name, thunk in thunks.items():
-        out = thunk()
-        same = all(np.array_equal(np.asarray(a), b)
-                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params)))  # fmt: skip
-        placed = all(a.sharding.is_equivalent_to(s, a.ndim)
-                     for a, s in zip(jax.tree.leaves(out), jax.tree.leaves(dst)))  # fmt: skip
+        if name in guarded:
+            with jax.transfer_guard_host_to_device("disallow_explicit"), \
+                    jax.transfer_guard_device_to_host("disallow_explicit"):  # fmt: skip
+                out = thunk()
+        else:
+            out = thunk()
+        leaves = jax.tree.leaves(out)
+        same = all(np.array_equal(np.asarray(a), b) for a, b in zip(leaves, values))
+        placed = all(a.sharding.is_equivalent_to(s, a.ndim) for a, s in zip(leaves, dsts))
         result["methods"].setdefault(name, {}).update(exact=same, placed=placed)
     times = interleaved_times(list(thunks.values()), config.repeats, config.warmup,
                               config.min_time_s)  # fmt: skip
     for name, t in zip(thunks, times):
         result["methods"][name]["time_s"] = t["median"]
-    base = result["methods"]["xla"]["time_s"]
+    base = result["methods"][baseline]["time_s"]
     for m in result["methods"].values():
-        m["speedup_vs_xla"] = base / m["time_s"]
-    return _written(result, workdir, config.figures)
+        m[f"speedup_vs_{baseline}"] = base / m["time_s"]
 
 
 def _written(result: dict, workdir: str, figures: bool) -> dict:
@@ -321,6 +352,17 @@ def markdown(result: dict) -> str:
         colls = collectives_cell(m.get("collectives", {}), m.get("full_remat", False))
         lines.append(f"| {name} | {m['exact']} | {m['placed']} | {m['time_s'] * 1e3:.2f} | "
                      f"{m['speedup_vs_' + base]:.2f}x | {temp} | {held} | {colls} |")  # fmt: skip
+    if "loop" in result:
+        lp = result["loop"]
+        t, r = lp["tunix"], lp["redist"]
+        lines += ["", f"In tunix's own GRPO loop (`experiments.libraries.tunix_grpo`, the same "
+                  f"model, {lp['steps']} updates per run, two runs each way, alternately), each "
+                  f"sync timed to its result: tunix {t['sync_s_median'] * 1e3:.2f} ms, redist "
+                  f"{r['sync_s_median'] * 1e3:.2f} ms (medians of {t['syncs']} / {r['syncs']} "
+                  "syncs, each run's first, which compiles, left out); the sampler's weights "
+                  f"{'equal' if lp['same_sampler_weights'] else 'DIFFER'} and its "
+                  f"log-probabilities {'equal' if lp['same_logps'] else 'DIFFER'} after the "
+                  "loop."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

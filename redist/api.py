@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -197,7 +198,32 @@ def _redistribute_array(x, src, dst, mesh, options, donate: bool):
 
 def _reshard_of(x, src, dst, mesh, options) -> tuple[Reshard, Any, Any, NamedSharding]:
     """``(move, mesh, source type, target)`` of moving ``x`` from ``src`` to ``dst``, validated
-    and synthesized (bad layouts raise here, naming the argument)."""
+    and synthesized (bad layouts raise here, naming the argument). For a placed array it is
+    cached by what it depends on (its shape, dtype and sharding, the layouts, the mesh and the
+    options): a weight sync's second call of a tree validates nothing again."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
+            isinstance(x.sharding, NamedSharding):  # fmt: skip
+        if x.is_deleted():
+            raise ValueError(
+                "x was deleted (donated to an earlier call, or deleted by hand); pass a live "
+                "array, or keep the input with donate=False"
+            )
+        try:
+            return _placed_reshard_of(tuple(x.shape), x.dtype, x.sharding, src, dst, mesh, options)
+        except TypeError as e:  # an unhashable layout or mesh: validated uncached below
+            if "unhashable" not in str(e):
+                raise
+    return _uncached_reshard_of(x, src, dst, mesh, options)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed_reshard_of(shape, dtype, sharding, src, dst, mesh, options):
+    """:func:`_reshard_of` of a placed array of ``shape``, ``dtype`` and ``sharding``."""
+    x = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return _uncached_reshard_of(x, src, dst, mesh, options)
+
+
+def _uncached_reshard_of(x, src, dst, mesh, options) -> tuple[Reshard, Any, Any, NamedSharding]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"x must be a JAX array (or a pytree of them), got {type(x).__name__}")
     given_src = None if src is _MISSING else _pspec(src, "src")

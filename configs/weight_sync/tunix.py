@@ -20,4 +20,5 @@ def get_config():
     c.train_mesh = "fsdp:8,tp:1"  # tunix's axis names; 4 devices each where disjoint
     c.serve_mesh = "fsdp:2,tp:4"  # the sampler's data x tensor
     c.memory_budget_kib = 4096.0
+    c.loop_steps = 4  # > 0: also tunix's GRPO loop with each sync, its syncs timed
     return c

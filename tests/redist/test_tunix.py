@@ -15,38 +15,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 tunix_reshard = pytest.importorskip("tunix.rl.reshard")
 
 from flax import nnx  # noqa: E402
-from tunix.models.qwen3 import model as qwen3  # noqa: E402
 
+from experiments.libraries import tunix_grpo  # noqa: E402
 from redist.integrations import tunix as redist_tunix  # noqa: E402
 
-_CONFIG = qwen3.ModelConfig(num_layers=2, vocab_size=32, embed_dim=64, hidden_dim=128,
-                            num_heads=4, head_dim=16, num_kv_heads=4, rope_theta=10_000,
-                            norm_eps=1e-6)  # fmt: skip
-
-
-def _meshes(kind: str) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
-    """(trainer, sampler): FSDP 8 to data 2 x tensor 4 on the same devices, or FSDP over 4
-    devices to tensor 4 over the other 4."""
-    d = np.array(jax.devices())
-    if kind == "colocated":
-        return (jax.sharding.Mesh(d.reshape(8, 1), ("fsdp", "tp")),
-                jax.sharding.Mesh(d.reshape(2, 4), ("fsdp", "tp")))  # fmt: skip
-    return (jax.sharding.Mesh(d[:4].reshape(4, 1), ("fsdp", "tp")),
-            jax.sharding.Mesh(d[4:].reshape(1, 4), ("fsdp", "tp")))  # fmt: skip
-
-
-def _placed(model: nnx.Module, mesh) -> nnx.Module:
-    """``model`` with its parameters on ``mesh`` in the layouts its own annotations name."""
-    graph, state = nnx.split(model)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec() if s is None else s),
-                             nnx.get_partition_spec(state))  # fmt: skip
-    return nnx.merge(graph, jax.device_put(state, shardings))
+_CONFIG = tunix_grpo.qwen3_config()  # 2 layers, width 64, vocab 32
+_meshes = tunix_grpo.meshes
 
 
 def _states(kind: str):
     trainer, sampler = _meshes(kind)
-    source = nnx.state(_placed(qwen3.Qwen3(_CONFIG, rngs=nnx.Rngs(0)), trainer), nnx.Param)
-    target = nnx.state(_placed(qwen3.Qwen3(_CONFIG, rngs=nnx.Rngs(1)), sampler), nnx.Param)
+    source = nnx.state(tunix_grpo.placed(_CONFIG, trainer, seed=0), nnx.Param)
+    target = nnx.state(tunix_grpo.placed(_CONFIG, sampler, seed=1), nnx.Param)
     return source, target
 
 
@@ -102,6 +82,12 @@ def test_reshard_pytree_refuses_a_target_of_another_structure():
     source, target = _states("colocated")
     with pytest.raises(ValueError, match="target must have the structure of source"):
         redist_tunix.reshard_pytree(source, [target, target])
+    with pytest.raises(
+        ValueError,
+        match=r"less than what moving x\['embedder'\]\['input_embedd"
+        r"ing'\]\.value holds in flight, \d+ B per device",
+    ):
+        redist_tunix.reshard_pytree(source, target, memory_budget=1024)  # the leaf, its bytes
     with pytest.raises(TypeError, match="target leaves must be jax.Array or jax.sharding"):
         redist_tunix.reshard_pytree({"w": jnp.ones(2)}, {"w": "fsdp"})
 
@@ -127,67 +113,13 @@ def test_install_routes_every_binding_of_tunix_s_function_and_uninstall_restores
         redist_tunix.uninstall()
 
 
-def _grpo_run(kind: str, with_redist: bool):
-    """tunix's GRPO learner on its Qwen3 (2 layers) with the vanilla rollout, trainer and
-    sampler on ``kind``'s meshes, 2 policy updates with a weight sync after each: the sampler's
-    parameters and its log-probabilities of a fixed completion."""
-    import optax
-    from grain import python as grain
-    from tunix.rl import rl_cluster
-    from tunix.rl.grpo import grpo_learner
-    from tunix.rl.rollout import base_rollout
-    from tunix.tests import test_common
-
-    words = dict(test_common.MockVocab.DEFAULT_MAPPING)
-    words.update({f"w{i}": i for i in range(len(words), _CONFIG.vocab_size)})
-    vocab = test_common.MockVocab(words)
-    trainer, sampler = _meshes(kind)
-    actor = _placed(qwen3.Qwen3(_CONFIG, rngs=nnx.Rngs(0)), trainer)
-    reference = _placed(qwen3.Qwen3(_CONFIG, rngs=nnx.Rngs(0)), trainer)
-    roles = {rl_cluster.Role.ACTOR: trainer, rl_cluster.Role.REFERENCE: trainer,
-             rl_cluster.Role.ROLLOUT: sampler}  # fmt: skip
-    config = rl_cluster.ClusterConfig(
-        role_to_mesh=roles, rollout_engine="vanilla", offload_to_cpu=False,
-        training_config=rl_cluster.RLTrainingConfig(actor_optimizer=optax.sgd(1e-2),
-                                                    eval_every_n_steps=100, max_steps=2),
-        rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=4, max_prompt_length=8,
-                                                  kv_cache_size=32, temperature=0.9, seed=0),
-    )  # fmt: skip
-    cluster = rl_cluster.RLCluster(actor=actor, reference=reference, tokenizer=vocab,
-                                   cluster_config=config)  # fmt: skip
-    learner = grpo_learner.GRPOLearner(
-        rl_cluster=cluster, algo_config=grpo_learner.GRPOConfig(num_generations=2),
-        reward_fns=lambda completions, **_: jnp.arange(len(completions), dtype=jnp.float32),
-    )  # fmt: skip
-    prompts = ["input string", "hello world", "My name", "hello there"]
-    data = grain.MapDataset.source(prompts).batch(2).map(lambda x: {"prompts": x, "answer": x})
-    if with_redist:
-        with redist_tunix.installed():
-            learner.train(data)
-    else:  # tunix's own sync; on CPU its device_put goes through the host, which it forbids
-        synced = tunix_reshard.reshard_pytree
-
-        def allowed(*args, **kwargs):
-            with jax.transfer_guard("allow"):
-                return synced(*args, **kwargs)
-
-        tunix_reshard.reshard_pytree = allowed
-        try:
-            learner.train(data)
-        finally:
-            tunix_reshard.reshard_pytree = synced
-    assert cluster.global_steps == 2
-    weights = nnx.state(cluster.rollout.model(), nnx.Param)
-    tokens = jnp.array([[1, 5, 6, 3]]), jnp.array([[4, 8, 2, 0]])
-    return weights, np.asarray(cluster.rollout.get_per_token_logps(*tokens)), cluster
-
-
 @pytest.mark.parametrize("kind", ["colocated", "disjoint"])
 def test_tunix_s_grpo_loop_with_redist_s_sync_trains_as_with_tunix_s(kind):
-    weights, logps, cluster = _grpo_run(kind, with_redist=True)
-    want_weights, want_logps, _ = _grpo_run(kind, with_redist=False)
-    _assert_same(weights, want_weights)  # the sampler's weights, in the sampler's layouts
-    np.testing.assert_array_equal(logps, want_logps)
-    actor = nnx.state(cluster.actor_trainer.model, nnx.Param)
-    for w, a in zip(jax.tree.leaves(weights), jax.tree.leaves(actor)):
+    runs = [tunix_grpo.train(_CONFIG, kind, steps=2, sync=s) for s in ("redist", "tunix")]
+    assert [r.global_steps for r in runs] == [2, 2] and [len(r.sync_s) for r in runs] == [2, 2]
+    _assert_same(runs[0].sampler_weights, runs[1].sampler_weights)  # in the sampler's layouts
+    np.testing.assert_array_equal(runs[0].logps, runs[1].logps)
+    for w, a in zip(
+        jax.tree.leaves(runs[0].sampler_weights), jax.tree.leaves(runs[0].actor_weights)
+    ):
         np.testing.assert_array_equal(np.asarray(w), np.asarray(a))  # the last update, synced
