@@ -17,7 +17,8 @@ nothing::
     ...
     redist_tunix.uninstall()                      # tunix's own again
 
-tunix 0.1.7 (the newest release) has no hook for another backend: :func:`install` replaces
+tunix 0.1.7 (the newest release) has no hook for another backend (a newer tunix takes a list
+of backend factories, ``reshard_fns=``, where :func:`backend` fits): :func:`install` replaces
 ``tunix.rl.reshard.reshard_pytree`` and every module-level name already bound to it (a module
 that ran ``from tunix.rl.reshard import reshard_pytree``, as MaxText's vLLM integration does). A
 caller that passes tunix's own ``reshard_fns`` backend list (newer tunix) and any call under
@@ -210,6 +211,26 @@ def reshard_pytree(
         len(rest), time.time() - start,
     )  # fmt: skip
     return jax.tree.unflatten(treedef, out)
+
+
+def backend(
+    *,
+    cache_resharding_plans: bool = True,
+    donate: bool = False,
+    use_experimental_pre_reshard: bool = False,
+    memory_budget: int | None = None,
+    cost_model: str = AUTO,
+) -> Callable:
+    """redist as one of tunix's reshard backends: a factory of the kind tunix's
+    ``_get_reshard_fn`` tries in order (newer tunix takes a list of them as ``reshard_fns=``),
+    returning ``(tree, shardings) -> tree moved`` (:func:`reshard_pytree`).
+
+    Example:
+        >>> reshard.reshard_pytree(src, dst, reshard_fns=[backend])  # doctest: +SKIP
+    """
+    del cache_resharding_plans, use_experimental_pre_reshard  # see reshard_pytree
+    return functools.partial(reshard_pytree, donate_input=donate, memory_budget=memory_budget,
+                             cost_model=cost_model)  # fmt: skip
 
 
 def tunix_reshard_pytree() -> Callable:

@@ -92,6 +92,15 @@ def test_reshard_pytree_refuses_a_target_of_another_structure():
         redist_tunix.reshard_pytree({"w": jnp.ones(2)}, {"w": "fsdp"})
 
 
+def test_backend_is_a_factory_tunix_s_own_backend_selection_takes():
+    source, target = _states("colocated")
+    move = tunix_reshard._get_reshard_fn(cache_resharding_plans=True, donate=False,
+                                         use_experimental_pre_reshard=True,
+                                         get_reshard_fns=[redist_tunix.backend])  # fmt: skip
+    _assert_same(move(source, jax.tree.map(lambda a: a.sharding, target)),
+                 _tunix_s(source, target))  # fmt: skip
+
+
 def test_install_routes_every_binding_of_tunix_s_function_and_uninstall_restores_it():
     original = tunix_reshard.reshard_pytree
     assert original is redist_tunix.tunix_reshard_pytree()  # importing redist patched nothing
