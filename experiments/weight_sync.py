@@ -120,18 +120,19 @@ def _tunix_model(config):
 def tunix_loop(config) -> dict:
     """tunix's GRPO loop on the same model (:func:`experiments.libraries.tunix_grpo.train`),
     ``config.loop_steps`` updates each followed by a sync, run with tunix's sync and with
-    redist's, twice each, alternately: every sync's seconds (the first of a run compiles and is
-    left out) and whether the sampler's weights and log-probabilities agree."""
+    redist's, ``config.loop_rounds`` times each, alternately: every sync's seconds (the first of
+    a run compiles and is left out) and whether the sampler's weights and log-probabilities
+    agree."""
     import numpy as np
 
     from experiments.libraries import tunix_grpo
 
     kind = "disjoint" if config.disjoint else "colocated"
     runs: dict = {"tunix": [], "redist": []}
-    for _ in range(2):
+    for _ in range(config.loop_rounds):
         for sync in runs:
             runs[sync].append(tunix_grpo.train(_tunix_model(config), kind, config.loop_steps, sync))
-    out: dict = {"steps": config.loop_steps, "meshes": kind}
+    out: dict = {"steps": config.loop_steps, "rounds": config.loop_rounds, "meshes": kind}
     for sync, rs in runs.items():
         warm = [t for r in rs for t in r.sync_s[1:]]
         out[sync] = {"sync_s_median": float(np.median(warm)), "syncs": len(warm)}
@@ -172,8 +173,9 @@ def run_tunix(config, workdir: str) -> dict:
     if config.memory_budget_kib:
         budget = int(config.memory_budget_kib * 1024)
         result["budget_bytes"] = budget
-        thunks["redist_budget"] = lambda: redist_tunix.reshard_pytree(source, target,
-                                                                      memory_budget=budget)  # fmt: skip
+        thunks["redist_budget"] = lambda: redist_tunix.reshard_pytree(
+            source, target, memory_budget=budget
+        )
     if not config.disjoint:  # one device set: XLA's reshard, and both compiled programs' memory
         xla = jax.jit(lambda p: p, out_shardings=dst)
         thunks["xla"] = lambda: xla(source)
@@ -356,8 +358,9 @@ def markdown(result: dict) -> str:
         lp = result["loop"]
         t, r = lp["tunix"], lp["redist"]
         lines += ["", f"In tunix's own GRPO loop (`experiments.libraries.tunix_grpo`, the same "
-                  f"model, {lp['steps']} updates per run, two runs each way, alternately), each "
-                  f"sync timed to its result: tunix {t['sync_s_median'] * 1e3:.2f} ms, redist "
+                  f"model, {lp['steps']} updates per run, {lp.get('rounds', 2)} runs each way, "
+                  "alternately), each sync timed to its result: tunix "
+                  f"{t['sync_s_median'] * 1e3:.2f} ms, redist "
                   f"{r['sync_s_median'] * 1e3:.2f} ms (medians of {t['syncs']} / {r['syncs']} "
                   "syncs, each run's first, which compiles, left out); the sampler's weights "
                   f"{'equal' if lp['same_sampler_weights'] else 'DIFFER'} and its "

@@ -93,8 +93,8 @@ def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.A
             if part == held:  # the whole source tile: sent as it is
                 sends.append((k, None, device))
             else:
-                cuts.setdefault(k, []).append(tuple((lo - h0, hi - h0)
-                                                    for (lo, hi), (h0, _) in zip(part, held)))  # fmt: skip
+                bounds = tuple((lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(part, held))
+                cuts.setdefault(k, []).append(bounds)
                 sends.append((k, len(cuts[k]) - 1, device))
             parts.append(len(sends) - 1)
             starts.append(tuple(lo - w0 for (lo, _), (w0, _) in zip(part, want)))

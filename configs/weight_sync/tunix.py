@@ -21,4 +21,5 @@ def get_config():
     c.serve_mesh = "fsdp:2,tp:4"  # the sampler's data x tensor
     c.memory_budget_kib = 4096.0
     c.loop_steps = 4  # > 0: also tunix's GRPO loop with each sync, its syncs timed
+    c.loop_rounds = 2  # runs of the loop with each sync, alternately
     return c

@@ -45,7 +45,8 @@ def qwen3_config(layers: int = 2, vocab: int = 32, d_model: int = 64, ffn: int =
     moe = dict(num_experts=experts, num_experts_per_tok=2) if experts else {}
     return qwen3.ModelConfig(num_layers=layers, vocab_size=vocab, embed_dim=d_model,
                              hidden_dim=ffn, num_heads=heads, head_dim=d_model // heads,
-                             num_kv_heads=heads, rope_theta=1_000_000, norm_eps=1e-6, **moe)  # fmt: skip
+                             num_kv_heads=heads, rope_theta=1_000_000, norm_eps=1e-6,
+                             **moe)  # fmt: skip
 
 
 def placed(config, mesh, seed: int = 0):

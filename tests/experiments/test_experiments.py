@@ -116,6 +116,22 @@ def test_weight_sync_smoke(tmp_path):
     assert "redist" in (tmp_path / "report.md").read_text()
 
 
+def test_weight_sync_of_tunix_s_qwen3_against_tunix_s_own_sync(tmp_path):
+    pytest.importorskip("tunix")
+    from configs.weight_sync import tunix
+    from experiments import weight_sync
+
+    config = tunix.get_config()
+    config.update(layers=1, d_model=64, ffn=128, vocab=64, repeats=1, warmup=0, min_time_s=0.0,
+                  figures=False, memory_budget_kib=64.0, loop_steps=2, loop_rounds=1)  # fmt: skip
+    result = weight_sync.run(config, str(tmp_path))
+    for name in ("tunix", "redist", "redist_budget", "xla"):
+        assert result["methods"][name]["exact"] and result["methods"][name]["placed"], name
+    loop = result["loop"]
+    assert loop["same_sampler_weights"] and loop["same_logps"] and loop["redist"]["syncs"] == 1
+    assert "tunix's own GRPO loop" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.parametrize("model", ["qwen3_235b", "deepseek_v3"])
 def test_weight_sync_of_a_frontier_tree_shrunk_is_exact_within_its_budget(model, tmp_path):
     from configs.weight_sync import frontier_small
