@@ -155,7 +155,6 @@ def run_tunix(config, workdir: str) -> dict:
     import numpy as np
 
     import redist
-    from experiments.measure import compile_stats
     from redist.integrations import tunix as redist_tunix
 
     source, target = tunix_states(config)
@@ -181,12 +180,7 @@ def run_tunix(config, workdir: str) -> dict:
         thunks["xla"] = lambda: xla(source)
         programs = {"redist": jax.jit(lambda p: redist.redistribute(p, src, dst)), "xla": xla}
         for name, fn in programs.items():  # redist's is the program the drop-in runs
-            compiled, stats = compile_stats(fn, source)
-            result["methods"][name] = {"temp_bytes": stats.temp_bytes,
-                                       "collectives": stats.collective_kinds,
-                                       "collective_bytes": stats.collective_bytes,
-                                       "full_remat": stats.full_remat,
-                                       "held_bytes": held_bytes(compiled)}  # fmt: skip
+            result["methods"][name] = compiled_row(fn, source)
     result["param_bytes"] = sum(v.nbytes for v in values)
     result["train_bytes_per_device"] = per_device(values, jax.tree.leaves(src))
     result["serve_bytes_per_device"] = per_device(values, jax.tree.leaves(dst))
@@ -196,6 +190,16 @@ def run_tunix(config, workdir: str) -> dict:
     if config.loop_steps:
         result["loop"] = tunix_loop(config)
     return result
+
+
+def compiled_row(fn, *args) -> dict:
+    """What the compiled program of ``fn`` on ``args`` holds and sends, per device."""
+    from experiments.measure import compile_stats
+
+    compiled, stats = compile_stats(fn, *args)
+    return {"temp_bytes": stats.temp_bytes, "collectives": stats.collective_kinds,
+            "collective_bytes": stats.collective_bytes, "full_remat": stats.full_remat,
+            "held_bytes": held_bytes(compiled)}  # fmt: skip
 
 
 def held_bytes(compiled) -> int:
@@ -248,12 +252,7 @@ def run(config, workdir: str) -> dict:
     total = sum(a.nbytes for a in jax.tree.leaves(params))
     result["param_bytes"] = total
     for name, fn in programs.items():
-        compiled, stats = compile_stats(fn, x)
-        result["methods"][name] = {"temp_bytes": stats.temp_bytes,
-                                   "collectives": stats.collective_kinds,
-                                   "collective_bytes": stats.collective_bytes,
-                                   "full_remat": stats.full_remat,
-                                   "held_bytes": held_bytes(compiled)}  # fmt: skip
+        result["methods"][name] = compiled_row(fn, x)
     donated = jax.jit(lambda p: redist.redistribute(p, src, dst), donate_argnums=0)
     compiled, _ = compile_stats(donated, x)
     result["methods"]["redist"]["held_bytes_donated"] = held_bytes(compiled)
