@@ -77,12 +77,17 @@ def _why_not_redist(x, d) -> str | None:
     """Why leaf ``x`` goes to ``d`` by ``jax.device_put`` rather than redist (``None``: redist)."""
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
         return "not a placed jax.Array"
-    s = x.sharding
+    return _why_not_between(x.sharding, d, x.ndim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _why_not_between(s, d, ndim: int) -> str | None:
+    """:func:`_why_not_redist` of a placed array (cached: a sync asks it of every leaf)."""
     if not isinstance(s, NamedSharding) or not isinstance(d, NamedSharding):
         return "not on a mesh"
     if d.memory_kind not in (None, s.memory_kind):
         return f"to memory kind {d.memory_kind}"
-    if device_ids(s.mesh) == device_ids(d.mesh) and s.is_equivalent_to(d, x.ndim):
+    if device_ids(s.mesh) == device_ids(d.mesh) and s.is_equivalent_to(d, ndim):
         return "already in place"
     return None
 
@@ -90,6 +95,9 @@ def _why_not_redist(x, d) -> str | None:
 def _spread(dst, source) -> list:
     """``dst`` (a pytree prefix of ``source``, of shardings) as one sharding per leaf."""
     leaves, treedef = jax.tree.flatten(source)
+    flat, structure = jax.tree.flatten(dst)
+    if structure == treedef:  # one sharding per leaf already
+        return flat
     try:
         full = jax.tree.map(lambda d, x: jax.tree.map(lambda _: d, x), dst, source)
         return treedef.flatten_up_to(full)
@@ -183,8 +191,8 @@ def reshard_pytree(
             out[k] = y
     if any(ours):
         # the leaves redist moves, in source's structure (the others None), so errors name them
-        sub = jax.tree.unflatten(treedef, [x if m else None for x, m in zip(leaves, ours)])
-        sub_dst = jax.tree.unflatten(treedef, [d if m else None for d, m in zip(dsts, ours)])
+        sub = source if all(ours) else \
+            jax.tree.unflatten(treedef, [x if m else None for x, m in zip(leaves, ours)])  # fmt: skip
         mine = [x for x, m in zip(leaves, ours) if m]
         mine_dsts = [d for d, m in zip(dsts, ours) if m]
         if memory_budget is None and _one_order(mine, mine_dsts):
@@ -198,6 +206,7 @@ def reshard_pytree(
                     if not x.is_deleted():
                         x.delete()  # freed once the program has read it
         else:
+            sub_dst = jax.tree.unflatten(treedef, [d if m else None for d, m in zip(dsts, ours)])
             moved = jax.tree.leaves(redistribute(sub, sub_dst, donate=donate_input,
                                                  memory_budget=memory_budget,
                                                  cost_model=cost_model))  # fmt: skip
