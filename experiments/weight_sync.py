@@ -123,6 +123,7 @@ def tunix_loop(config) -> dict:
     redist's, ``config.loop_rounds`` times each, alternately: every sync's seconds (the first of
     a run compiles and is left out) and whether the sampler's weights and log-probabilities
     agree."""
+    import jax
     import numpy as np
 
     from experiments.libraries import tunix_grpo
@@ -137,8 +138,6 @@ def tunix_loop(config) -> dict:
         warm = [t for r in rs for t in r.sync_s[1:]]
         out[sync] = {"sync_s_median": float(np.median(warm)), "syncs": len(warm)}
     a, b = runs["redist"][0], runs["tunix"][0]
-    import jax
-
     out["same_sampler_weights"] = all(
         np.array_equal(np.asarray(x), np.asarray(y))
         for x, y in zip(jax.tree.leaves(a.sampler_weights), jax.tree.leaves(b.sampler_weights))

@@ -203,17 +203,21 @@ def _reshard_of(x, src, dst, mesh, options) -> tuple[Reshard, Any, Any, NamedSha
     options): a weight sync's second call of a tree validates nothing again."""
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and \
             isinstance(x.sharding, NamedSharding):  # fmt: skip
-        if x.is_deleted():
-            raise ValueError(
-                "x was deleted (donated to an earlier call, or deleted by hand); pass a live "
-                "array, or keep the input with donate=False"
-            )
+        _refuse_deleted(x)
         try:
             return _placed_reshard_of(tuple(x.shape), x.dtype, x.sharding, src, dst, mesh, options)
         except TypeError as e:  # an unhashable layout or mesh: validated uncached below
             if "unhashable" not in str(e):
                 raise
     return _uncached_reshard_of(x, src, dst, mesh, options)
+
+
+def _refuse_deleted(x) -> None:
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(
+            "x was deleted (donated to an earlier call, or deleted by hand); pass a live array, "
+            "or keep the input with donate=False"
+        )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,11 +238,7 @@ def _uncached_reshard_of(x, src, dst, mesh, options) -> tuple[Reshard, Any, Any,
             "not create them"
         )
     name, itemsize = movable_dtype(x.dtype, argname="x")
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
-        raise ValueError(
-            "x was deleted (donated to an earlier call, or deleted by hand); pass a live array, "
-            "or keep the input with donate=False"
-        )
+    _refuse_deleted(x)
     mesh = _resolve_mesh(x, src, dst, mesh)
     options = (resolved_cost_model(options[0], mesh), *options[1:])
     if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) and \

@@ -10,7 +10,9 @@ never through the host's copy of the whole array.
 Each source device cuts the pieces it sends in one program, every piece crosses in one batched
 ``jax.device_put`` (device to device), and each destination device writes its pieces into its
 tile in one program: three dispatches per device set rather than three per piece (4 to 4 CPU
-devices, tunix's Qwen3 tree of 29 MiB: 116 ms one piece at a time).
+devices, tunix's Qwen3 tree of 29 MiB: 90 ms, 116 one piece at a time). ``redistribute`` sends
+here only moves it cannot stage (neither device count divides the other): the others it makes
+on the source devices and copies tile by tile (:func:`redist.linear.hand_over`; 23 ms there).
 
 Memory: a source device holds its tile plus the pieces cut from it (a piece that is its whole
 tile is sent as it is), at most one tile more where each piece goes to one device; a destination
@@ -76,7 +78,7 @@ def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.A
     shards = [(_bounds(sh.index, shape), sh.device, sh.data) for sh in x.addressable_shards]
     seen: set = set()
     sources = [s for s in shards if not (s[0] in seen or seen.add(s[0]))]  # one holder per tile
-    tiles: list = []  # per destination device: its array, or (sends, starts, shape, device)
+    tiles: list = []  # per destination device: its array, or (indices into sends, starts, shape)
     cuts: dict[int, list] = {}  # source index -> bounds of the pieces it sends, in order
     sends: list[tuple] = []  # (source index, index of its piece or None: whole, device)
     for device, index in dst.addressable_devices_indices_map(shape).items():
@@ -98,7 +100,7 @@ def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.A
                 sends.append((k, len(cuts[k]) - 1, device))
             parts.append(len(sends) - 1)
             starts.append(tuple(lo - w0 for (lo, _), (w0, _) in zip(part, want)))
-        tiles.append((parts, tuple(starts), tuple(hi - lo for lo, hi in want), device))
+        tiles.append((parts, tuple(starts), tuple(hi - lo for lo, hi in want)))
     cut = {k: _cut(sources[k][2], tuple(b)) for k, b in cuts.items()}  # each on its device
     sent = jax.device_put(
         [sources[k][2] if i is None else cut[k][i] for k, i, _ in sends], [d for _, _, d in sends]
@@ -108,7 +110,7 @@ def transfer(x: jax.Array, dst: NamedSharding, *, donate: bool = False) -> jax.A
         if not isinstance(tile, tuple):
             pieces.append(tile)
             continue
-        parts, starts, tile_shape, device = tile
+        parts, starts, tile_shape = tile
         if len(parts) == 1 and tile_shape == tuple(sent[parts[0]].shape):
             pieces.append(sent[parts[0]])  # a whole source tile, copied
         else:

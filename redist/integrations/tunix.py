@@ -31,8 +31,8 @@ Which leaves redist moves: a ``jax.Array`` on a mesh (``NamedSharding``) going t
 tunix's offloading), single-device arrays, host values, and leaves already in place. Between
 meshes over the same devices in the same order all of redist's moves run as one jitted program
 (compiled once per tree and layouts, then cached); otherwise (another device order, other
-devices: a sampler on its own 4 of 8) each leaf is sent piece by piece device to device
-(:func:`redist.redistribute`), never through the host.
+devices: a sampler on its own 4 of 8) they run eagerly (:func:`redist.redistribute`: made on the
+trainer's devices, then every tile copied to its device), never through the host.
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def reshard_pytree(
     start = time.time()
     leaves, treedef = jax.tree.flatten(source)
     dsts = _spread(jax.tree.map(_target_sharding, target), source)
-    ours = [_why_not_redist(x, d) is None for x, d in zip(leaves, dsts)]
+    why = [_why_not_redist(x, d) for x, d in zip(leaves, dsts)]
+    ours = [w is None for w in why]
     out = list(leaves)
     rest = [k for k, mine in enumerate(ours) if not mine]
     if rest:
@@ -214,10 +215,11 @@ def reshard_pytree(
                    f"eagerly within {_mib(memory_budget)} in flight per device")  # fmt: skip
         it = iter(moved)
         out = [next(it) if m else y for y, m in zip(out, ours)]
+    reasons = ", ".join(f"{why.count(w)} {w}" for w in dict.fromkeys(w for w in why if w))
     logging.info(
-        "redist reshard_pytree: %d of %d leaves moved by redist%s, %d by jax.device_put; "
+        "redist reshard_pytree: %d of %d leaves moved by redist%s, %d by jax.device_put%s; "
         "dispatched in %.3f s", sum(ours), len(leaves), f" {how}" if any(ours) else "",
-        len(rest), time.time() - start,
+        len(rest), f" ({reasons})" if reasons else "", time.time() - start,
     )  # fmt: skip
     return jax.tree.unflatten(treedef, out)
 
