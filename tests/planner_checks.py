@@ -78,10 +78,11 @@ def transformed(fn, args, mesh):
     return out
 
 
-def brute_force(prog, sizes):
-    """Every assignment of every mesh axis to a loop (or none) of every anchor, simulated."""
+def brute_force(prog, sizes, with_peak: bool = False):
+    """Every assignment of every mesh axis to a loop (or none) of every anchor, simulated: the
+    fastest time (with ``with_peak``, ``(time, peak)`` of the fastest, the leanest of those)."""
     ops = anchors(prog)
-    best = math.inf
+    best = (math.inf, math.inf)
     per_axis = [
         list(itertools.product(*(_options(o, {}, n, sizes) for o in ops))) for n in sizes.values()
     ]
@@ -95,5 +96,6 @@ def brute_force(prog, sizes):
             sched = make_schedule(prog, {k: v for k, v in assign.items() if v}, sizes)
         except ValueError:
             continue
-        best = min(best, simulate(prog, sched).time_s)
-    return best
+        pred = simulate(prog, sched)
+        best = min(best, (pred.time_s, pred.peak_bytes))
+    return best if with_peak else best[0]

@@ -13,6 +13,7 @@ import planner
 from planner.cost.simulator import simulate
 from planner.program.schedule import make_schedule
 from planner.solver.schedule_search import search
+from planner.solver.ties import wins_on_memory
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,12 @@ def test_search_is_optimal_on_small_chains(mesh, shapes):
     assert pred.time_s == pytest.approx(best)
     again, _ = search(prog, mesh)
     assert again.assign == sched.assign  # deterministic
-    # exhaustive up to relabelling interchangeable factors: 816 simulations instead of 4096
+    # exhaustive up to relabelling interchangeable factors: 816 simulations instead of 4096;
+    # the fastest, or within the time tie one that frees enough memory (planner.solver.ties)
     _, joint = search(prog, mesh, exhaustive_limit=4096)
-    assert joint.time_s == pytest.approx(best)
+    fastest = brute_force(prog, dict(mesh.shape), with_peak=True)
+    assert joint.time_s == pytest.approx(best) or wins_on_memory(
+        (joint.time_s, joint.peak_bytes), fastest)  # fmt: skip
 
 
 def test_equal_plans_prefer_whole_mesh_axes():
