@@ -59,10 +59,7 @@ def synthesize(
     most = model_calibration(cost_model).fold_max_bytes if is_calibrated(cost_model) else None
 
     def planned(model: str) -> Plan:
-        paths = weak_paths(
-            src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize, model
-        )
-        return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, model, most)
+        return searched(mesh, src, dst, dtype, itemsize, model, fold_min_bytes, most)
 
     plan = planned(cost_model)
     if not is_calibrated(cost_model):
@@ -73,6 +70,29 @@ def synthesize(
     if cal.memory_tie:  # the other candidate, where it holds less within the tie
         plan = leaner(plan, timed if plan is lean else lean, cal)
     return in_series(plan) if cal.serial_rounds else plan
+
+
+def searched(
+    mesh: MeshShape,
+    src: DistType,
+    dst: DistType,
+    dtype: str,
+    itemsize: int,
+    model: str,
+    fold_min_bytes: int = FOLD_MIN_BYTES,
+    fold_max_bytes: int | None = None,
+) -> Plan:
+    """The plan ``model``'s search finds and lowers, before :func:`synthesize` weighs it against
+    the bytes model's and the memory tie (``fold_max_bytes``: the calibration's limit on folding
+    a permutation into an all-to-all, :attr:`Calibration.fold_max_bytes`).
+
+    Example:
+        >>> searched(mesh, src, dst, "float32", 4, "calibrated:tpu_v5p").kinds  # P4  # doctest: +SKIP
+        ('allpermute', 'allgather', 'allgather')
+    """
+    paths = weak_paths(src.global_shape, src.local_shape, dst.local_shape, mesh.primes, itemsize,
+                       model)  # fmt: skip
+    return make_plan(mesh, src, dst, paths, dtype, itemsize, fold_min_bytes, model, fold_max_bytes)
 
 
 def in_series(plan: Plan) -> Plan:

@@ -100,11 +100,9 @@ def test_a_tpu_calibrated_plan_gives_way_to_a_leaner_one_within_the_memory_tie()
     calibration, which has no tie, the all-to-all is priced faster as lowered (the permutation
     the two gathers need included) and is chosen on time alone."""
     from redist.calibration import Calibration
-    from redist.concrete import make_plan
     from redist.cost import plan_cost
-    from redist.search import weak_paths
     from redist.specs import dist_type, mesh_shape
-    from redist.synthesis import FOLD_MIN_BYTES, leaner
+    from redist.synthesis import leaner, searched
 
     mesh, tpu = {"a": 2, "b": 2, "c": 2}, Calibration.named("tpu_v5p")
     lean = redist.plan(*P4, mesh, cost_model="calibrated:tpu_v5p")
@@ -113,9 +111,10 @@ def test_a_tpu_calibrated_plan_gives_way_to_a_leaner_one_within_the_memory_tie()
     assert lean.peak_bytes <= lean.bound_bytes
     m = mesh_shape(mesh)
     src, dst = (dist_type(s, P4[0], m, argname="spec") for s in P4[1:])
-    model = "calibrated:tpu_v5p"  # the search's plan before the tie (redist.synthesis.synthesize)
-    paths = weak_paths(P4[0], src.local_shape, dst.local_shape, m.primes, 4, model)
-    fast = make_plan(m, src, dst, paths, "float32", 4, FOLD_MIN_BYTES, model, tpu.fold_max_bytes)
+    # the search's plan, before the memory tie
+    fast = searched(
+        m, src, dst, "float32", 4, "calibrated:tpu_v5p", fold_max_bytes=tpu.fold_max_bytes
+    )
     assert fast.kinds == ("allpermute", "allgather", "allgather")
     assert lean.held_bytes < fast.held_bytes
     assert plan_cost(fast, tpu)[0] < plan_cost(lean, tpu)[0] <= 1.1 * plan_cost(fast, tpu)[0]

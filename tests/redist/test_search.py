@@ -310,18 +310,15 @@ def shipped_calibrations() -> list[str]:
 def bytes_plan_lowered_as(model: str, p) -> redist.Plan:
     """The bytes model's plan of problem ``p``, lowered under ``model``'s calibration's limit on
     folding a permutation into an all-to-all (TPU files: large chunks are not folded)."""
-    from redist.concrete import make_plan
     from redist.cost import model_calibration
-    from redist.search import weak_paths
     from redist.specs import dist_type, mesh_shape
+    from redist.synthesis import searched
 
     m = mesh_shape(p.mesh)
     src = dist_type(p.src, p.shape, m, argname="src")
     dst = dist_type(p.dst, p.shape, m, argname="dst")
-    paths = weak_paths(p.shape, src.local_shape, dst.local_shape, m.primes, 4, "bytes")
-    most = model_calibration(model).fold_max_bytes
-    return make_plan(m, src, dst, paths, "float32", 4, redist.synthesis.FOLD_MIN_BYTES,
-                     "bytes", most)  # fmt: skip
+    return searched(m, src, dst, "float32", 4, "bytes",
+                    fold_max_bytes=model_calibration(model).fold_max_bytes)  # fmt: skip
 
 
 def test_no_calibration_pays_for_what_a_local_slice_avoids():
