@@ -126,17 +126,48 @@ GIVEN_LAYOUTS = {  # config.given_layout -> plan()'s arguments (compare: the aut
 }
 
 
-def measure(case: Case, repeats: int, given_layout: str = "authors") -> dict:
+def authors_side(case: Case) -> dict:
+    """What :func:`measure` needs of the authors' layout, the same in every mode, so made once
+    a case: its price (``planner.price``), its compiled step and memory, its two steps' state
+    and metrics (as NumPy arrays: a timed run may donate the arrays) and a state to time from.
+    Call it in ``case.context()``."""
+    import jax
+
+    import planner
+
+    mine = planner.price(case.step, case.state, case.batch, mesh=case.mesh,
+                         in_shardings=case.in_shardings,
+                         donate_argnums=case.donate_argnums)  # fmt: skip
+    theirs = case.authors_jit()
+    state, batch = jax.device_put((_fresh(case), case.batch), case.in_shardings)
+    compiled = theirs.lower(state, batch).compile()
+    for _ in range(2):
+        state, metrics = theirs(state, batch)
+    return {
+        "prediction": mine.prediction,
+        "mib": compiled_mib(compiled),
+        "two": jax.device_get((state, metrics)),
+        "timed": [state, batch, compiled],
+    }
+
+
+def _fresh(case: Case):
+    """A copy of the case's state (a donating step deletes what it is given)."""
+    import jax
+
+    return jax.tree.map(lambda x: x.copy(), case.state)
+
+
+def measure(case: Case, repeats: int, given_layout: str = "authors",
+            authors: dict | None = None) -> dict:  # fmt: skip
     """Plan ``case`` with ``given_layout`` (:data:`GIVEN_LAYOUTS`), price the authors' layout,
-    compile, run and time both (see the module)."""
+    compile, run and time both (see the module); ``authors``: the case's :func:`authors_side`,
+    where another mode made it already."""
     import jax
 
     import planner
     from experiments.measure import interleaved_times
     from planner.cost.simulator import BODY_COLLECTIVES
-
-    def fresh():
-        return jax.tree.map(lambda x: x.copy(), case.state)
 
     out: dict = {}
     with case.context():
@@ -147,37 +178,31 @@ def measure(case: Case, repeats: int, given_layout: str = "authors") -> dict:
                          compare=case.in_shardings if given["compare"] else None)  # fmt: skip
         out["plan_s"] = time.perf_counter() - start
         out["search_s"] = p.search_s
-        mine = planner.price(case.step, case.state, case.batch, mesh=case.mesh,
-                             in_shardings=case.in_shardings,
-                             donate_argnums=case.donate_argnums)  # fmt: skip
+        authors = {} if authors is None else authors
+        if not authors:
+            authors.update(authors_side(case))
         out["predicted_plan_ms"] = p.prediction.time_s * 1e3
-        out["predicted_authors_ms"] = mine.prediction.time_s * 1e3
+        out["predicted_authors_ms"] = authors["prediction"].time_s * 1e3
         out["predicted_plan_mib"] = p.prediction.peak_bytes / MIB
-        out["predicted_authors_mib"] = mine.prediction.peak_bytes / MIB
-        theirs, ours = case.authors_jit(), p.jit()
-        state_a, batch_a = jax.device_put((fresh(), case.batch), case.in_shardings)
-        state_p, batch_p = jax.device_put((fresh(), case.batch), tuple(p.in_shardings))
-        compiled_a = theirs.lower(state_a, batch_a).compile()
+        out["predicted_authors_mib"] = authors["prediction"].peak_bytes / MIB
+        ours = p.jit()
+        state_p, batch_p = jax.device_put((_fresh(case), case.batch), tuple(p.in_shardings))
         compiled_p = ours.lower(state_p, batch_p).compile()
-        out["authors_mib"], out["plan_mib"] = compiled_mib(compiled_a), compiled_mib(compiled_p)
+        out["authors_mib"], out["plan_mib"] = authors["mib"], compiled_mib(compiled_p)
         taken, made = (jax.tree.leaves(s[0]) for s in (p.in_shardings, p.out_shardings))
         out["state_moved"] = sum(not a.is_equivalent_to(b, x.ndim) for a, b, x in
                                  zip(taken, made, jax.tree.leaves(case.state)))  # fmt: skip
-        two, metrics = {}, {}
-        for name, f, s, b in (("authors", theirs, state_a, batch_a), ("plan", ours, state_p,
-                                                                       batch_p)):  # fmt: skip
-            for _ in range(2):
-                s, m = f(s, b)
-            two[name], metrics[name] = s, m
-        out["difference"] = worst_difference(two["plan"], two["authors"])
-        out["metrics_difference"] = worst_difference(metrics["plan"], metrics["authors"])
+        for _ in range(2):
+            state_p, metrics = ours(state_p, batch_p)
+        their_state, their_metrics = authors["two"]
+        out["difference"] = worst_difference(state_p, their_state)
+        out["metrics_difference"] = worst_difference(metrics, their_metrics)
         # how far the plan's two steps moved the state (0 if they changed nothing, as a step
         # of MaxText's dropless fallback that overflowed its experts' buffer), and that flag
-        out["moved"] = worst_difference(fresh(), two["plan"])
-        if isinstance(metrics["plan"], dict) and "has_moe_overflow" in metrics["plan"]:
-            out["overflowed"] = bool(metrics["plan"]["has_moe_overflow"])
-        runs = {"authors": [two["authors"], batch_a, compiled_a],
-                "plan": [two["plan"], batch_p, compiled_p]}  # fmt: skip
+        out["moved"] = worst_difference(_fresh(case), state_p)
+        if isinstance(metrics, dict) and "has_moe_overflow" in metrics:
+            out["overflowed"] = bool(metrics["has_moe_overflow"])
+        runs = {"authors": authors["timed"], "plan": [state_p, batch_p, compiled_p]}
 
         def stepper(name):
             def run():
@@ -227,9 +252,10 @@ def run(config, workdir: str) -> dict:
             results += [{"library": library, "dtype": dtype, "mesh": mesh, "given_layout": m,
                          "skipped": str(e)} for m in case_modes]  # fmt: skip
             continue
+        authors: dict = {}  # made by the first mode, the same in the others
         for mode in case_modes:
             row = {"library": library, "dtype": dtype, "mesh": mesh, "given_layout": mode}
-            row.update(measure(case, config.repeats, mode))
+            row.update(measure(case, config.repeats, mode, authors))
             results.append(row)
             logging.warning("%s", json.dumps(row))
     with open(os.path.join(workdir, "results.json"), "w") as f:

@@ -16,10 +16,16 @@ OLDER_EMITTERS = (
     if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11)
     else ""
 )
+# XLA:GPU compiling for compile-only H100s (planner.gpu_mesh) tries its GEMM and fusion configs
+# although it cannot time them: without that, jaxlib 0.12 compiles the 8-GPU LM plans of
+# tests/planner/target/test_gpu.py in 6 s each instead of 9-13 s, to the same bytes on both
+# jaxlibs (memory_analysis() and cost_analysis() do not depend on the config picked untimed).
+NO_GPU_AUTOTUNING = " --xla_gpu_autotune_level=0"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     + OLDER_EMITTERS
+    + NO_GPU_AUTOTUNING
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
