@@ -175,6 +175,8 @@ _FOLDERS = [
                                                 ("config.remeasure", "searched_variants"))),
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "qwen3_235b_v5p_512"),
                                                 ("config.strategies", "on_its_own"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "llama2_70b_v5p_512"),
+                                                ("config.strategies", "on_its_own"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the commands from the third on (MaxText's own step, "
@@ -197,8 +199,9 @@ _FOLDERS = [
        "DeepSeek-V3's variant row again, the own settings' plan taken from the searched row, "
        "its search replayed (72 min beside the tests and other runs; 47 min once its memory model "
        "held the last layer's deferred weight gradients, no ring plan then predicted within the "
-       "limit, so the plan of least predicted memory compiled), the last Qwen3-235B's plan on "
-       "its own (constraints='drop', compare=None; 7 min)"),
+       "limit, so the plan of least predicted memory compiled), the next Qwen3-235B's plan on "
+       "its own (constraints='drop', compare=None; 7 min), the last Llama 2 70B's on its own "
+       "(16 min beside other work)"),
     Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 5,
            "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
     Folder("ranking", (Run("ranking", "ranking/default"),), Needs.LIBRARIES, 5,
