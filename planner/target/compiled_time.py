@@ -9,9 +9,10 @@ Where ``optimal_seconds`` is not positive (libtpu's v6e estimate reads negative,
 one layer of a 134 M-parameter LM on v6e:16x16), the kernels are priced by the calibration's
 roofline of the compiler's own ``flops`` and ``bytes accessed`` instead (:func:`kernel_seconds`).
 
-On GPUs, and wherever the compiler gives no cost analysis (XLA:GPU's is None for compile-only
+Off TPUs, and wherever the compiler gives no cost analysis (XLA:GPU's is None for compile-only
 devices, :func:`planner.gpu_mesh`; on a real GPU it leaves out cuBLAS's matmuls and its
-``optimal_seconds`` reads negative), the kernels are priced from the optimized HLO itself
+``optimal_seconds`` reads negative; XLA:CPU's has no ``optimal_seconds`` and counts a loop's body
+once), the kernels are priced from the optimized HLO itself
 (:func:`hlo_kernel_seconds`, ``kernel_source="roofline(hlo)"``): each kernel
 (:func:`redist.hlo.hlo_kernels`) at the calibration's roofline of its matmuls' flops, at the rate
 of their dtype and size (:meth:`~redist.calibration.Calibration.dense_rate`, as the simulator
@@ -44,7 +45,7 @@ from redist.hlo import (
     kernel_counts,
 )
 
-GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+COST_ANALYSIS_PLATFORMS = ("tpu",)  # whose cost_analysis() prices the kernels (optimal_seconds)
 
 
 def collective_seconds(
@@ -94,7 +95,7 @@ def kernel_seconds(cost: dict, calibration: Calibration) -> tuple[float, str]:
     """The kernels' seconds of a compiled program from its ``cost_analysis()``, and where they come
     from: ``"compiler"`` (its ``optimal_seconds``), or ``"roofline"`` where that is not positive
     (the calibration's :meth:`~redist.calibration.Calibration.compute_time` of its ``flops`` and
-    ``bytes accessed``). On GPUs and without a cost analysis :func:`compiled_time` prices the
+    ``bytes accessed``). Off TPUs and without a cost analysis :func:`compiled_time` prices the
     HLO's kernels instead (:func:`hlo_kernel_seconds`).
 
     Example:
@@ -149,8 +150,8 @@ def compiled_time(
         num_devices = len(devices) or 1
     text = compiled.as_text()
     counted = counted_collectives(text)
-    gpu = bool(devices) and devices[0].platform in GPU_PLATFORMS
-    if gpu or not cost:  # XLA:GPU's cost analysis is missing or leaves out cuBLAS
+    priced_by_compiler = not devices or devices[0].platform in COST_ANALYSIS_PLATFORMS
+    if not (priced_by_compiler and cost):  # XLA:GPU's leaves out cuBLAS, XLA:CPU's loops
         found = hlo_kernels(text)
         kernels, source = hlo_kernel_seconds(found, calibration), "roofline(hlo)"
         counts = kernel_counts(found)

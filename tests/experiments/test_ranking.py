@@ -22,8 +22,9 @@ def test_ranking_smoke_measures_every_plan_it_checked(tmp_path):
     for r in rows:
         assert r["difference"] <= config.tolerance, r
         assert r["measured_s"] > 0 and r["compiled_mib"] > 0 and r["predicted_s"] > 0
-    assert summary["pairs"] == len(rows) * (len(rows) - 1) // 2
-    assert -1 <= summary["spearman"] <= 1
+        assert r["compiled_priced_s"] > 0
+    assert summary["pairs"] == summary["compiled_pairs"] == len(rows) * (len(rows) - 1) // 2
+    assert -1 <= summary["spearman"] <= 1 and -1 <= summary["compiled_spearman"] <= 1
     assert f"{len(rows)} plans" in (tmp_path / "report.md").read_text()
 
 
@@ -37,3 +38,7 @@ def test_the_summary_compares_every_pair_of_plans():
     assert s["worst_pair_ratio"] == pytest.approx(2.25)
     assert s["pairs_within_25pct"] == 0.5
     assert math.isnan(ranking.summarize(rows[:1])["worst_pair_ratio"])
+    assert "compiled_spearman" not in s  # no compiled prices in the rows
+    priced = [{**r, "compiled_priced_s": r["measured_s"] * 2} for r in rows]  # the measured order
+    s = ranking.summarize(priced)
+    assert s["compiled_spearman"] == pytest.approx(1.0) and s["compiled_worst_pair_ratio"] == 1.0
