@@ -159,10 +159,10 @@ def _fresh(case: Case):
 
 
 def measure(case: Case, repeats: int, given_layout: str = "authors",
-            authors: dict | None = None) -> dict:  # fmt: skip
-    """Plan ``case`` with ``given_layout`` (:data:`GIVEN_LAYOUTS`), price the authors' layout,
-    compile, run and time both (see the module); ``authors``: the case's :func:`authors_side`,
-    where another mode made it already."""
+            authors: dict | None = None, rank_by: str = "model") -> dict:  # fmt: skip
+    """Plan ``case`` with ``given_layout`` (:data:`GIVEN_LAYOUTS`; ``rank_by`` as
+    :func:`planner.plan`'s), price the authors' layout, compile, run and time both (see the
+    module); ``authors``: the case's :func:`authors_side`, where another mode made it already."""
     import jax
 
     import planner
@@ -175,9 +175,12 @@ def measure(case: Case, repeats: int, given_layout: str = "authors",
         given = GIVEN_LAYOUTS[given_layout]
         p = planner.plan(case.step, case.state, case.batch, mesh=case.mesh,
                          donate_argnums=case.donate_argnums, constraints=given["constraints"],
-                         compare=case.in_shardings if given["compare"] else None)  # fmt: skip
+                         compare=case.in_shardings if given["compare"] else None,
+                         rank_by=rank_by)  # fmt: skip
         out["plan_s"] = time.perf_counter() - start
         out["search_s"] = p.search_s
+        if p.compiled_ranking:  # rank_by="compiled": each candidate's compiled price
+            out["compiled_ranking"] = [dataclasses.asdict(c) for c in p.compiled_ranking]
         authors = {} if authors is None else authors
         if not authors:
             authors.update(authors_side(case))
@@ -255,7 +258,8 @@ def run(config, workdir: str) -> dict:
         authors: dict = {}  # made by the first mode, the same in the others
         for mode in case_modes:
             row = {"library": library, "dtype": dtype, "mesh": mesh, "given_layout": mode}
-            row.update(measure(case, config.repeats, mode, authors))
+            row.update(measure(case, config.repeats, mode, authors,
+                               config.get("rank_by", "model")))  # fmt: skip
             results.append(row)
             logging.warning("%s", json.dumps(row))
     with open(os.path.join(workdir, "results.json"), "w") as f:

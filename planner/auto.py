@@ -57,6 +57,7 @@ from planner.solver.staged import search_staged
 from planner.solver.ties import TIME_TIE
 from planner.target.compiled import keep_compiled, on_context_devices
 from planner.target.confirm import MARGIN, checks_compiled, confirmed
+from planner.target.ranked import check_rank, ranked
 from redist.calibration import Calibration
 from redist.specs import mesh_shape
 from redist.types import MeshShape
@@ -76,6 +77,7 @@ def plan(
     xla_only_splits: bool = True,
     constraints: str = "hint",
     compare="auto",
+    rank_by: str = "model",
     **kwargs,
 ) -> AutoPlan:
     """Analyse ``fn(*args, **kwargs)`` (pytrees of arrays or ``jax.ShapeDtypeStruct``s; arguments
@@ -133,7 +135,15 @@ def plan(
     of it), ``"auto"`` (the default: each ``jax.Array`` argument's own ``NamedSharding``) or
     ``None``. ``plan.explain()`` has its row ("your layout") and says which constraints the plan
     departs from; :func:`price` prices it alone (:mod:`planner.solver.requested`).
+
+    ``rank_by``: ``"model"`` (the default) returns the plan the cost model prices best;
+    ``"compiled"`` then compiles it, the expert strategies and the layout the program asks for
+    (the :data:`planner.target.ranked.CANDIDATES` fastest predicted within the memory limit) and
+    returns the fastest compiled program as the calibration prices it, which ranks plans closer
+    to how they run (:mod:`planner.target.ranked`; ``plan.compiled_ranking``, and
+    ``explain()``, say how each compiled). It costs a compile per candidate.
     """
+    check_rank(rank_by)
     mesh = on_context_devices(mesh)  # the context's device objects, where they are the same
     sig = Signature.of(args, kwargs)
     traced, values = sig.traced(fn, args, kwargs)
@@ -222,11 +232,12 @@ def plan(
             raise _leanest_planned(e, plan_of) from None
         checked = dataclasses.replace(p, memory_checks=checks)
         keep_compiled(p, checked)  # the check's compile is the plan's
-        return checked
+        return ranked(checked, limit, capacity) if rank_by == "compiled" else checked
     try:
-        return plan_of(search_under(limit))
+        found = plan_of(search_under(limit))
     except MemoryLimitError as e:
         raise _leanest_planned(e, plan_of) from None
+    return ranked(found, limit, None) if rank_by == "compiled" else found
 
 
 def _leanest_found(e: MemoryLimitError, prog: Program, remat) -> MemoryLimitError:

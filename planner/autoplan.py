@@ -100,6 +100,8 @@ class AutoPlan:
     asked: Schedule | None = None  # the layout the program asks for (planner.solver.requested)
     # where the plan is that layout as given: what the search chose without it, predicted
     on_its_own: Prediction | None = None
+    # plan(rank="compiled"): the candidates compiled and priced (planner.target.ranked)
+    compiled_ranking: tuple = ()
 
     @classmethod
     def of(cls, program: Program, schedule: Schedule, mesh, *, prediction=None,

@@ -16,4 +16,5 @@ def get_config() -> ml_collections.ConfigDict:
     ])  # fmt: skip
     c.given_layout = "authors,none"  # handed the authors' layout, and on its own
     c.repeats = 7  # one step of each program in turn, medians
+    c.rank_by = "model"  # or "compiled": the compiler ranks the best candidates
     return c

@@ -52,6 +52,7 @@ from planner.report.words import (
     xla_only_words,
 )
 from planner.target.confirm import describe_checks
+from planner.target.ranked import describe_ranking
 from redist.calibration import Calibration
 from redist.collectives import CollectiveKind, kind_label
 from redist.types import MeshShape
@@ -255,6 +256,8 @@ def _summarize(plan) -> Summary:
         header += "\n" + plan.remat.describe()
     if plan.memory_checks:
         header += "\n" + describe_checks(plan.memory_checks)
+    if plan.compiled_ranking:
+        header += "\n" + describe_ranking(plan.compiled_ranking)
 
     # 2. layouts of the inputs
     leaves = classify(prog, plan.in_tree, plan.out_tree)
