@@ -202,8 +202,16 @@ _FOLDERS = [
        "limit, so the plan of least predicted memory compiled), the next Qwen3-235B's plan on "
        "its own (constraints='drop', compare=None; 7 min), the last Llama 2 70B's on its own "
        "(16 min beside other work)"),
-    Folder("real_code", (Run("real_code", "real_code/default"),), Needs.LIBRARIES, 5,
-           "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1"),
+    Folder("real_code", (
+        Run("real_code", "real_code/default"),
+        # on its own, the compiler ranking the best candidates (planner.plan(rank_by="compiled"))
+        Run("real_code", "real_code/default", (
+            ("config.cases", "maxtext:float32:maxtext,maxtext:float32:2axis,"
+                             "maxtext:bfloat16:maxtext,maxtext:bfloat16:2axis,"
+                             "keras:float32:2axis,gemma:float32:2axis"),
+            ("config.given_layout", "none"), ("config.rank_by", "compiled")), "ranked"),
+    ), Needs.LIBRARIES, 10, "JAX 0.12.0.1, MaxText 0.2.5, keras-hub 0.32.0, gemma 4.0.1; "
+       "ranked/: 4 min"),
     Folder("ranking", (Run("ranking", "ranking/default"),), Needs.LIBRARIES, 5,
            "JAX 0.12.0.1, MaxText 0.2.5"),
 ]  # fmt: skip

@@ -293,7 +293,26 @@ def report(results: list[dict]) -> str:
             f"{r['search_s']:.1f} | {r['difference']:.1e} / {r['metrics_difference']:.1e} | "
             f"{r.get('state_moved', '')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ranking_lines(results)) + "\n"
+
+
+def ranking_lines(results: list[dict]) -> list[str]:
+    """Where a row was planned with ``rank_by="compiled"``: each candidate's compiled program,
+    priced by the calibration, and its compiled memory (``*`` the one returned), and the seconds
+    ``planner.plan`` took with its compiles."""
+    ranked = [r for r in results if r.get("compiled_ranking")]
+    if not ranked:
+        return []
+    lines = ["", "Ranked by compiling the best candidates (`rank_by=\"compiled\"`): each compiled "
+             "program priced by the calibration, ms / MiB (`*` returned).", "",
+             "| library | dtype | mesh | plan s | candidates |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in ranked:
+        cells = "; ".join(
+            f"{'*' if c['chosen'] else ''}{c['label']} {c['compiled_s'] * 1e3:.1f} / "
+            f"{c['compiled_bytes'] / 2**20:.1f}" for c in r["compiled_ranking"])  # fmt: skip
+        lines.append(f"| {r['library']} | {r['dtype']} | {r['mesh']} | {r['plan_s']:.1f} | "
+                     f"{cells} |")  # fmt: skip
+    return lines
 
 
 def main(argv):

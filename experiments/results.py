@@ -216,7 +216,17 @@ def ranking_section(workdir: str) -> list[str]:
             f"random ones), predicted and measured on 8 CPU devices: Spearman "
             f"{s['spearman']:.3f}; {s['pairs_within_25pct']:.0%} of {s['pairs']} pairs have a "
             f"predicted ratio within 25 % of the measured one (worst {s['worst_pair_ratio']:.2f}x "
-            "off). Every plan: [ranking/report.md](ranking/report.md)."]  # fmt: skip
+            f"off).{_compiled_agreement(s)} Every plan: [ranking/report.md](ranking/report.md)."]  # fmt: skip
+
+
+def _compiled_agreement(s: dict) -> str:
+    """The sentence on the compiled programs' prices of a ranking summary, where it has them."""
+    if "compiled_spearman" not in s:
+        return ""
+    return (f" Their compiled programs priced by the same calibration (`planner.plan(..., "
+            f"rank_by=\"compiled\")`'s ranking): Spearman {s['compiled_spearman']:.3f}, "
+            f"{s['compiled_pairs_within_25pct']:.0%} of pairs within 25 % (worst "
+            f"{s['compiled_worst_pair_ratio']:.2f}x off).")  # fmt: skip
 
 
 def tpu_sections(workdir: str) -> list[str]:

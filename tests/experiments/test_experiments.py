@@ -429,3 +429,21 @@ def test_gpu_check_measures_here_and_compares_with_the_recorded_h100(tmp_path):
         assert summary["memory_within_25pct_compiled_here"] == 3, summary  # every one compiled
         assert summary["memory_workloads_compiled_here"] == 3, summary
         assert all(0.75 <= r["memory_ratio_here"] <= 1.25 for r in rows if "memory_ratio_here" in r)
+
+
+def test_real_code_report_lists_each_compiled_ranking():
+    """The committed ranked rows (``results/real_code/ranked/``): the report has a line per case
+    planned with ``rank_by="compiled"``, each candidate in it, the returned one starred."""
+    from experiments import real_code
+
+    path = os.path.join(os.path.dirname(__file__), "../../results/real_code/ranked/results.json")
+    with open(path) as f:
+        rows = json.load(f)
+    lines = real_code.ranking_lines(rows)
+    ranked = [r for r in rows if r.get("compiled_ranking")]
+    assert ranked and len(lines) == 5 + len(ranked)
+    for row, line in zip(ranked, lines[5:]):
+        chosen = [c["label"] for c in row["compiled_ranking"] if c["chosen"]]
+        assert len(chosen) == 1 and f"*{chosen[0]} " in line
+        assert line.count(";") == len(row["compiled_ranking"]) - 1
+    assert real_code.ranking_lines([{**r, "compiled_ranking": []} for r in rows]) == []
