@@ -37,8 +37,8 @@ def build(kind: str, sizes: list[int], rng, shapes_only: bool = False):
     """``(fn, args)`` of a workload: the planner benchmark's kinds (:mod:`experiments.workloads`),
     ``lm`` / ``lm_scan`` / ``lm_unrolled`` (the scanned LM with its loop unrolled) and ``llama`` /
     ``llama_unrolled`` (:func:`experiments.language_model.llama_step`: batch x seq x d x heads x
-    layers x vocab x ffn, bfloat16 parameters); ``shapes_only``: the language models' arguments
-    as ``jax.ShapeDtypeStruct``s."""
+    layers x vocab x ffn, bfloat16 parameters); ``shapes_only``: the arguments as
+    ``jax.ShapeDtypeStruct``s (nothing drawn: compared with recorded figures, nothing runs)."""
     from experiments.language_model import llama_step, lm_step
     from experiments.workloads import workload
 
@@ -48,7 +48,7 @@ def build(kind: str, sizes: list[int], rng, shapes_only: bool = False):
     if kind in ("llama", "llama_unrolled"):
         return llama_step(*sizes, rng=rng, unroll=kind == "llama_unrolled",
                           shapes_only=shapes_only)  # fmt: skip
-    return workload(kind, sizes, rng)
+    return workload(kind, sizes, rng, shapes_only)
 
 
 def run(config, workdir: str) -> dict:

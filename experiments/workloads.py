@@ -26,6 +26,8 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 
 def parse_workload(text: str) -> tuple[str, str, list[int]]:
@@ -131,19 +133,38 @@ def _moe_loss(params, x, y):
     return jnp.mean((y_hat - y) ** 2)
 
 
-def workload(kind: str, sizes: list[int], rng):
-    """``(fn, args)`` of a workload (see the table above); weights scaled by 1/sqrt(fan-in)."""
+def workload(kind: str, sizes: list[int], rng, shapes_only: bool = False):
+    """``(fn, args)`` of a workload (see the table above); weights scaled by 1/sqrt(fan-in);
+    ``shapes_only``: the arguments as ``jax.ShapeDtypeStruct``s, nothing drawn from ``rng``
+    (to plan or compile a workload at full size without making its arrays).
+
+    Example:
+        >>> fn, args = workload("matmul", [8192, 8192, 8192], rng, shapes_only=True)  # doctest: +SKIP
+    """
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     if kind not in _SIZES:
         raise ValueError(f"unknown workload kind {kind!r}; expected one of {sorted(_SIZES)}")
     if len(sizes) != _SIZES[kind]:
         raise ValueError(f"workload {kind!r} takes {_SIZES[kind]} sizes, got {sizes}")
+    if kind in ("lm", "lm_scan"):
+        from experiments.language_model import lm_step
 
-    def r(*s):
-        return (rng.standard_normal(s) / math.sqrt(s[0])).astype(np.float32)
+        return lm_step(*sizes, scan=kind == "lm_scan", rng=rng, shapes_only=shapes_only)
+    if not shapes_only:
+        return _workload(
+            kind, sizes, lambda *s: (rng.standard_normal(s) / math.sqrt(s[0])).astype(np.float32)
+        )
+    # zeros of no memory (every stride 0): reshaped and scaled as the drawn arrays are
+    fn, args = _workload(kind, sizes, lambda *s: np.broadcast_to(np.float32(0), s))
+    return fn, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+
+
+def _workload(kind: str, sizes: list[int], r: Callable[..., Any]):
+    """``(fn, args)`` of :func:`workload`, each array of shape ``s`` made by ``r(*s)``."""
+    import jax
+    import jax.numpy as jnp
 
     if kind == "mlp":
         batch, hidden, layers = sizes
@@ -179,10 +200,6 @@ def workload(kind: str, sizes: list[int], rng):
             "w2": r(e, h, d) * math.sqrt(e / h),
         }
         return _sgd(_moe_loss), (params, r(t, d), r(t, d))
-    if kind in ("lm", "lm_scan"):
-        from experiments.language_model import lm_step
-
-        return lm_step(*sizes, scan=kind == "lm_scan", rng=rng)
     if kind == "convnet":
         b, size, c, layers = sizes
         kernels = [r(3 * 3 * c, c).reshape(3, 3, c, c) for _ in range(layers)]
