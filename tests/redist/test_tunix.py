@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -23,7 +24,10 @@ _CONFIG = tunix_grpo.qwen3_config()  # 2 layers, width 64, vocab 32
 _meshes = tunix_grpo.meshes
 
 
+@functools.cache
 def _states(kind: str):
+    """tunix's Qwen3 parameters on the trainer's and the sampler's meshes, built once per kind
+    (the tests read them and move copies: nothing donates or changes them)."""
     trainer, sampler = _meshes(kind)
     source = nnx.state(tunix_grpo.placed(_CONFIG, trainer, seed=0), nnx.Param)
     target = nnx.state(tunix_grpo.placed(_CONFIG, sampler, seed=1), nnx.Param)
@@ -127,8 +131,11 @@ def test_install_routes_every_binding_of_tunix_s_function_and_uninstall_restores
 
 def test_tunix_s_grpo_loop_with_redist_s_sync_trains_as_with_tunix_s():
     """Trainer and sampler on 4 devices each; on one device set the loop is checked by
-    tests/experiments' smoke test of ``experiments.weight_sync``'s tunix source."""
-    runs = [tunix_grpo.train(_CONFIG, "disjoint", steps=2, sync=s) for s in ("redist", "tunix")]
+    tests/experiments' smoke test of ``experiments.weight_sync``'s tunix source. One decoder
+    layer: a second one adds leaves of the same kinds and compile time (the sync of every kind
+    of leaf, and of two layers, is checked against tunix's above)."""
+    config = tunix_grpo.qwen3_config(layers=1)
+    runs = [tunix_grpo.train(config, "disjoint", steps=2, sync=s) for s in ("redist", "tunix")]
     assert [r.global_steps for r in runs] == [2, 2] and [len(r.sync_s) for r in runs] == [2, 2]
     _assert_same(runs[0].sampler_weights, runs[1].sampler_weights)  # in the sampler's layouts
     np.testing.assert_array_equal(runs[0].logps, runs[1].logps)

@@ -93,7 +93,7 @@ def test_a_cond_is_predicted_as_its_dearest_branch_as_the_compiler_counts_it():
 @needs_libtpu
 def test_predicted_flops_of_random_lm_plans_match_the_compiler():
     """The flax LM (adamw, integer labels; layers scanned) on v5p:2x2x2: the searched plan and
-    random points of the search's space. The program is compiled with its scan unrolled, since
+    a random point of the search's space. The program is compiled with its scan unrolled, since
     the compiler's cost analysis counts a loop's body once (unrolled, it is the Python loop's
     program)."""
     from experiments.language_model import lm_step
@@ -105,7 +105,7 @@ def test_predicted_flops_of_random_lm_plans_match_the_compiler():
     prog = p.program
     rng = random.Random(0)
     scheds = [p.schedule]
-    while len(scheds) < 3:
+    while len(scheds) < 2:  # one random plan (the MLP's test above checks three)
         try:
             scheds.append(make_schedule(prog, random_anchor_plan(prog, axes, rng), axes))
         except ValueError:
