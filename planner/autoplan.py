@@ -242,12 +242,31 @@ class AutoPlan:
         Example:
             >>> step = plan.jit(donate_argnums=0)       # doctest: +SKIP
             >>> step.lower(*args).compile()
+            >>> plan.jit(donate_argnums=0) is step      # made once: compiled once  # doctest: +SKIP
+            True
         """
         for k in ("in_shardings", "out_shardings"):
             if k in jit_kwargs:
                 raise TypeError(f"plan.jit sets {k} itself; got {k}=")
         if self.donate_argnums:
             jit_kwargs.setdefault("donate_argnums", self.donate_argnums)
+        key = (moves, tuple(sorted(jit_kwargs.items())))
+        try:
+            return self._jits[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable argument: made anew
+            return self._made_jit(moves, jit_kwargs)
+        self._jits[key] = made = self._made_jit(moves, jit_kwargs)
+        return made
+
+    @functools.cached_property
+    def _jits(self) -> dict:
+        """:meth:`jit`'s results by its arguments (a new ``jax.jit`` would compile again)."""
+        return {}
+
+    def _made_jit(self, moves: str, jit_kwargs: dict):
+        """A new :meth:`jit` (see there) of ``moves`` with ``jit_kwargs``."""
         in_shardings, out_shardings = jax.tree.leaves(self.in_shardings), self.out_shardings
         lowered = self._xla_lowered(moves)
         body = lowered.body

@@ -201,6 +201,9 @@ def test_plan_jit_takes_arrays_placed_in_another_layout(mesh):
     _close(p.jit()(*placed), f(*args))
     _close(p.jit(donate_argnums=(0,))(*[a.copy() for a in placed]), f(*args))
     assert p.jit().lower(*args).compile() is not None
+    # made once for the same arguments (a new jax.jit would trace and compile again)
+    assert p.jit() is p.jit() and p.jit(donate_argnums=(0,)) is not p.jit()
+    assert p.jit(moves="xla") is not p.jit()
 
 
 def test_a_constrained_plan_runs_under_set_mesh_and_jit_of_grad(mesh):
