@@ -28,6 +28,26 @@ def mesh():
     return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
 
 
+@pytest.fixture(scope="module")
+def unsharded():
+    """``unsharded(dtype, attention)``: the unsharded step of ``TINY``'s results (``jax.jit(step)``)
+    on the arguments ``maxtext_step`` makes for a batch of 8 sequences of 16 tokens, compiled
+    once per module. A remat policy changes what the backward pass keeps, not what the step
+    computes, so one reference serves the step under every policy (as it does under an
+    offloading one), and blockwise attention's is that of its key blocks of 4."""
+    cache = {}
+
+    def run(dtype="bfloat16", attention="dense"):
+        key = (dtype, attention)
+        if key not in cache:
+            step, args = maxtext_step(TINY, batch=8, seq=16, remat="full", dtype=dtype,
+                                      attention=attention, block=4)  # fmt: skip
+            cache[key] = jax.jit(step)(*args)
+        return cache[key]
+
+    return run
+
+
 def assert_same_step(got, want, dtype):
     """Parameters, optimizer state and loss of two runs of one step: equal up to the reduction
     order of float32 (``dtype`` float32), or of bfloat16 activations."""
@@ -42,9 +62,9 @@ def assert_same_step(got, want, dtype):
 
 @pytest.mark.parametrize("remat, expert", [("full", "fsdp"), ("save_dot_except_mlpwi",
                                             "fsdp_tensor"), ("minimal", "data_parallel")])  # fmt: skip
-def test_searched_and_expert_plans_compute_the_step(remat, expert, mesh):
+def test_searched_and_expert_plans_compute_the_step(remat, expert, mesh, unsharded):
     step, args = maxtext_step(TINY, batch=8, seq=16, remat=remat)
-    want = jax.jit(step)(*args)
+    want = unsharded()
     experts = planner.expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))
     assert set(experts) == {"data_parallel", "fsdp", "fsdp_tensor"}
     assert any(experts[expert].schedule.assign.values())
@@ -64,10 +84,10 @@ def test_every_op_of_the_step_is_understood(attention):
     assert not [str(w.message) for w in caught if "not understood" in str(w.message)]
 
 
-def test_random_schedules_compute_the_step_in_float32(mesh):
+def test_random_schedules_compute_the_step_in_float32(mesh, unsharded):
     step, args = maxtext_step(TINY, batch=8, seq=16, remat="save_dot_except_mlpwi",
                               dtype="float32")  # fmt: skip
-    want = jax.jit(step)(*args)
+    want = unsharded(dtype="float32")
     prog = planner.analyze(step, *args)
     sizes = dict(mesh.shape)
     for seed in range(1):
@@ -84,19 +104,19 @@ def test_grouped_query_attention_splits_key_value_heads_over_the_tensor_axis(mes
     assert "tensor" in str(specs), specs  # (layers, embed, kv_heads, head_dim): heads split
 
 
-def test_the_recipe_layout_runs_the_same_step():
+def test_the_recipe_layout_runs_the_same_step(unsharded):
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
     recipe = dict(recipes.RECIPES["tiny_v5p_8"], model=TINY, per_device_batch=1, seq=16)
-    step, args = maxtext_step(TINY, batch=8, seq=16, remat=recipe["remat"])
-    want = jax.jit(step)(*args)
+    _, args = maxtext_step(TINY, batch=8, seq=16, remat=recipe["remat"])
+    want = unsharded()
     constrained, _ = recipes.recipe_step(dict(recipe, topology="cpu:2x2x2"), mesh)
     shardings = recipes.recipe_shardings(args, mesh)
     assert shardings[0]["layers"]["wi_0"].spec == P(None, "fsdp", "tensor")
     assert shardings[0]["embedding"].spec == P("tensor", "fsdp")
     assert shardings[2].spec == P(("data", "fsdp"), None)
-    got = jax.jit(constrained, in_shardings=shardings)(*args)
-    assert_same_step(got, want, "bfloat16")
-    text = jax.jit(constrained, in_shardings=shardings).lower(*args).as_text()
+    laid_out = jax.jit(constrained, in_shardings=shardings)
+    assert_same_step(laid_out(*args), want, "bfloat16")
+    text = laid_out.lower(*args).as_text()
     assert "sharding_constraint" in text or "Sharding" in text
 
 
@@ -110,11 +130,9 @@ def test_remat_policies_are_maxtexts_and_bad_names_are_refused():
         maxtext_step(dataclasses.replace(TINY, kv_heads=3), batch=2, seq=4)
 
 
-def test_blockwise_attention_computes_dense_attention():
-    dense = maxtext_step(TINY, batch=4, seq=16, remat="full", dtype="float32")
-    blocks = maxtext_step(TINY, batch=4, seq=16, remat="full", dtype="float32",
-                          attention="blockwise", block=4)  # fmt: skip
-    assert_same_step(jax.jit(blocks[0])(*blocks[1]), jax.jit(dense[0])(*dense[1]), "float32")
+def test_blockwise_attention_computes_dense_attention(unsharded):
+    blocks = unsharded(dtype="float32", attention="blockwise")  # key blocks of 4
+    assert_same_step(blocks, unsharded(dtype="float32"), "float32")
     with pytest.raises(ValueError, match="does not split into key blocks of 6"):
         maxtext_step(TINY, batch=4, seq=16, attention="blockwise", block=6)[0](
             *maxtext_step(TINY, batch=4, seq=16)[1])  # fmt: skip
@@ -122,10 +140,10 @@ def test_blockwise_attention_computes_dense_attention():
         maxtext_step(TINY, batch=4, seq=16, attention="flash")
 
 
-def test_blockwise_attention_is_planned_exactly(mesh):
+def test_blockwise_attention_is_planned_exactly(mesh, unsharded):
     step, args = maxtext_step(TINY, batch=8, seq=16, remat="minimal", dtype="float32",
                               attention="blockwise", block=4)  # fmt: skip
-    want = jax.jit(step)(*args)
+    want = unsharded(dtype="float32", attention="blockwise")
     experts = planner.expert_plans(step, *args, mesh=mesh, data_axes=("data", "fsdp"))
     for p in (planner.plan(step, *args, mesh=mesh), experts["fsdp_tensor"]):
         assert_same_step(p(*args), want, "float32")
@@ -233,12 +251,12 @@ def test_plans_on_explicit_axes_keep_their_layouts_inside():
     assert temp[AxisType.Explicit] <= 1.05 * temp[AxisType.Auto], temp
 
 
-def test_a_policy_that_offloads_to_the_host_is_planned_exactly(mesh):
+def test_a_policy_that_offloads_to_the_host_is_planned_exactly(mesh, unsharded):
     """MaxText's ``remat_policy: custom`` with the layer input and projections offloaded to
     ``pinned_host`` (its v6e Llama 3.1 8B recipe): the transfers are part of the planned step."""
     step, args = maxtext_step(TINY, batch=8, seq=16, remat="offload_qkvo", dtype="float32")
     assert "device_put" in {o.primitive for o in planner.analyze(step, *args).ops}
-    want = jax.jit(maxtext_step(TINY, batch=8, seq=16, remat="full", dtype="float32")[0])(*args)
+    want = unsharded(dtype="float32")  # the step without offloading (remat "full")
     assert_same_step(planner.plan(step, *args, mesh=mesh)(*args), want, "float32")
 
 

@@ -60,6 +60,29 @@ def _scans(prog):
     return [r for r in prog.regions if r.kind == "scan"]
 
 
+@pytest.fixture(scope="module")
+def small():
+    """``(args, prog, want)`` of ``_step`` on 4 layers (``_args`` of seed 0): analyzed and run
+    unsharded once for the module's tests of that program."""
+    args = _args(np.random.default_rng(0))
+    return args, planner.analyze(_step, *args), jax.jit(_step)(*args)
+
+
+@pytest.fixture(scope="module")
+def eight_layers():
+    """``(args, prog, want)`` of ``_step`` on 8 layers (seed 6), for the circular pipelines."""
+    args = _args(np.random.default_rng(6), layers=8)
+    return args, planner.analyze(_step, *args), jax.jit(_step)(*args)
+
+
+@pytest.fixture(scope="module")
+def two_slices():
+    """``(args, want)``: ``_step`` on 8 layers of d 512 (seed 5), whose replicated weights do not
+    fit the cross-slice tests' memory limit, and its unsharded results."""
+    args = _args(np.random.default_rng(5), layers=8, batch=128, d=512, hidden=2048)
+    return args, jax.jit(_step)(*args)
+
+
 def _assert_close(got, want):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert np.shape(g) == np.shape(w)
@@ -68,15 +91,13 @@ def _assert_close(got, want):
 
 @pytest.mark.parametrize("backend", ["xla", "explicit"])
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_pipelined_training_step_is_the_unsharded_one(mesh_name, backend):
-    args = _args(np.random.default_rng(0))
-    prog = planner.analyze(_step, *args)
-    want = jax.jit(_step)(*args)
+def test_pipelined_training_step_is_the_unsharded_one(mesh_name, backend, small):
+    args, prog, want = small
     mesh, stage = _mesh(mesh_name)
     sizes = dict(mesh.shape)
     others = {a: n for a, n in sizes.items() if a != stage}
     rng = random.Random(f"{mesh_name}-{backend}")
-    for _ in range(2):
+    for _ in range(1):  # the six cases draw k = 1, 2 and 4 on each backend, one scan or both
         assign = random_schedule(prog, others, rng)  # the layers split over the other axes
         base = make_schedule(prog, assign, sizes, default="replicate")
         chosen = [r for r in _scans(prog) if rng.random() < 0.7] or _scans(prog)
@@ -85,11 +106,10 @@ def test_pipelined_training_step_is_the_unsharded_one(mesh_name, backend):
         _assert_close(planner.lower(prog, sched, mesh, backend=backend)(*args), want)
 
 
-def test_each_stage_keeps_its_layers_and_hands_activations_on():
+def test_each_stage_keeps_its_layers_and_hands_activations_on(small):
     """The compiled program of a pipelined forward scan passes the carry between stages with a
     collective-permute and runs K + P - 1 ticks."""
-    args = _args(np.random.default_rng(1))
-    prog = planner.analyze(_step, *args)
+    args, prog, _ = small
     mesh, stage = _mesh("a2xpipe4")
     sched = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
     fwd = _scans(prog)[0]
@@ -161,7 +181,7 @@ def test_bodies_that_mix_microbatches_are_refused_by_name(fn, words):
         microbatching(prog, _scans(prog)[0])
 
 
-def test_bad_pipelines_are_refused_by_name():
+def test_bad_pipelines_are_refused_by_name(small):
     args = _args(np.random.default_rng(4), layers=6)
     prog = planner.analyze(_step, *args)
     mesh, stage = _mesh("a2xpipe4")
@@ -174,8 +194,7 @@ def test_bad_pipelines_are_refused_by_name():
     for st, words in cases:
         with pytest.raises(ValueError, match=words):
             planner.lower(prog, dataclasses.replace(base, stages=(st,)), mesh, backend="xla")(*args)
-    args = _args(np.random.default_rng(4))
-    prog = planner.analyze(_step, *args)
+    args, prog, _ = small
     fwd = _scans(prog)[0]
     base = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
     with pytest.raises(ValueError, match="does not split into microbatches=3"):
@@ -248,7 +267,7 @@ def test_a_pipelines_sums_are_priced_per_tick_or_once_after_the_ticks():
     assert counts[2] > 0 and counts[8] == pytest.approx(counts[2] * (8 + 2 - 1) / (2 + 2 - 1))
 
 
-def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path):
+def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path, two_slices):
     """Two v5p slices of 4 chips joined by the data-centre network (``pipe`` crosses it), a
     memory limit that rules out replicated weights: the plans that fit without a pipeline move
     weights or gradients over the slow link, a pipeline only activations; ``plan`` chooses the
@@ -259,7 +278,7 @@ def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path)
     from redist.calibration import Calibration
 
     cal = dc.replace(Calibration.named("tpu_v5p"), domain_devices=4)
-    args = _args(np.random.default_rng(5), layers=8, batch=128, d=512, hidden=2048)
+    args, want = two_slices
     mesh = jax.make_mesh((2, 4), ("pipe", "a"), axis_types=(AxisType.Auto,) * 2)
     limit = 100 * 2**20
     p = planner.plan(_step, *args, mesh=mesh, calibration=cal, memory_limit_bytes=limit,
@@ -270,9 +289,7 @@ def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path)
     text = p.explain()
     assert "Pipeline (scan at" in text and "on stage 0 of `pipe`" in text
     assert "P('pipe'" in text  # the stacked weights rest split over the stages
-    want = jax.jit(_step)(*args)
-    _assert_close(p(*args), want)
-    _assert_close(p.jit()(*args), want)
+    _assert_close(p(*args), want)  # plan(...) runs plan.jit() (AutoPlan._jitted)
     p.save(str(tmp_path / "plan.json"))  # a saved plan keeps its pipelines
     q = planner.load(str(tmp_path / "plan.json"), _step, *args, mesh=mesh)
     assert q.schedule.stages == p.schedule.stages
@@ -312,7 +329,7 @@ def test_the_tpu_compiler_confirms_a_pipelined_plans_memory():
 
 
 @pytest.mark.parametrize("backend", ["explicit", "xla"])
-def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks(backend):
+def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks(backend, small):
     """The pipelined backward scan's weight gradients, summed over a batch split over another
     axis, stay partial through the ticks (each stage adds its microbatches' parts; under XLA on
     an axis of parts of their own) and each stage's stacked gradients are all-reduced once,
@@ -322,9 +339,7 @@ def test_weight_gradients_of_a_split_batch_are_summed_once_after_the_ticks(backe
     from planner.layout.staging import deferred_sums
     from planner.solver.strategies import data_parallel
 
-    args = _args(np.random.default_rng(2))
-    prog = planner.analyze(_step, *args)
-    want = jax.jit(_step)(*args)
+    args, prog, want = small
     mesh, stage = _mesh("a4xpipe2")
     sizes = dict(mesh.shape)
     base = make_schedule(prog, data_parallel(prog, ["a"]), sizes)  # the batch over a, 4 ways
@@ -366,7 +381,7 @@ def _scan_lengths(jaxpr) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["xla", "explicit"])
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_circular_pipelines_are_the_unsharded_step(mesh_name, backend):
+def test_circular_pipelines_are_the_unsharded_step(mesh_name, backend, eight_layers):
     """Both scans of the step as circular pipelines (each microbatch round the stages ``R``
     times, every stage running ``L / (R P)`` layers a tick): exact under random layouts of the
     other axes, microbatch and repeat counts; ``R K + P - 1`` ticks each; the forward scan's
@@ -374,15 +389,13 @@ def test_circular_pipelines_are_the_unsharded_step(mesh_name, backend):
     from planner.layout.dataflow import dataflow
     from planner.layout.staging import circular_passes
 
-    args = _args(np.random.default_rng(6), layers=8)
-    prog = planner.analyze(_step, *args)
-    want = jax.jit(_step)(*args)
+    args, prog, want = eight_layers
     mesh, stage = _mesh(mesh_name)
     sizes = dict(mesh.shape)
     p = sizes[stage]
     others = {a: n for a, n in sizes.items() if a != stage}
     rng = random.Random(f"circular-{mesh_name}-{backend}")
-    for _ in range(2):
+    for _ in range(1):  # each backend draws R = 2 and 4, K = P and 2 P among the three meshes
         base = make_schedule(prog, random_schedule(prog, others, rng), sizes, default="replicate")
         reps = rng.choice([r for r in (2, 4) if (8 // p) % r == 0])
         k = rng.choice([p, 2 * p])
@@ -468,7 +481,7 @@ def test_bad_circular_pipelines_are_refused_by_name(layers, microbatches, repeat
         planner.plan(_step, *args, mesh=mesh, pipeline_repeats=2)
 
 
-def test_plan_weighs_explains_and_saves_a_circular_pipeline(tmp_path):
+def test_plan_weighs_explains_and_saves_a_circular_pipeline(tmp_path, two_slices):
     """Across two slices (as above) the search weighs circular pipelines and keeps GPipe: a
     circular one would put a stage's weights in circular order over the slow link every step.
     A plan with a circular pipeline says which layers stage 0 runs, runs exactly, and a saved
@@ -479,7 +492,7 @@ def test_plan_weighs_explains_and_saves_a_circular_pipeline(tmp_path):
     from redist.calibration import Calibration
 
     cal = dc.replace(Calibration.named("tpu_v5p"), domain_devices=4)
-    args = _args(np.random.default_rng(5), layers=8, batch=128, d=512, hidden=2048)
+    args, want = two_slices
     mesh = jax.make_mesh((2, 4), ("pipe", "a"), axis_types=(AxisType.Auto,) * 2)
     p = planner.plan(_step, *args, mesh=mesh, calibration=cal, memory_limit_bytes=100 * 2**20,
                      pipeline_axis="pipe", microbatches=4)  # fmt: skip
@@ -489,7 +502,7 @@ def test_plan_weighs_explains_and_saves_a_circular_pipeline(tmp_path):
     assert pred.time_s > p.prediction.time_s
     circular = dc.replace(p, schedule=sched, prediction=pred)
     assert "circular over 2 rounds (stage 0 runs layers 0-1, 4-5;" in circular.explain()
-    _assert_close(circular.jit()(*args), jax.jit(_step)(*args))
+    _assert_close(circular.jit()(*args), want)
     circular.save(str(tmp_path / "plan.json"))
     q = planner.load(str(tmp_path / "plan.json"), _step, *args, mesh=mesh)
     assert q.schedule.stages == sched.stages
