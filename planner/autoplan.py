@@ -252,13 +252,12 @@ class AutoPlan:
             jit_kwargs.setdefault("donate_argnums", self.donate_argnums)
         key = (moves, tuple(sorted(jit_kwargs.items())))
         try:
-            return self._jits[key]
-        except KeyError:
-            pass
+            hash(key)
         except TypeError:  # an unhashable argument: made anew
             return self._made_jit(moves, jit_kwargs)
-        self._jits[key] = made = self._made_jit(moves, jit_kwargs)
-        return made
+        if key not in self._jits:
+            self._jits[key] = self._made_jit(moves, jit_kwargs)
+        return self._jits[key]
 
     @functools.cached_property
     def _jits(self) -> dict:

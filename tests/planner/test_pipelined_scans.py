@@ -60,19 +60,23 @@ def _scans(prog):
     return [r for r in prog.regions if r.kind == "scan"]
 
 
+def _analyzed_and_run(seed: int, **sizes):
+    """``(args, prog, want)``: ``_args`` of ``seed`` and ``sizes``, ``_step`` analyzed on them
+    and run unsharded."""
+    args = _args(np.random.default_rng(seed), **sizes)
+    return args, planner.analyze(_step, *args), jax.jit(_step)(*args)
+
+
 @pytest.fixture(scope="module")
 def small():
-    """``(args, prog, want)`` of ``_step`` on 4 layers (``_args`` of seed 0): analyzed and run
-    unsharded once for the module's tests of that program."""
-    args = _args(np.random.default_rng(0))
-    return args, planner.analyze(_step, *args), jax.jit(_step)(*args)
+    """:func:`_analyzed_and_run` on 4 layers (seed 0), made once for the module's tests."""
+    return _analyzed_and_run(0)
 
 
 @pytest.fixture(scope="module")
 def eight_layers():
-    """``(args, prog, want)`` of ``_step`` on 8 layers (seed 6), for the circular pipelines."""
-    args = _args(np.random.default_rng(6), layers=8)
-    return args, planner.analyze(_step, *args), jax.jit(_step)(*args)
+    """:func:`_analyzed_and_run` on 8 layers (seed 6), for the circular pipelines."""
+    return _analyzed_and_run(6, layers=8)
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +101,13 @@ def test_pipelined_training_step_is_the_unsharded_one(mesh_name, backend, small)
     sizes = dict(mesh.shape)
     others = {a: n for a, n in sizes.items() if a != stage}
     rng = random.Random(f"{mesh_name}-{backend}")
-    for _ in range(1):  # the six cases draw k = 1, 2 and 4 on each backend, one scan or both
-        assign = random_schedule(prog, others, rng)  # the layers split over the other axes
-        base = make_schedule(prog, assign, sizes, default="replicate")
-        chosen = [r for r in _scans(prog) if rng.random() < 0.7] or _scans(prog)
-        k = rng.choice([1, 2, 4])
-        sched = dataclasses.replace(base, stages=tuple(Stages(r.start, stage, k) for r in chosen))
-        _assert_close(planner.lower(prog, sched, mesh, backend=backend)(*args), want)
+    # one random draw: the six cases draw k = 1, 2 and 4 on each backend, one scan or both
+    assign = random_schedule(prog, others, rng)  # the layers split over the other axes
+    base = make_schedule(prog, assign, sizes, default="replicate")
+    chosen = [r for r in _scans(prog) if rng.random() < 0.7] or _scans(prog)
+    k = rng.choice([1, 2, 4])
+    sched = dataclasses.replace(base, stages=tuple(Stages(r.start, stage, k) for r in chosen))
+    _assert_close(planner.lower(prog, sched, mesh, backend=backend)(*args), want)
 
 
 def test_each_stage_keeps_its_layers_and_hands_activations_on(small):
@@ -395,17 +399,17 @@ def test_circular_pipelines_are_the_unsharded_step(mesh_name, backend, eight_lay
     p = sizes[stage]
     others = {a: n for a, n in sizes.items() if a != stage}
     rng = random.Random(f"circular-{mesh_name}-{backend}")
-    for _ in range(1):  # each backend draws R = 2 and 4, K = P and 2 P among the three meshes
-        base = make_schedule(prog, random_schedule(prog, others, rng), sizes, default="replicate")
-        reps = rng.choice([r for r in (2, 4) if (8 // p) % r == 0])
-        k = rng.choice([p, 2 * p])
-        sched = dataclasses.replace(
-            base, stages=tuple(Stages(r.start, stage, k, reps) for r in _scans(prog))
-        )
-        lowered = planner.lower(prog, sched, mesh, backend=backend)
-        _assert_close(lowered(*args), want)
-        ticks = reps * k + p - 1
-        assert _scan_lengths(jax.make_jaxpr(lowered)(*args).jaxpr).count(ticks) == 2
+    # one random draw: each backend draws R = 2 and 4, K = P and 2 P among the three meshes
+    base = make_schedule(prog, random_schedule(prog, others, rng), sizes, default="replicate")
+    reps = rng.choice([r for r in (2, 4) if (8 // p) % r == 0])
+    k = rng.choice([p, 2 * p])
+    sched = dataclasses.replace(
+        base, stages=tuple(Stages(r.start, stage, k, reps) for r in _scans(prog))
+    )
+    lowered = planner.lower(prog, sched, mesh, backend=backend)
+    _assert_close(lowered(*args), want)
+    ticks = reps * k + p - 1
+    assert _scan_lengths(jax.make_jaxpr(lowered)(*args).jaxpr).count(ticks) == 2
     # laid out alike on both sides, the residuals stay in circular order between the pipelines
     plain = make_schedule(prog, {}, sizes, default="replicate")
     sched = dataclasses.replace(
