@@ -441,14 +441,8 @@ def run(config, workdir: str) -> list[dict]:
     source = config.get("source", "model")
     code = source == "maxtext_code"
     if code:
-        from experiments.maxtext_code import (
-            CODE_RECIPES,
-            estimate_rows,
-            measure_code,
-            replay_search_rows,
-            replay_variant_rows,
-            report_code,
-        )
+        from experiments.code_replay import estimate_rows, replay_search_rows, replay_variant_rows
+        from experiments.maxtext_code import CODE_RECIPES, build, measure_code, report_code
     elif source != "model":
         raise ValueError(f"config.source must be 'model' or 'maxtext_code', not {source!r}")
     known = CODE_RECIPES if code else RECIPES
@@ -476,12 +470,12 @@ def run(config, workdir: str) -> list[dict]:
             _drop_estimates(earlier, name, again_estimated)
         if code and (config.get("fill_estimates", False) or again_estimated):
             try:
-                estimate_rows(name, rows)
+                estimate_rows(name, rows, build)
             finally:  # the estimates filled before an error are kept
                 _write_rows(path, rows)
         if code and config.get("replay_search", False):
-            replay_search_rows(name, rows)  # seconds, or a note saying why not
-            replay_variant_rows(name, rows)
+            replay_search_rows(name, rows, build)  # seconds, or a note saying why not
+            replay_variant_rows(name, rows, build)
             _write_rows(path, rows)
     with open(os.path.join(workdir, "code_report.md" if code else "report.md"), "w") as f:
         f.write(report_code(rows) if code else report(rows))

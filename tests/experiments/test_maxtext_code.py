@@ -1,6 +1,7 @@
 """experiments.maxtext_code's pieces that need no MaxText: the unrolled program it estimates
 kernels from, the depths it extends from, the compiler options of those compiles (with the TPU
-compiler), and its table."""
+compiler; experiments.code_estimate), its table, and the replay of its rows
+(experiments.code_replay)."""
 
 import importlib.util
 import types
@@ -9,18 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from experiments.maxtext_code import (
-    CODE_RECIPES,
+from experiments.code_estimate import (
     NO_RECOMPUTING,
-    RING_BUFFER,
     _layer_seconds,
     depths,
     evaluate,
+    unroll_scans,
+)
+from experiments.maxtext_code import (
+    CODE_RECIPES,
+    RING_BUFFER,
     report_code,
     ring_variants,
     tensor_variants,
-    unroll_scans,
 )
 
 
@@ -90,6 +94,44 @@ def test_the_layer_estimate_compiles_without_computing_anything_twice():
     assert kept.cost_analysis()["flops"] == pytest.approx(asked, rel=0.01)
     cal = default_calibration(mesh)
     assert _layer_seconds(lowered, cal) < left.cost_analysis()["optimal_seconds"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu")
+def test_the_kernels_of_a_layout_extend_its_small_steps_unrolled():
+    """MaxText's layout (the step's own shardings) and a plan's, each compiled at 1 and 2
+    layers with the scans unrolled (the second layer costs its own) and extended, each further
+    layer costing the difference; a plan of other ops does not carry (None)."""
+    import contextlib
+
+    import planner
+    from experiments import code_estimate
+    from planner.cost.memory import default_calibration
+
+    mesh = planner.topology_mesh("v5p:2x2x1", {"x": 4})
+    whole, rows = jax.sharding.NamedSharding(mesh, P()), jax.sharding.NamedSharding(mesh, P("x"))
+
+    def step(ws, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return (h * h).sum()
+
+    def build_at(depth):
+        args = (jax.ShapeDtypeStruct((depth, 512, 512), jnp.float32, sharding=whole),
+                jax.ShapeDtypeStruct((4096, 512), jnp.float32, sharding=rows))  # fmt: skip
+        return types.SimpleNamespace(step=step, args=args, mesh=mesh, in_shardings=(whole, rows),
+                                     out_shardings=whole, donate_argnums=(),
+                                     context=contextlib.nullcontext)  # fmt: skip
+
+    cal = default_calibration(mesh)
+    one, two = (_layer_seconds(code_estimate._authors_lowered(build_at(d)), cal) for d in (1, 2))
+    assert two > 1.2 * one
+    assert code_estimate.kernels(build_at, 2, cal, (1, 2)) == pytest.approx(two)
+    assert code_estimate.kernels(build_at, 10, cal, (1, 2)) == pytest.approx(one + 9 * (two - one))
+    deep = build_at(4)
+    plan = planner.plan(step, *deep.args, mesh=mesh, check_memory="predicted")
+    assert code_estimate.kernels(build_at, 4, cal, (1, 2), plan) > 0
+    other = planner.plan(lambda ws, x: step(ws, x) + x.sum(), *deep.args, mesh=mesh,
+                         check_memory="predicted")  # fmt: skip
+    assert code_estimate.kernels(build_at, 4, cal, (1, 2), other) is None
 
 
 def test_depths_skip_the_dense_first_layers_of_a_mixture_of_experts():
@@ -180,48 +222,46 @@ def test_rows_without_an_estimate_get_one_in_place(monkeypatch):
     """``fill_estimates``: a compiled row with no estimate gets its layout's kernels (MaxText's
     for a recipe row, the plan searched again for a searched row) plus its collectives; rows
     with one, rows that did not compile and other recipes' rows are left as they are."""
-    import experiments.maxtext_code as mc
+    from experiments import code_estimate, code_replay
 
     config = types.SimpleNamespace(num_decoder_layers=61, num_experts=256, first_num_dense_layers=3)
-    monkeypatch.setattr(mc, "build", lambda *a, **k: types.SimpleNamespace(mesh={"d": 8},
-                                                                         config=config))  # fmt: skip
-    monkeypatch.setattr(mc, "_authors_kernels", lambda name, layers, cal, at, variant: 10.0)
-    monkeypatch.setattr(mc, "_planned_again", lambda step, row: "plan")
-    monkeypatch.setattr(mc, "_plan_kernels", lambda name, p, layers, cal, at, v: 8.0 if p else None)
+    step = types.SimpleNamespace(mesh={"d": 8}, config=config)
+    monkeypatch.setattr(code_replay, "planned_again", lambda step, row: "plan")
+    monkeypatch.setattr(code_estimate, "kernels",
+                        lambda build_at, layers, cal, at, p=None: 8.0 if p else 10.0)  # fmt: skip
     name = "deepseek3_671b_v5p_1024"
-    base = {"recipe": name, "model_tflops": 6.0}
+    base = {"recipe": name, "model_tflops": 6.0, "topology": "v5p-1024"}
     rows = [{**base, "strategy": "recipe", "compiled_collective_s": 50.0},
             {**base, "strategy": "searched", "compiled_collective_s": 40.0},
             {**base, "strategy": "searched", "fits": False},
             {**base, "strategy": "recipe", "compiled_collective_s": 1.0, "estimate_s": 3.0},
             {"recipe": "other", "strategy": "recipe", "compiled_collective_s": 1.0}]  # fmt: skip
-    assert mc.estimate_rows(name, rows) == 2
+    assert code_replay.estimate_rows(name, rows, lambda *a, **k: step) == 2
     assert [r.get("estimate_s") for r in rows] == [60.0, 48.0, None, 3.0, None]
-    assert rows[0]["mfu"] == 6.0 / 60.0 / mc.PEAK_TFLOPS["v5p"]
+    assert rows[0]["mfu"] == 6.0 / 60.0 / code_estimate.PEAK_TFLOPS["v5p"]
 
 
 def test_a_row_whose_plan_changed_is_noted_and_the_others_still_estimated(monkeypatch):
     """A searched row whose plan the planner no longer makes is left for measuring again, with a
     note saying why; the recipe's other rows are still estimated."""
-    from experiments import maxtext_code as mc
+    from experiments import code_estimate, code_replay
 
     config = types.SimpleNamespace(num_decoder_layers=61, num_experts=256, first_num_dense_layers=3)
-    monkeypatch.setattr(mc, "build", lambda *a, **k: types.SimpleNamespace(mesh={"d": 8},
-                                                                         config=config))  # fmt: skip
+    step = types.SimpleNamespace(mesh={"d": 8}, config=config)
 
     def again(step, row):
         if row["predicted_s"] == 1.0:
-            raise mc.PlanChanged("searched again, the plan predicts 2.0; measure the row again")
+            raise code_replay.PlanChanged("searched again, its plan predicts 2.0; measure it again")
         return "plan"
 
-    monkeypatch.setattr(mc, "_planned_again", again)
-    monkeypatch.setattr(mc, "_plan_kernels", lambda name, p, layers, cal, at, v: 8.0)
+    monkeypatch.setattr(code_replay, "planned_again", again)
+    monkeypatch.setattr(code_estimate, "kernels", lambda build_at, layers, cal, at, p: 8.0)
     name = "deepseek3_671b_v5p_1024"
-    base = {"recipe": name, "model_tflops": 6.0, "strategy": "searched",
+    base = {"recipe": name, "model_tflops": 6.0, "strategy": "searched", "topology": "v5p-1024",
             "compiled_collective_s": 4.0}  # fmt: skip
     rows = [{**base, "predicted_s": 1.0}, {**base, "predicted_s": 3.0}]
-    assert mc.estimate_rows(name, rows) == 1
-    assert "estimate_s" not in rows[0] and "measure the row again" in rows[0]["estimate_note"]
+    assert code_replay.estimate_rows(name, rows, lambda *a, **k: step) == 1
+    assert "estimate_s" not in rows[0] and "measure it again" in rows[0]["estimate_note"]
     assert rows[1]["estimate_s"] == 12.0
 
 
@@ -229,7 +269,7 @@ def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
     import contextlib
 
     import planner
-    from experiments.maxtext_code import PlanChanged, _planned_again
+    from experiments.code_replay import PlanChanged, planned_again
     from planner.cost.memory import MemoryLimitError
 
     predicted = types.SimpleNamespace(time_s=117.0, peak_bytes=108)
@@ -244,23 +284,23 @@ def test_a_plan_searched_again_must_predict_what_its_row_did(monkeypatch):
                                   donate_argnums=(), in_shardings=None)  # fmt: skip
     row = {"recipe": "r", "strategy": "searched", "predicted_s": 117.0,
            "predicted_peak_bytes": 108, "memory_checks": [{"searched_limit": 100}]}  # fmt: skip
-    assert _planned_again(built, row).prediction is predicted and limits == [100]
+    assert planned_again(built, row).prediction is predicted and limits == [100]
     row["predicted_s"] = 116.0
     with pytest.raises(ValueError, match="measure the row again"):
-        _planned_again(built, row)
+        planned_again(built, row)
 
     def no_fit(*args, memory_limit_bytes, **kwargs):
         raise MemoryLimitError(memory_limit_bytes)
 
     monkeypatch.setattr(planner, "plan", no_fit)  # a plan no longer found: noted, not raised
     with pytest.raises(PlanChanged, match="no plan fits"):
-        _planned_again(built, row)
+        planned_again(built, row)
 
 
 def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
     """The replay answers each compile of the memory check from the row (the plan's layout and
     predicted bytes) and records today's search seconds only where it finds the row's plan."""
-    from experiments import maxtext_code as mc
+    from experiments import code_replay as cr
     from experiments.recipe_rows import seconds as _seconds
     from planner.target import confirm
 
@@ -276,8 +316,7 @@ def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
         answered.append((first.compiled_bytes, yours.compiled_bytes))
         return plan_of(80, 2.1)
 
-    monkeypatch.setattr(mc, "build", lambda *a, **k: "built")
-    monkeypatch.setattr(mc, "_planned", planned)
+    monkeypatch.setattr(cr, "planned", planned)
     check = {"searched_limit": 100, "compile_s": 600.0, "compiled_limit": 95}
     checks = [{**check, "predicted_bytes": 90, "compiled_bytes": 99, "layout": "searched"},
               {**check, "predicted_bytes": 80, "compiled_bytes": 94, "layout": "yours"}]  # fmt: skip
@@ -287,7 +326,7 @@ def test_a_search_is_replayed_with_the_compiles_its_row_recorded(monkeypatch):
     other_plan = {**row, "predicted_s": 2.2}
     recipe = {**row, "strategy": "recipe"}
     rows = [row, unrecorded, other_plan, recipe]
-    assert mc.replay_search_rows("r", rows) == 1
+    assert cr.replay_search_rows("r", rows, lambda *a, **k: "built") == 1
     assert answered == [(99, 94), (99, 94)]
     assert row["search_s"] == 12.5 and row["search_s_measured"] == 600.0
     assert _seconds(row) == "12.5 (replayed; 600.0 measured)"
@@ -300,7 +339,7 @@ def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_by
     """The memory model changed since the row was measured: the search's compiles, of plans now
     predicted at other bytes, are answered by the row's checks in their order, and where the
     search ends at the row's plan (its seconds) the row's predicted bytes become today's."""
-    from experiments import maxtext_code as mc
+    from experiments import code_replay as cr
     from planner.target import confirm
 
     def plan_of(peak, seconds):
@@ -314,8 +353,7 @@ def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_by
         answered.append(confirm._compiled_check(plan_of(75, 2.1), 90, 95).compiled_bytes)
         return plan_of(75, 2.1)
 
-    monkeypatch.setattr(mc, "build", lambda *a, **k: "built")
-    monkeypatch.setattr(mc, "_planned", planned)
+    monkeypatch.setattr(cr, "planned", planned)
     check = {"compile_s": 600.0, "compiled_limit": 95, "layout": "searched"}
     checks = [{**check, "searched_limit": 100, "predicted_bytes": 90, "compiled_bytes": 99},
               {**check, "searched_limit": 90, "predicted_bytes": 80, "compiled_bytes": 94}]  # fmt: skip
@@ -323,7 +361,7 @@ def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_by
            "search_s": 600.0, "memory_checks": checks}  # fmt: skip
     other = {**row, "predicted_s": 2.2}  # another plan: not re-predicted
     one_check = {**row, "memory_checks": checks[1:]}  # the search compiles more than the row did
-    assert mc.replay_search_rows("r", [row, other, one_check]) == 1
+    assert cr.replay_search_rows("r", [row, other, one_check], lambda *a, **k: "built") == 1
     assert answered[:2] == [99, 94]
     assert row["predicted_peak_bytes"] == 75 and row["predicted_peak_bytes_measured"] == 80
     assert other["predicted_peak_bytes"] == 80 and "the row's (2.2, 80)" in other["replay_note"]
@@ -332,13 +370,18 @@ def test_a_replayed_plan_the_memory_model_predicts_otherwise_now_takes_todays_by
     )
 
 
+def _variant(name, variant=None):
+    """A recipe's step at ``variant``, as the replay's fakes know it: the variant itself."""
+    return variant
+
+
 def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     """Each variant the row planned is searched again (the chosen one under its memory check's
     limit, the others under the default; one whose plan was the searched row's takes that row's
     replay); today's sum replaces the row's seconds where the chosen variant finds the plan it
     found and no other is now faster. An unchosen variant finding a slower plan than the chosen
     takes today's figures; one finding a faster plan stops the replay."""
-    from experiments import maxtext_code as mc
+    from experiments import code_replay as cr
 
     predicted = {None: (3.0, 30), "a": (2.0, 60), "b": (2.5, 40)}
     limits = []
@@ -346,12 +389,11 @@ def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     def again(built, row, exact=True):
         limits.append((built, [c["searched_limit"] for c in row["memory_checks"]]))
         if exact and predicted[built][0] != row["predicted_s"]:
-            raise mc.PlanChanged(f"{row['strategy']}: measure the row again")
+            raise cr.PlanChanged(f"{row['strategy']}: measure the row again")
         return types.SimpleNamespace(search_s=10.0, prediction=types.SimpleNamespace(
             time_s=predicted[built][0], peak_bytes=peaks[built]))  # fmt: skip
 
-    monkeypatch.setattr(mc, "build", lambda name, variant=None: variant)
-    monkeypatch.setattr(mc, "_planned_again", again)
+    monkeypatch.setattr(cr, "planned_again", again)
     peaks = {None: 30, "a": 60, "b": 40}
     tried = {"None": {"predicted_s": 3.0, "predicted_peak_bytes": 30},
              "a": {"predicted_s": 2.0, "predicted_peak_bytes": 60},
@@ -365,7 +407,7 @@ def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
             "variants": {**tried}}  # fmt: skip
     own = {**row, "variant": None}  # the recipe's own settings chosen: the searched row's
     peaks["a"] = 55  # the memory model changed since: the chosen variant's plan is leaner
-    assert mc.replay_variant_rows("r", [row, moved, lost, own]) == 2
+    assert cr.replay_variant_rows("r", [row, moved, lost, own], _variant) == 2
     assert row["search_s"] == 30.0 and row["search_s_measured"] == 400.0
     assert row["predicted_peak_bytes"] == 55 and row["predicted_peak_bytes_measured"] == 60
     assert row["variants"]["a"]["predicted_peak_bytes"] == 55 and "predicted_peak_bytes" not in \
@@ -387,13 +429,15 @@ def test_a_variant_search_is_replayed_variant_by_variant(monkeypatch):
     mine = {"None": {**tried["None"], "from": "the searched row"}, "a": {**tried["a"]}}
     taken = {**row, "variants": mine, "search_s": 400.0}
     taken.pop("search_s_measured")
-    assert mc.replay_variant_rows("r", [searched, taken]) == 1
+    assert cr.replay_variant_rows("r", [searched, taken], _variant) == 1
     assert limits == [("a", [90])] and taken["search_s"] == 15.0
     assert taken["variants"]["None"]["predicted_peak_bytes"] == 28
     # the searched row did not replay: the own settings searched again like any other variant
     limits.clear()
     unreplayed = {**taken, "variants": {k: dict(v) for k, v in mine.items()}}
-    assert mc.replay_variant_rows("r", [{**searched, "replay_note": "no"}, unreplayed]) == 1
+    assert (
+        cr.replay_variant_rows("r", [{**searched, "replay_note": "no"}, unreplayed], _variant) == 1
+    )
     assert limits == [(None, []), ("a", [90])] and unreplayed["search_s"] == 20.0
 
 
@@ -402,7 +446,7 @@ def test_a_plan_compiled_again_to_the_same_program_keeps_its_rows_kernels():
     kernels' bytes) is that program: the row's kernels' estimate is reused, also where the
     device's figure was judged otherwise; any difference, another strategy or another variant,
     or a row without the kernels' bytes, and the layers are compiled again."""
-    from experiments.maxtext_code import SAME_PROGRAM, kernels_compiled_before
+    from experiments.code_estimate import SAME_PROGRAM, kernels_compiled_before
 
     program = dict(zip(SAME_PROGRAM, (90, 2015, 59.7, 3.2e12), strict=True))
     old = {"recipe": "r", "strategy": "searched", "variant": None, **program, "estimate_s": 151.2,
@@ -428,18 +472,19 @@ def test_maxtexts_own_compile_measured_again_to_the_same_program_keeps_its_rows_
     import experiments.recipe_rows as recipe_rows
     import planner.cost.memory as memory
     import planner.target.compiled as compiled
+    from experiments import code_estimate
     from experiments import maxtext_code as mc
 
     config = types.SimpleNamespace(num_decoder_layers=61, num_experts=256, first_num_dense_layers=3,
                                    remat_policy="custom")  # fmt: skip
     step = types.SimpleNamespace(mesh=types.SimpleNamespace(size=512), config=config,
                                  authors_compile=lambda: "lowered")  # fmt: skip
-    program = dict(zip(mc.SAME_PROGRAM, (90, 1892, 59.7, 3.2e12), strict=True))
+    program = dict(zip(code_estimate.SAME_PROGRAM, (90, 1892, 59.7, 3.2e12), strict=True))
     compiles = [dict(program, compiled_bytes=97), dict(program, collectives=1893)]
     layers = []
     monkeypatch.setattr(mc, "build", lambda name, variant=None: step)
     monkeypatch.setattr(mc, "model_tflops", lambda built: 6.0)
-    monkeypatch.setattr(mc, "_authors_kernels", lambda *a: layers.append(a) or 50.0)
+    monkeypatch.setattr(code_estimate, "kernels", lambda *a: layers.append(a) or 50.0)
     monkeypatch.setattr(memory, "default_calibration", lambda mesh: "cal")
     monkeypatch.setattr(compiled, "compile_and_report", lambda lowered: (None, None))
     monkeypatch.setattr(recipe_rows, "row_of", lambda *a: compiles.pop(0))
@@ -459,6 +504,7 @@ def test_a_variant_search_takes_the_plan_of_the_recipes_own_step_searched_in_the
     """The recipe's own step (variant ``None``) is not planned again where the run's searched
     row planned it: its plan is a candidate as found, marked as the searched row's; each other
     variant is planned, and the fastest that fits is chosen."""
+    from experiments import code_replay
     from experiments import maxtext_code as mc
     from planner.cost.memory import MemoryLimitError
 
@@ -477,7 +523,7 @@ def test_a_variant_search_takes_the_plan_of_the_recipes_own_step_searched_in_the
 
     monkeypatch.setitem(mc.CODE_RECIPES, "r", {"variants": {"a": {}, "b": {}}})
     monkeypatch.setattr(mc, "build", lambda name, variant=None: variant)
-    monkeypatch.setattr(mc, "_planned", planned_of)
+    monkeypatch.setattr(code_replay, "planned", planned_of)
     own = plan(3.0, 30)
     variant, best, step, tried, _ = mc._variant_search("r", "own step", own)
     assert planned == ["a", "b"] and (variant, step) == ("a", "a") and best is not own
@@ -535,20 +581,20 @@ def test_reestimated_rows_keep_their_previous_estimate_beside_the_new_one(monkey
     import ml_collections
 
     import experiments.maxtext_code as mc
-    from experiments import recipes
+    from experiments import code_replay, recipes
 
     rows = [{"recipe": "deepseek3_671b_v5p_1024", "strategy": s, "estimate_s": 1.0, "mfu": 0.5,
              "compiled_collective_s": 0.5} for s in ("recipe", "searched")]  # fmt: skip
     rows.append({"recipe": "llama2_7b_v5p_128", "strategy": "searched", "estimate_s": 1.0})
     (tmp_path / "code_results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    def estimate(name, rows):
+    def estimate(name, rows, build):
         for r in rows:
             if r["recipe"] == name and "estimate_s" not in r:
                 r["estimate_s"] = 2.0
 
     monkeypatch.setattr(mc, "measure_code", lambda *a, **k: [])
-    monkeypatch.setattr(mc, "estimate_rows", estimate)
+    monkeypatch.setattr(code_replay, "estimate_rows", estimate)
     monkeypatch.setattr(mc, "report_code", lambda rows: "")
     config = ml_collections.ConfigDict({"source": "maxtext_code", "strategies": "",
                                         "recipes": "deepseek3_671b_v5p_1024,llama2_7b_v5p_128",
@@ -567,25 +613,25 @@ def test_a_variant_search_measured_again_takes_the_own_plan_from_the_searched_ro
     """The own settings' plan in a variant search without the ``searched`` strategy is that
     row's, replayed (no compile); where it does not replay, or there is no such row, it is
     searched (None)."""
-    from experiments import maxtext_code as mc
+    from experiments import code_replay as cr
 
     plan = types.SimpleNamespace(prediction=types.SimpleNamespace(time_s=3.0, peak_bytes=30))
     replays = []
 
-    def replayed(name, built, row):
+    def replayed(built, row):
         replays.append(row["strategy"])
         if row.get("changed"):
-            raise mc.PlanChanged("another plan")
+            raise cr.PlanChanged("another plan")
         return plan
 
-    monkeypatch.setattr(mc, "replayed_plan", replayed)
+    monkeypatch.setattr(cr, "replayed_plan", replayed)
     rows = [{"recipe": "r", "strategy": "recipe"},
             {"recipe": "r", "strategy": "searched", "predicted_s": 3.0},
             {"recipe": "q", "strategy": "searched", "predicted_s": 1.0}]  # fmt: skip
-    assert mc._own_plan_replayed("r", "step", rows) is plan and replays == ["searched"]
+    assert cr.own_plan_replayed("r", "step", rows) is plan and replays == ["searched"]
     rows[1]["changed"] = True
-    assert mc._own_plan_replayed("r", "step", rows) is None
-    assert mc._own_plan_replayed("r", "step", rows[:1]) is None and len(replays) == 2
+    assert cr.own_plan_replayed("r", "step", rows) is None
+    assert cr.own_plan_replayed("r", "step", rows[:1]) is None and len(replays) == 2
 
 
 def test_on_its_own_plans_hand_nothing_of_maxtexts_over(monkeypatch):
@@ -595,14 +641,15 @@ def test_on_its_own_plans_hand_nothing_of_maxtexts_over(monkeypatch):
     import contextlib
 
     import planner
+    from experiments import code_replay
     from experiments import maxtext_code as mc
 
     asked = []
     monkeypatch.setattr(planner, "plan", lambda *a, **kw: asked.append(kw))
     built = types.SimpleNamespace(step=None, args=(), mesh="mesh", donate_argnums=(0,),
                                   in_shardings="theirs", context=contextlib.nullcontext)  # fmt: skip
-    mc._planned(built, on_its_own=True)
-    mc._planned(built)
+    code_replay.planned(built, on_its_own=True)
+    code_replay.planned(built)
     assert asked[0] == {"mesh": "mesh", "donate_argnums": (0,), "constraints": "drop",
                         "compare": None}  # fmt: skip
     assert asked[1] == {"mesh": "mesh", "donate_argnums": (0,), "compare": "theirs"}
