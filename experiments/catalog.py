@@ -177,6 +177,8 @@ _FOLDERS = [
                                                 ("config.strategies", "on_its_own"))),
         Run("recipes", "recipes/maxtext_code", (("config.recipes", "llama2_70b_v5p_512"),
                                                 ("config.strategies", "on_its_own"))),
+        Run("recipes", "recipes/maxtext_code", (("config.recipes", "llama3_1_405b_v6e_256"),
+                                                ("config.strategies", "on_its_own"))),
     ), Needs.TPU_HOURS, 160, "the committed rows came from several runs of subsets of these "
        "recipes and strategies (config.json lists them); they record 4,155 s of compiling and "
        "231 s of searching; the commands from the third on (MaxText's own step, "
@@ -200,8 +202,9 @@ _FOLDERS = [
        "its search replayed (72 min beside the tests and other runs; 47 min once its memory model "
        "held the last layer's deferred weight gradients, no ring plan then predicted within the "
        "limit, so the plan of least predicted memory compiled), the next Qwen3-235B's plan on "
-       "its own (constraints='drop', compare=None; 7 min), the last Llama 2 70B's on its own "
-       "(16 min beside other work)"),
+       "its own (constraints='drop', compare=None; 7 min), the next Llama 2 70B's on its own "
+       "(16 min beside other work), the last Llama 3.1 405B's on two v6e-256 slices on its own "
+       "(72 min beside the tests and other runs; its compile check 33 min)"),
     Folder("real_code", (
         Run("real_code", "real_code/default"),
         # on its own, the compiler ranking the best candidates (planner.plan(rank_by="compiled"))
