@@ -435,12 +435,6 @@ def expert_schedules(
         if embed:
             width.add(classes.find((op.name, embed[0])))
     width.discard(batch)
-    # An embedding table's vocabulary (Megatron's vocab-parallel embedding, MaxText's ``vocab``
-    # rule): over ``tensor`` like the logits' vocabulary, where its other dimensions are widths
-    for table, vocab in _lookups(prog):
-        dims = [classes.find((table.name, d)) for d in range(len(table.shape)) if d != vocab]
-        if dims and all(c in width for c in dims):
-            model.add(classes.find((table.name, vocab)))
     stacked = frozenset(
         classes.find((o.operands[0].value.name, d))
         for o in prog.ops if o.how == "region" and o.primitive in ENTRIES
@@ -463,23 +457,6 @@ def expert_schedules(
     loops = {o.name: [classes.find((o.name, lp.name)) for lp in o.loops] for o in prog.ops}
     dims = {v.name: [classes.find((v.name, d)) for d in range(len(v.shape))] for v in prog.inputs}
     return {name: _schedule(prog, (loops, dims), rule, sizes) for name, rule in rules.items()}
-
-
-def _lookups(prog: Program) -> list[tuple[Value, int]]:
-    """The embedding lookups of ``prog`` as ``(table, vocabulary dimension)``: each ``gather``
-    whose table is a program input (or a view of one, :func:`weight_views`) with one dimension
-    the lookup reads (a loop its result does not keep), as the table's input and dimension."""
-    views = weight_views(prog)
-    out = []
-    for o in prog.ops:
-        if o.primitive != "gather" or not o.operands or o.operands[0].value.name not in views:
-            continue
-        kept = {lp for r in o.results for d in r.dims for lp in d}
-        looked = [k for k, d in enumerate(o.operands[0].dims) if d and d[0] not in kept]
-        if len(looked) == 1:
-            table, dims = views[o.operands[0].value.name]
-            out.append((table, dims[looked[0]]))
-    return out
 
 
 def _unlayered_widths(prog: Program, classes: _Classes, batch, known: set, stacked: frozenset,

@@ -368,38 +368,6 @@ def test_a_one_hot_embedding_is_a_row_layer_and_the_next_ones_columns(mesh):
         _close(p(*args), want)
 
 
-def _gathered_lm_step(params, tokens):
-    """An LM whose embedding is a lookup (``table[tokens]``, a gather) untied from its logits."""
-
-    def loss(params):
-        table, w1, w2, out = params
-        x = table[tokens]
-        h = x + jax.nn.relu(x @ w1) @ w2
-        return jnp.mean(jax.nn.logsumexp(h @ out, axis=-1))
-
-    return jax.tree.map(lambda p, g: p - LR * g, params, jax.grad(loss)(params))
-
-
-def test_an_untied_lookup_table_splits_its_vocabulary_over_the_tensor_axis(mesh):
-    """MaxText's ``vocab`` rule and Megatron's vocab-parallel embedding: a gathered table the
-    logits do not share stores its vocabulary over the tensor axis, its width over the data axes
-    (before, its vocabulary stayed whole: 4x its share on each device), and every expert plan
-    computes the step."""
-    rng = np.random.default_rng(4)
-    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)  # noqa: E731
-    args = ((f32(64, 32), f32(32, 128), f32(128, 32), f32(32, 64)),
-            rng.integers(0, 64, (16, 8)).astype(np.int32))  # fmt: skip
-    plans = baselines.expert_plans(_gathered_lm_step, *args, mesh=mesh, data_axes=DATA,
-                                   tensor_axis=TENSOR)  # fmt: skip
-    table, w1, w2, out = plans["fsdp_tensor"].in_specs[0]
-    assert (table, w1, w2, out) == (P(TENSOR, DATA), P(DATA, TENSOR), P(TENSOR, DATA),
-                                    P(DATA, TENSOR))  # fmt: skip
-    assert plans["fsdp"].in_specs[0][0] == P(None, DATA)  # no tensor axis: the vocabulary whole
-    want = jax.jit(_gathered_lm_step)(*args)
-    for p in plans.values():
-        _close(p(*args), want)
-
-
 @pytest.mark.parametrize("case", ["scanned_lm", "one_hot_lm"])
 def test_the_sequence_seed_computes_the_step(mesh, case, request):
     """The search's seed with the residual stream's embedding width over the tensor axis (MaxText's
