@@ -110,6 +110,14 @@ _FOLDERS = [
         Run("frontier_sync", "weight_sync/frontier",
             (("config.cases", "qwen3_235b@h100x8,deepseek_v3@h100x8"),)),), Needs.HOST, 0.5,
         "compiled for 8 H100s by XLA:GPU on this host, one program per bucket; nothing runs"),
+    Folder("frontier_sync_tunix", (
+        Run("frontier_sync", "weight_sync/frontier", (("config.layouts", "tunix"),)),),
+        Needs.HOST, 5, "tunix's layouts (MaxText RL's trainer, its vLLM sampler) compiled for "
+        "v5p-1024 by the TPU compiler on this host; nothing runs"),
+    Folder("frontier_sync_tunix_h100", (
+        Run("frontier_sync", "weight_sync/frontier", (("config.layouts", "tunix"),
+            ("config.cases", "qwen3_235b@h100x8,deepseek_v3@h100x8"))),), Needs.HOST, 0.5,
+        "tunix's layouts compiled for 8 H100s by XLA:GPU on this host; nothing runs"),
     Folder("synthesis_scaling", (Run("synthesis_scaling", "synthesis_scaling/default"),),
            Needs.HOST, 0.5),
     Folder("planner_search_scaling", (

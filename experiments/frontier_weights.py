@@ -19,6 +19,13 @@ Layouts, on two meshes over the same devices:
   rows), replicated over ``ep``; the experts' expert dimension over ``ep`` and their hidden
   dimension over ``tp``.
 
+``layouts="tunix"`` gives the layouts of MaxText's RL trainer (tunix's ``RLCluster``) and its
+vLLM TPU sampler instead (sources in :mod:`experiments.frontier_sync`): the training layout as
+above but DeepSeek-V3's router over ``fsdp`` alone (MaxText's ``embed_router``); the serving
+layout as above but with vLLM's expert parallelism off (MaxText RL's
+``rollout_expert_parallelism: 1``): every expert on every chip of a tensor-parallel group, its
+hidden dimension over ``tp``, replicated over the sampler's data-parallel replicas.
+
 Example:
     >>> tree = parameters("qwen3_235b")
     >>> tree["layers/moe/wi_0"].shape, tree["layers/moe/wi_0"].serve
@@ -92,11 +99,30 @@ def _mlp(n: int, d: int, ffn: int) -> dict[str, Leaf]:
             "wo": _matrix(n, ffn, d, "rows")}  # fmt: skip
 
 
-def parameters(model: str, shrunk: bool = False) -> dict[str, Leaf]:
+LAYOUTS = ("vllm", "tunix")
+"""The layout pairs :func:`parameters` gives (see the module)."""
+
+
+def parameters(model: str, shrunk: bool = False, layouts: str = "vllm") -> dict[str, Leaf]:
     """The parameter tree of ``model`` (a key of :data:`MODELS`), path -> :class:`Leaf`;
-    ``shrunk``: of its :data:`SHRUNK` config."""
+    ``shrunk``: of its :data:`SHRUNK` config; ``layouts``: one of :data:`LAYOUTS`."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    if layouts not in LAYOUTS:
+        raise ValueError(f"layouts must be one of {LAYOUTS}, got {layouts!r}")
+    tree = _parameters(model, shrunk)
+    if layouts == "tunix":
+        for k, leaf in tree.items():
+            if k.endswith(("moe/wi_0", "moe/wi_1")):  # (layers, experts, d, ffn)
+                tree[k] = dataclasses.replace(leaf, serve=(None, None, None, "tp"))
+            elif k.endswith("moe/wo"):  # (layers, experts, ffn, d)
+                tree[k] = dataclasses.replace(leaf, serve=(None, None, "tp", None))
+            elif model == "deepseek_v3" and k.endswith("moe/gate"):  # ("embed_router", None)
+                tree[k] = dataclasses.replace(leaf, train=(None, "fsdp", None))
+    return tree
+
+
+def _parameters(model: str, shrunk: bool) -> dict[str, Leaf]:
     c = (SHRUNK if shrunk else MODELS)[model]
     d, v = c["d"], c["vocab"]
     tree = {"embed": Leaf((v, d), (None, FSDP), ("tp", None)),
@@ -132,6 +158,27 @@ def parameters(model: str, shrunk: bool = False) -> dict[str, Leaf]:
                       **{f"shared/{k}": w for k, w in _mlp(n, d, c["shared_ffn"]).items()}}  # fmt: skip
         tree |= {f"{kind}_layers/{k}": w for k, w in layer.items()}
     return tree
+
+
+def kv_cache_bytes_per_chip(model: str, tp: int, sequences: int, tokens: int) -> int:
+    """The sampler's KV cache on one chip, in bfloat16: ``sequences`` resident sequences of
+    ``tokens`` tokens each on a data-parallel replica of ``tp`` tensor-parallel chips.
+
+    Qwen3-235B (grouped-query attention): per token and layer a key and a value of each of the
+    chip's key/value heads (its 4 heads split over ``tp``, one on each chip where ``tp`` is more:
+    vLLM repeats them). DeepSeek-V3 (multi-head latent attention): per token and layer the
+    latent, ``kv_rank + rope`` = 576 values, held whole by every chip of the replica.
+
+    Example:
+        >>> kv_cache_bytes_per_chip("qwen3_235b", tp=16, sequences=1, tokens=1)  # 94*128*2*2
+        48128
+    """
+    c = MODELS[model]
+    if model == "qwen3_235b":
+        per_token = c["layers"] * max(1, c["kv_heads"] // tp) * c["head"] * 2  # key and value
+    else:
+        per_token = c["layers"] * (c["kv_rank"] + c["rope"])
+    return per_token * 2 * sequences * tokens  # bfloat16
 
 
 def parameter_count(model: str) -> int:
