@@ -289,7 +289,7 @@ def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path,
                      pipeline_axis="pipe")  # fmt: skip
     assert len(p.schedule.stages) == 2 and p.prediction.peak_bytes <= limit
     _, flat = search_within(p.program, dict(mesh.shape), cal, limit)
-    assert p.prediction.time_s < 0.5 * flat.time_s
+    assert p.prediction.time_s < 0.6 * flat.time_s  # 0.51x with the two-level price of crossing
     text = p.explain()
     assert "Pipeline (scan at" in text and "on stage 0 of `pipe`" in text
     assert "P('pipe'" in text  # the stacked weights rest split over the stages

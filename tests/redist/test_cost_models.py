@@ -186,3 +186,41 @@ def test_on_gpus_folded_alltoalls_and_last_gathers_run_in_series_within_xlas_mem
         run = _across(alone, mesh, NamedSharding(mesh, dst), False)
         at_once = compile_stats(jax.jit(run), x)
         assert at_once[1].temp_bytes >= 1.2 * temp[0], (name, at_once[1].temp_bytes, temp)
+
+
+@pytest.mark.parametrize("kind", ["all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                                  "collective-permute"])  # fmt: skip
+def test_a_collective_across_domains_sends_the_flat_bytes_in_two_levels(kind):
+    """Over ``g`` domains of ``i`` devices a collective sends exactly the flat wire bytes, split
+    between the fast and the slow network; one domain is the fast price, ``g = n`` the old flat
+    price on the slow network, and in between the price lies between them, rising with ``g``."""
+    from redist.calibration import Calibration, cross_wire_bytes, wire_bytes
+
+    cal = Calibration.named("tpu_v6e")
+    nbytes, n = 3 * 2**30, 128
+    prices = []
+    for g in (1, 2, 4, 8, 128):
+        inside, across = cross_wire_bytes(kind, nbytes, n, g)
+        assert inside + across == pytest.approx(wire_bytes(kind, nbytes, n))
+        assert (across == 0) == (g == 1)
+        prices.append(cal.collective_time(kind, nbytes, n, g))
+    flat = cal.cross_latency_s[kind] + wire_bytes(kind, nbytes, n) / cal.cross_bytes_per_s[kind]
+    assert prices[0] == cal.collective_time(kind, nbytes, n) < prices[1]
+    assert prices[-1] == pytest.approx(flat) == cal.collective_time(kind, nbytes, n, True)
+    assert prices == sorted(prices)
+    if kind in ("all-gather", "reduce-scatter"):  # the smallest pieces cross: B (g - 1) / n
+        assert cross_wire_bytes(kind, nbytes, n, 2)[1] == nbytes / n
+        assert prices[1] < 0.2 * flat
+
+
+def test_domains_counts_the_fast_domains_a_group_spans():
+    from redist.calibration import Calibration
+    from redist.meshes import MeshShape
+
+    cal = dataclasses.replace(Calibration.named("h100_sxm"), domain_devices=8)
+    mesh = MeshShape.of({"node": 4, "gpu": 8})
+    assert cal.domains(mesh, mesh.axis_factors("gpu")) == 1
+    assert cal.domains(mesh, mesh.axis_factors("node")) == 4
+    assert cal.domains(mesh, [*mesh.axis_factors("node")[:1], *mesh.axis_factors("gpu")]) == 2
+    assert cal.crosses(mesh, mesh.axis_factors("node")) and not cal.crosses(mesh, ["gpu#0"])
+    assert cal.domains(MeshShape.of({"gpu": 8}), ["gpu#0", "gpu#1", "gpu#2"]) == 1
