@@ -91,10 +91,10 @@ def evaluate(cfg: dict, model: dict, cal) -> dict:
     stage_weights = layers // p * hidden * hidden * size // t
     activation = rows * hidden * size // t  # handed to the next stage, per microbatch
     transfer = cal.collective_time("collective-permute", activation, 2,
-                                   cal.domains(full, full.axis_factors("p")))  # fmt: skip
+                                   cal.crosses(full, full.axis_factors("p")))  # fmt: skip
     step = gpipe_seconds(pred.time_s, p, k, transfer if p > 1 else 0.0)
     step += cal.collective_time("all-reduce", stage_weights, d,
-                                cal.domains(full, full.axis_factors("d")))  # fmt: skip
+                                cal.crosses(full, full.axis_factors("d")))  # fmt: skip
     step += cal.compute_time(2 * stage_weights / size, 2 * stage_weights, stage_weights)  # SGD
     residuals = max(0, pred.peak_bytes - 2 * stage_weights)  # one microbatch's
     memory = (

@@ -14,15 +14,9 @@ file is loaded, which the CPU devices of one process share (``host_memory``; see
 
 Links per mesh axis: devices are numbered row-major over the mesh, and the first
 ``domain_devices`` of them share the fast network (NVLink in a GPU host, ICI in a TPU slice). A
-collective whose group spans devices of ``g`` domains (``i`` members in each) runs as the
-compilers and NCCL run it, in two levels: the share of the wire bytes that must leave a domain
-on the slower network (``cross_latency_s`` / ``cross_bytes_per_s``: InfiniBand, data-center
-network), the rest on the fast one. An all-gather or reduce-scatter exchanges its smallest
-pieces between domains (``B (g - 1) / n`` across, ``B (i - 1) / i`` inside; an all-reduce twice
-each), an all-to-all sends what other domains' members need across (``B (n - i) / n``), a
-collective-permute that crosses sends all of it across. ``g = n`` is the flat price of the whole
-group on the slow network. An axis whose stride times size exceeds the domain crosses it, so
-minor axes are the fast ones (:meth:`Calibration.domains`).
+collective whose group spans devices of different domains is priced on the slower network
+(``cross_latency_s`` / ``cross_bytes_per_s``: InfiniBand, data-center network): an axis whose
+stride times size exceeds the domain crosses it, so minor axes are the fast ones.
 
 Wire bytes per device for a collective over ``n`` devices (``B`` the bytes named):
 
@@ -64,42 +58,6 @@ def wire_bytes(kind: str, nbytes: float, n: int) -> float:
     if kind in KINDS:
         return nbytes * (n - 1) / n
     raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
-
-
-def cross_wire_bytes(kind: str, nbytes: float, n: int, domains: int) -> tuple[float, float]:
-    """``(inside, across)``: the wire bytes per device of ``kind`` over ``n`` devices in
-    ``domains`` fast domains, on the fast network and between domains (see the module's notes);
-    a group that does not split evenly over its domains is priced across whole.
-
-    Example:
-        >>> cross_wire_bytes("all-gather", 128.0, 16, 2)   # 8 devices in each of 2 domains
-        (112.0, 8.0)
-        >>> cross_wire_bytes("all-gather", 128.0, 16, 16) == (0.0, wire_bytes("all-gather", 128.0, 16))
-        True
-    """
-    g = domains
-    if g <= 1:
-        return wire_bytes(kind, nbytes, n), 0.0
-    if n % g:
-        g = n
-    i = n // g
-    if kind == CollectiveKind.PERMUTE:
-        return 0.0, float(nbytes)
-    if kind == CollectiveKind.ALL_TO_ALL:
-        return nbytes * (i - 1) / n, nbytes * (n - i) / n
-    if kind in KINDS:  # two levels: inside over i, across over g pieces of 1/i
-        return wire_bytes(kind, nbytes, i), wire_bytes(kind, nbytes / i, g)
-    raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
-
-
-@functools.lru_cache(maxsize=4096)
-def _domains_spanned(digits: tuple[tuple[int, int], ...], domain: int) -> int:
-    """Distinct domains of ``domain`` devices among the group of device 0 over ``digits``
-    (``(stride, size)`` per factor of the row-major numbering)."""
-    members = [0]
-    for stride, size in digits:
-        members = [m + k * stride for m in members for k in range(size)]
-    return len({m // domain for m in members})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,52 +120,27 @@ class Calibration:
     # compiler for v5p and v4; over part of the mesh it chooses per collective).
     whole_mesh_reduce_scatter: str | None = None
 
-    def collective_time(self, kind: str, nbytes: float, n: int, domains: int = 1) -> float:
-        """Seconds for ``kind`` over ``n`` devices spread over ``domains`` fast domains
-        (:meth:`domains`; ``True``: each device in a domain of its own, the whole group on the
-        slow network), in two levels (:func:`cross_wire_bytes`).
-
-        Example:
-            >>> cal = Calibration.named("tpu_v6e")
-            >>> flat = cal.collective_time("all-gather", 2**30, 128, domains=128)
-            >>> two = cal.collective_time("all-gather", 2**30, 128, domains=2)
-            >>> inside = cal.collective_time("all-gather", 2**30, 128)
-            >>> inside < two < flat
-            True
-        """
+    def collective_time(self, kind: str, nbytes: float, n: int, crosses: bool = False) -> float:
+        """Seconds for ``kind`` over ``n`` devices; ``crosses``: the group spans two domains."""
         if n <= 1:
             return 0.0
-        g = n if domains is True else max(int(domains), 1)
-        if g == 1 or not self.cross_bytes_per_s:
-            return self.latency_s[kind] + wire_bytes(kind, nbytes, n) / self.bytes_per_s[kind]
-        inside, across = cross_wire_bytes(kind, nbytes, n, g)
-        seconds = self.cross_latency_s[kind] + across / self.cross_bytes_per_s[kind]
-        if inside:
-            seconds += self.latency_s[kind] + inside / self.bytes_per_s[kind]
-        return seconds
+        if crosses and self.cross_bytes_per_s:
+            return (
+                self.cross_latency_s[kind]
+                + wire_bytes(kind, nbytes, n) / self.cross_bytes_per_s[kind]
+            )
+        return self.latency_s[kind] + wire_bytes(kind, nbytes, n) / self.bytes_per_s[kind]
 
-    def domains(self, mesh, factors) -> int:
-        """How many fast domains (``domain_devices`` consecutive devices of the row-major
-        numbering) a collective over mesh ``factors`` (names of ``mesh``'s prime factors; a
-        :class:`redist.MeshShape`) spans: 1 where it stays inside one.
-
-        Example:
-            >>> from redist.meshes import MeshShape
-            >>> mesh = MeshShape.of({"slice": 2, "chip": 256})
-            >>> cal = Calibration.named("tpu_v6e")
-            >>> cal.domains(mesh, mesh.axis_factors("slice")), cal.domains(mesh, mesh.axis_factors("chip"))
-            (2, 1)
-        """
+    def crosses(self, mesh, factors) -> bool:
+        """Whether a collective over mesh ``factors`` (names of ``mesh``'s prime factors; a
+        :class:`redist.MeshShape`) leaves the fast domain: some factor's stride times size, in
+        the row-major device numbering, exceeds ``domain_devices``."""
         if not self.domain_devices or mesh.num_devices <= self.domain_devices:
-            return 1
+            return False
         from redist.meshes import digits
 
         d = digits(mesh)
-        return _domains_spanned(tuple(d[f] for f in factors), self.domain_devices)
-
-    def crosses(self, mesh, factors) -> bool:
-        """Whether a collective over mesh ``factors`` leaves the fast domain (:meth:`domains`)."""
-        return self.domains(mesh, factors) > 1
+        return any(d[f][0] * d[f][1] > self.domain_devices for f in factors)
 
     def compute_time(
         self, flops: float, read_bytes: float, written_bytes: float = 0.0,

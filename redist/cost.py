@@ -184,7 +184,7 @@ def step_costs(plan, cal: Calibration) -> list[tuple[str, float, float]]:
         if s.kind == "allgather" and s.serial:  # rounds of collective-permutes of the tile
             rounds = s.group_size - 1
             seconds = rounds * cal.collective_time(
-                CollectiveKind.PERMUTE, before, n_dev, cal.domains(plan.mesh, s.axes)
+                CollectiveKind.PERMUTE, before, n_dev, cal.crosses(plan.mesh, s.axes)
             )
             out.append((CollectiveKind.PERMUTE, seconds, float(rounds * before)))
             continue
@@ -195,10 +195,12 @@ def step_costs(plan, cal: Calibration) -> list[tuple[str, float, float]]:
         n = s.group_size if s.kind != "allpermute" else n_dev
         if s.kind == "allpermute":
             d = cal.domain_devices or n_dev
-            spans = 2 if any(a // d != b // d for a, b in s.perm) else 1
+            crosses = any(a // d != b // d for a, b in s.perm)
         else:
-            spans = cal.domains(plan.mesh, s.axes)
-        out.append((kind, cal.collective_time(kind, nbytes, n, spans), wire_bytes(kind, nbytes, n)))
+            crosses = cal.crosses(plan.mesh, s.axes)
+        out.append(
+            (kind, cal.collective_time(kind, nbytes, n, crosses), wire_bytes(kind, nbytes, n))
+        )
     return out
 
 

@@ -267,7 +267,7 @@ def body_traffic(op: Op, sizes, m, cal: Calibration) -> list[Traffic]:
         named = b.results if kind == CollectiveKind.ALL_GATHER else b.operands
         each = tuple(math.prod(a.value.shape) * itemsize(a.value.dtype) for a in named)
         nbytes = ragged_bytes(each, 0) if b.primitive == "ragged_all_to_all" else sum(each)
-        seconds = cal.collective_time(kind, nbytes, n, cal.domains(m, factors))
+        seconds = cal.collective_time(kind, nbytes, n, cal.crosses(m, factors))
         out.append(Traffic(kind, 1, wire_bytes(kind, nbytes, n), seconds).times(b.trips))
     return out
 
@@ -323,7 +323,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration, memo: dict):
     accessed += read + written
     if st.pending:
         n = math.prod(sizes[a] for a in st.pending)
-        spans = cal.domains(m, st.pending)
+        crosses = cal.crosses(m, st.pending)
         for k_res, size in enumerate(outs):
             elems = size / itemsize(op.results[k_res].value.dtype)
             if st.scatter[k_res] is None:
@@ -333,7 +333,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration, memo: dict):
                 kind, nbytes = CollectiveKind.REDUCE_SCATTER, size * n
                 accessed, flops = accessed + size * n + size, flops + elems * n
             traffic.append(Traffic(kind, 1, wire_bytes(kind, nbytes, n),
-                                   cal.collective_time(kind, nbytes, n, spans)))  # fmt: skip
+                                   cal.collective_time(kind, nbytes, n, crosses)))  # fmt: skip
     extended = 0  # a convolution's input tile with its halo, made before the kernel runs
     for w in op.windows:
         axes = sched.axes_of(op, w.owner)
@@ -341,7 +341,7 @@ def _price(op, st, sched: Schedule, sizes, m, cal: Calibration, memo: dict):
         for border in borders:
             if border:
                 seconds = cal.collective_time(CollectiveKind.PERMUTE, border, 2,
-                                              cal.domains(m, axes))  # fmt: skip
+                                              cal.crosses(m, axes))  # fmt: skip
                 traffic.append(Traffic(CollectiveKind.PERMUTE, 1, float(border), seconds))
                 accessed += 2 * border
         extended = max(extended, ins[w.input] + sum(borders) if any(borders) else 0)
@@ -751,7 +751,7 @@ def hand_overs(prog: Program, sched: Schedule, steps, cal: Calibration) -> list[
                     for st_ in steps[r.start + nc : r.body]
                     for v in [st_.op.results[0].value]
                     if st_.op.primitive == "scan_carry")  # fmt: skip
-        seconds = cal.collective_time(CollectiveKind.PERMUTE, carry / k, p, cal.domains(m, axes))
+        seconds = cal.collective_time(CollectiveKind.PERMUTE, carry / k, p, cal.crosses(m, axes))
         out.append((st.repeats * k + p - 1, seconds, carry / k))
     return out
 
@@ -806,7 +806,7 @@ def circular_orders(prog: Program, sched: Schedule, steps, cal: Calibration) -> 
         for size in (*stacked_in, *stacked_out):
             one = size / st.repeats
             seconds += moving * cal.collective_time(CollectiveKind.PERMUTE, one, p,
-                                                    cal.domains(m, axes))  # fmt: skip
+                                                    cal.crosses(m, axes))  # fmt: skip
             sent += sends * one
         out.append(CircularOrder(r.start, r.stop - 1, seconds, sent, sum(stacked_in) + carry,
                                  sum(stacked_out), moving * len((*stacked_in, *stacked_out))))  # fmt: skip
