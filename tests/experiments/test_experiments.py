@@ -183,17 +183,23 @@ def test_random_benchmark_compiles_for_a_tpu_topology(tmp_path):
     figures; at a quarter size the plan is a permute and an all-gather, whose send buffer
     libtpu 0.0.50 counts as a temporary); and P3, where both sides make the same collectives and
     redist's all-to-all, written as XLA writes it, needs no more memory (it needed 1.15x when it
-    split and concatenated inner dimensions)."""
+    split and concatenated inner dimensions). P3 at a quarter size: the same plan (a slice, an
+    all-to-all and a permute) and the same collectives on both sides as at full size, compiled
+    in a third of the time (P2's compile is most of this test)."""
     config = smoke.get_config()
-    config.topology, config.problems, config.scale = "v5p:2x2x2", "P2,P3", 1.0
-    summary = random_benchmark.run(config, str(tmp_path))
-    assert summary["topology"] == "v5p:2x2x2" and summary["problems"] == 2
-    row, same = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    config.topology, config.problems, config.scale = "v5p:2x2x2", "P2", 1.0
+    summary = random_benchmark.run(config, str(tmp_path / "P2"))
+    assert summary["topology"] == "v5p:2x2x2" and summary["problems"] == 1
+    (row,) = [json.loads(line) for line in open(tmp_path / "P2" / "results.jsonl")]
     assert row["ours"]["temp_bytes"] < row["xla"]["temp_bytes"]
     assert row["ours"]["collectives"] and row["xla"]["collectives"]
+    assert "TPU compiler" in (tmp_path / "P2" / "report.md").read_text()
+    config.problems, config.scale = "P3", 0.25
+    assert random_benchmark.run(config, str(tmp_path / "P3"))["problems"] == 1
+    (same,) = [json.loads(line) for line in open(tmp_path / "P3" / "results.jsonl")]
+    assert same["plan_kinds"] == ["dynslice", "alltoall", "allpermute"], same
     assert [c[0] for c in same["ours"]["collectives"]] == [c[0] for c in same["xla"]["collectives"]]
     assert same["ours"]["temp_bytes"] <= 1.01 * same["xla"]["temp_bytes"], same
-    assert "TPU compiler" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.skipif(
@@ -207,8 +213,11 @@ def test_time_check_compiles_plans_and_ranks_them(tmp_path):
     from experiments import time_check
 
     config = time_check_config.get_config()
-    config.topology, config.mesh, config.lm = "v5p:2x2x1", "data:2,tensor:2", "8x32x64x4x2x128"
+    # one layer (the scan and its unrolled twin still checked op for op: the unrolled program is
+    # what compiles); seed 1's random plan compiles in about 60 % of the time of seed 0's
+    config.topology, config.mesh, config.lm = "v5p:2x2x1", "data:2,tensor:2", "8x32x64x4x1x128"
     config.baselines, config.random_anchors, config.random_ops = "replicated", 1, 0
+    config.seed = 1
     summary = time_check.run(config, str(tmp_path))
     assert summary["plans"] == 3 and summary["flops_within_10pct"] == 3
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
@@ -339,12 +348,13 @@ def test_calibrate_on_one_device_measures_rates_and_borrows_collectives(tmp_path
 
     out = tmp_path / "one.json"
     # the tests' XLA flags but their 8 devices (cheaper compiles; the runner asks for its own
-    # count): the measuring path is the same at any optimisation level
+    # count): the measuring path is the same at any optimisation level, and at one timed round
+    # (after the runner's two warm-up calls) as at more
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count=")]  # fmt: skip
     env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     run = subprocess.run(
-        [sys.executable, "-m", "experiments.calibrate", "--devices=1", "--repeats=2", f"--out={out}"],
+        [sys.executable, "-m", "experiments.calibrate", "--devices=1", "--repeats=1", f"--out={out}"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
