@@ -71,7 +71,11 @@ def test_expert_plans_of_an_mlp_step(mesh):
     assert plans["fsdp"].prediction.peak_bytes < plans["data_parallel"].prediction.peak_bytes
 
 
-def _lm(scan: bool):
+def _lm(scan: bool, shapes_only: bool = False):
+    """The (2 layers, 32 wide, 4 heads, vocabulary 64) flax LM's step and arguments; with
+    ``shapes_only`` (to analyse, plan or compile, not run) no parameters are initialised."""
+    if shapes_only:
+        return lm_step(8, 16, 32, 4, 2, 64, scan, shapes_only=True)
     return lm_step(8, 16, 32, 4, 2, 64, scan, np.random.default_rng(0))
 
 
@@ -124,7 +128,7 @@ def _expected(name: str, scan: bool) -> dict:
 def test_expert_layouts_of_the_flax_lm(scan, mesh):
     """Scanned or a Python loop of layers, each layer's weights are laid out alike (the layer
     axis of stacked weights whole); Adam's moments as their parameters."""
-    step, args = _lm(scan)
+    step, args = _lm(scan, shapes_only=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         prog = planner.analyze(step, *args)
@@ -191,7 +195,7 @@ def _linen_step():
     x = rng.standard_normal((16, 4, 16)).astype(np.float32)
     y = rng.standard_normal((16, 4, 8)).astype(np.float32)
     model = Model()
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)  # one compile, not one per op
     tx = optax.adam(LR)
 
     def step(params, opt_state, x, y):
@@ -218,7 +222,7 @@ def test_expert_plans_of_a_linen_nn_scan_model_are_exact(mesh):
 def test_the_legacy_baselines_find_scanned_weights(mesh):
     """megatron and fsdp_stored see through scans: the body's products are the layers, and a
     stacked weight is split within a layer, its layer axis whole."""
-    step, args = _lm(True)
+    step, args = _lm(True, shapes_only=True)
     prog = planner.analyze(step, *args)
     assign = baselines.megatron(prog, (TENSOR,))
     assert len(assign) == 7  # q, k, v, out, up, down, and the tied unembedding
@@ -236,7 +240,7 @@ def test_expert_plan_compiles_for_a_tpu_topology():
     from redist.calibration import Calibration
 
     axes = {"data": 2, "fsdp": 2, "tensor": 2}
-    step, args = _lm(True)
+    step, args = _lm(True, shapes_only=True)
     plans = baselines.expert_plans(step, *args, mesh=axes,
                                    calibration=Calibration.named("tpu_v5p"))  # fmt: skip
     report = plans["fsdp_tensor"].compiled_report(planner.topology_mesh("v5p:2x2x2", axes))
@@ -244,10 +248,11 @@ def test_expert_plan_compiles_for_a_tpu_topology():
     assert "all-gather" in report.collectives_by_kind  # FSDP's gathers
 
 
-def test_the_search_is_never_predicted_slower_than_an_expert_strategy():
-    """The expert strategies seed the search: on the scanned flax LM planned for TPU v5p on
-    (data 2, fsdp 2, tensor 2) under a memory limit that only some of them meet, the plan fits
-    and is predicted at least as fast as those."""
+@pytest.fixture(scope="module")
+def limited_lm():
+    """The scanned flax LM (shapes) planned for TPU v5p on (data 2, fsdp 2, tensor 2) under a
+    memory limit between the expert strategies' peaks: ``(experts, limit, plan)``, searched once
+    for the two tests below (5 s)."""
     from redist.calibration import Calibration
 
     step, args = lm_step(16, 64, 128, 4, 2, 512, True, shapes_only=True)
@@ -256,9 +261,38 @@ def test_the_search_is_never_predicted_slower_than_an_expert_strategy():
     peaks = sorted(e.prediction.peak_bytes for e in experts.values())
     bound = (peaks[0] + peaks[-1]) // 2
     p = planner.plan(step, *args, mesh=axes, calibration=cal, memory_limit_bytes=bound)
+    return experts, bound, p
+
+
+def test_the_search_is_never_predicted_slower_than_an_expert_strategy(limited_lm):
+    """The expert strategies seed the search: on the scanned flax LM planned for TPU v5p on
+    (data 2, fsdp 2, tensor 2) under a memory limit that only some of them meet, the plan fits
+    and is predicted at least as fast as those."""
+    experts, bound, p = limited_lm
     fitting = [e.prediction.time_s for e in experts.values() if e.prediction.peak_bytes <= bound]
     assert fitting and p.prediction.time_s <= min(fitting) * (1 + 1e-9)
     assert p.prediction.peak_bytes <= bound
+
+
+def test_a_faster_row_over_the_limit_the_search_kept_to_says_so(limited_lm):
+    """A strategy predicted faster than the plan but over the memory limit the plan was searched
+    under is marked so in ``explain()`` (the summary of planner/report/; here beside the test
+    above, whose plan it reads)."""
+    import dataclasses
+
+    from planner.report import summarize
+    from planner.target.confirm import MemoryCheck
+
+    _, bound, p = limited_lm
+    checked = dataclasses.replace(p, memory_checks=(MemoryCheck(bound, p.prediction.peak_bytes,
+                                                                p.prediction.peak_bytes),))  # fmt: skip
+    rows = summarize(checked).prediction
+    marked = [r for r in rows if "over" in r]
+    assert marked and all(r["peak_bytes"] > bound and r["time_s"] < p.prediction.time_s
+                          for r in marked)  # fmt: skip
+    lines = [line for line in checked.explain().splitlines() if "searched under)" in line]
+    assert len(lines) == len(marked)
+    assert not any("over" in r for r in summarize(p).prediction)  # no compile, no limit to say
 
 
 def _experts_step(mesh):

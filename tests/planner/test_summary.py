@@ -179,29 +179,6 @@ def test_a_keras_style_optimizer_state_is_named_by_its_shapes():
     assert kinds == ["parameters"] * 2 + ["optimizer state"] * 5 + ["batch"]
 
 
-def test_a_faster_row_over_the_limit_the_search_kept_to_says_so():
-    """A strategy predicted faster than the plan but over the memory limit the plan was searched
-    under is marked so in ``explain()`` (the flax LM on TPU v5p under a limit between the
-    experts' peaks, as ``test_the_search_is_never_predicted_slower_than_an_expert_strategy``)."""
-    import dataclasses
-
-    from experiments.language_model import lm_step
-    from planner import baselines
-    from planner.target.confirm import MemoryCheck
-    from redist.calibration import Calibration
-
-    step, args = lm_step(16, 64, 128, 4, 2, 512, True, shapes_only=True)
-    cal, axes = Calibration.named("tpu_v5p"), {"data": 2, "fsdp": 2, "tensor": 2}
-    peaks = sorted(e.prediction.peak_bytes
-                   for e in baselines.expert_plans(step, *args, mesh=axes, calibration=cal).values())  # fmt: skip
-    bound = (peaks[0] + peaks[-1]) // 2
-    p = planner.plan(step, *args, mesh=axes, calibration=cal, memory_limit_bytes=bound)
-    checked = dataclasses.replace(p, memory_checks=(MemoryCheck(bound, p.prediction.peak_bytes,
-                                                                p.prediction.peak_bytes),))  # fmt: skip
-    rows = summarize(checked).prediction
-    marked = [r for r in rows if "over" in r]
-    assert marked and all(r["peak_bytes"] > bound and r["time_s"] < p.prediction.time_s
-                          for r in marked)  # fmt: skip
-    lines = [line for line in checked.explain().splitlines() if "searched under)" in line]
-    assert len(lines) == len(marked)
-    assert not any("over" in r for r in summarize(p).prediction)  # no compile, no limit to say
+# A faster row over the memory limit the search kept to, marked in explain(): in
+# test_baselines.py (test_a_faster_row_over_the_limit_the_search_kept_to_says_so), which reads
+# the plan the search-against-the-experts test there makes (one search of the flax LM for both).

@@ -8,7 +8,6 @@ import random
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -100,10 +99,13 @@ def test_predicted_flops_of_random_lm_plans_match_the_compiler():
     from experiments.time_check import random_anchor_plan
 
     axes = {"data": 2, "fsdp": 2, "tensor": 2}
-    step, args = lm_step(8, 32, 64, 4, 2, 128, True, np.random.default_rng(0), unroll=True)
+    # planned and compiled, never run: the arguments' shapes
+    step, args = lm_step(8, 32, 64, 4, 2, 128, True, unroll=True, shapes_only=True)
     p = planner.plan(step, *args, mesh=axes, calibration=CAL)
     prog = p.program
-    rng = random.Random(0)
+    # a random plan whose layout changes plan.jit asks XLA about in 37 probes (one compile
+    # each; seed 0's plan needs 60, 23 compiles more)
+    rng = random.Random(5)
     scheds = [p.schedule]
     while len(scheds) < 2:  # one random plan (the MLP's test above checks three)
         try:
