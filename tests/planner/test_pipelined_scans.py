@@ -79,11 +79,17 @@ def eight_layers():
     return _analyzed_and_run(6, layers=8)
 
 
+SLICES = dict(layers=8, batch=64, d=256, hidden=1024)
+"""The cross-slice tests' step: 16 MiB of weights, whose replicated step (weights, gradients and
+new weights, 48 MiB) does not fit :data:`SLICE_LIMIT`."""
+SLICE_LIMIT = 25 * 2**20
+
+
 @pytest.fixture(scope="module")
 def two_slices():
-    """``(args, want)``: ``_step`` on 8 layers of d 512 (seed 5), whose replicated weights do not
+    """``(args, want)``: ``_step`` on :data:`SLICES` (seed 5), whose replicated weights do not
     fit the cross-slice tests' memory limit, and its unsharded results."""
-    args = _args(np.random.default_rng(5), layers=8, batch=128, d=512, hidden=2048)
+    args = _args(np.random.default_rng(5), **SLICES)
     return args, jax.jit(_step)(*args)
 
 
@@ -129,9 +135,13 @@ def test_the_language_model_step_pipelines_both_scans():
     """The flax LM's training step: its forward scan's residuals and its backward scan's weight
     gradients split into microbatches exactly (layer norms, attention, tied embedding; the
     tolerances of ``planner_checks.assert_step_equal``, where the key bias' exact gradient is
-    zero), replicated and with the batch split over another axis (weight gradients summed once
-    after the ticks) on both backends."""
+    zero), with the batch split over another axis (weight gradients summed once after the
+    ticks) on both backends. Not replicated as well: that pipeline is this one without the
+    other axis' sums, and each run of the step costs seconds."""
     from experiments.language_model import lm_step
+    from planner.layout.dataflow import dataflow
+    from planner.layout.staging import deferred_sums
+    from planner.solver.strategies import data_parallel
 
     step, args = lm_step(8, 8, 16, 2, 4, 32, scan=True, rng=np.random.default_rng(2))
     prog = planner.analyze(step, *args)
@@ -139,18 +149,8 @@ def test_the_language_model_step_pipelines_both_scans():
     kinds = [microbatching(prog, r).exits for r in scans]
     assert "batch" in kinds[0] and set(kinds[1]) == {"sum"}
     mesh, stage = _mesh("a2xpipe4")
-    sched = make_schedule(prog, {}, dict(mesh.shape), default="replicate")
-    sched = dataclasses.replace(sched, stages=tuple(Stages(r.start, stage, 2) for r in scans))
     want = jax.jit(step)(*args)
-    got = jax.tree.unflatten(
-        jax.tree.structure(want), planner.lower(prog, sched, mesh, "xla")(*args)
-    )
-    assert_step_equal(got, want, param_atol=0.05 * LR)
-    # the batch split over a as well: its 16 weight gradients summed once after the ticks
-    from planner.layout.dataflow import dataflow
-    from planner.layout.staging import deferred_sums
-    from planner.solver.strategies import data_parallel
-
+    # the batch split over a: its 16 weight gradients summed once after the ticks
     base = make_schedule(prog, data_parallel(prog, ["a"]), dict(mesh.shape))
     sched = dataclasses.replace(base, stages=tuple(Stages(r.start, stage, 2) for r in scans))
     assert len(deferred_sums(prog, sched, dataflow(prog, sched))) == 16
@@ -284,12 +284,12 @@ def test_plan_pipelines_across_slices_where_memory_forbids_replication(tmp_path,
     cal = dc.replace(Calibration.named("tpu_v5p"), domain_devices=4)
     args, want = two_slices
     mesh = jax.make_mesh((2, 4), ("pipe", "a"), axis_types=(AxisType.Auto,) * 2)
-    limit = 100 * 2**20
+    limit = SLICE_LIMIT
     p = planner.plan(_step, *args, mesh=mesh, calibration=cal, memory_limit_bytes=limit,
                      pipeline_axis="pipe")  # fmt: skip
     assert len(p.schedule.stages) == 2 and p.prediction.peak_bytes <= limit
     _, flat = search_within(p.program, dict(mesh.shape), cal, limit)
-    assert p.prediction.time_s < 0.6 * flat.time_s  # 0.51x with the two-level price of crossing
+    assert p.prediction.time_s < 0.6 * flat.time_s
     text = p.explain()
     assert "Pipeline (scan at" in text and "on stage 0 of `pipe`" in text
     assert "P('pipe'" in text  # the stacked weights rest split over the stages
@@ -313,7 +313,7 @@ def test_the_tpu_compiler_confirms_a_pipelined_plans_memory():
     from redist.calibration import Calibration
 
     cal = dc.replace(Calibration.named("tpu_v5p"), domain_devices=4)
-    layers, batch, d, hidden = 8, 128, 512, 2048
+    layers, batch, d, hidden = SLICES["layers"], SLICES["batch"], SLICES["d"], SLICES["hidden"]
     f = jax.ShapeDtypeStruct
     ws = (f((layers, d, hidden), jnp.float32), f((layers, hidden, d), jnp.float32),
           f((layers, hidden), jnp.float32))  # fmt: skip
@@ -321,8 +321,9 @@ def test_the_tpu_compiler_confirms_a_pipelined_plans_memory():
     sizes = {"pipe": 2, "a": 4}
     # The weights donated, as a training step's are: without, libtpu 0.0.50 (JAX 0.12) no longer
     # lets the loop's gradient accumulators share the output's buffers (+32 MiB of temporaries
-    # for the same HLO; plain jax.jit of the step regresses alike), and 0.0.42 did.
-    p = planner.plan(_step, *args, mesh=sizes, calibration=cal, memory_limit_bytes=100 * 2**20,
+    # for the same HLO at d 512, hidden 2048; plain jax.jit of the step regresses alike), and
+    # 0.0.42 did.
+    p = planner.plan(_step, *args, mesh=sizes, calibration=cal, memory_limit_bytes=SLICE_LIMIT,
                      pipeline_axis="pipe", donate_argnums=0)  # fmt: skip
     assert p.schedule.stages
     report = p.compiled_report(mesh=planner.topology_mesh("v5p:2x2x2", sizes))
@@ -399,7 +400,7 @@ def test_circular_pipelines_are_the_unsharded_step(mesh_name, backend, eight_lay
     p = sizes[stage]
     others = {a: n for a, n in sizes.items() if a != stage}
     rng = random.Random(f"circular-{mesh_name}-{backend}")
-    # one random draw: each backend draws R = 2 and 4, K = P and 2 P among the three meshes
+    # one random draw: each backend draws K = P and 2 P among the three meshes (R = 2 on all six)
     base = make_schedule(prog, random_schedule(prog, others, rng), sizes, default="replicate")
     reps = rng.choice([r for r in (2, 4) if (8 // p) % r == 0])
     k = rng.choice([p, 2 * p])
@@ -418,7 +419,8 @@ def test_circular_pipelines_are_the_unsharded_step(mesh_name, backend, eight_lay
     passed = circular_passes(prog, sched, dataflow(prog, sched))
     fwd = _scans(prog)[0]
     assert passed and passed <= {e.results[0].value.name for e in prog.ops[fwd.body : fwd.stop]}
-    _assert_close(planner.lower(prog, sched, mesh, backend=backend)(*args), want)
+    if mesh_name == "a2xpipe4":  # run once a backend: the random draws run both P = 2 and 4
+        _assert_close(planner.lower(prog, sched, mesh, backend=backend)(*args), want)
 
 
 def test_a_circular_pipeline_is_priced_by_its_ticks_reorders_and_copies():
@@ -498,7 +500,7 @@ def test_plan_weighs_explains_and_saves_a_circular_pipeline(tmp_path, two_slices
     cal = dc.replace(Calibration.named("tpu_v5p"), domain_devices=4)
     args, want = two_slices
     mesh = jax.make_mesh((2, 4), ("pipe", "a"), axis_types=(AxisType.Auto,) * 2)
-    p = planner.plan(_step, *args, mesh=mesh, calibration=cal, memory_limit_bytes=100 * 2**20,
+    p = planner.plan(_step, *args, mesh=mesh, calibration=cal, memory_limit_bytes=SLICE_LIMIT,
                      pipeline_axis="pipe", microbatches=4)  # fmt: skip
     assert [st.repeats for st in p.schedule.stages] == [1, 1]
     sched, pred = search_staged(p.program, dict(mesh.shape), cal, None, "pipe", 4, 2)
@@ -516,8 +518,9 @@ def test_the_search_goes_circular_where_the_bubble_outweighs_the_reorders():
     """The flax LM (batch 8 x 4,096 tokens, 16 layers of d 512) on 8 v5p stages: the batch
     allows at most 8 microbatches, GPipe's bubble is 7 / 15 of its ticks, and a circular pipeline
     of 2 rounds (7 / 23) is predicted faster than GPipe by more than 10 %, though its stages put
-    their weights in circular order each step; with 4 stages and the batch over 2 more chips the
-    gain is smaller."""
+    their weights in circular order each step; with 4 stages (a bubble of 3 / 11) the gain is
+    smaller. The stages alone: a data axis beside them would search the layers on it too, seconds
+    a search (the tests above search pipelines beside other axes)."""
     from experiments.language_model import lm_step
     from planner.solver.staged import search_staged
     from redist.calibration import Calibration
@@ -526,9 +529,9 @@ def test_the_search_goes_circular_where_the_bubble_outweighs_the_reorders():
     step, args = lm_step(8, 4096, 512, 8, 16, 8000, scan=True, shapes_only=True)
     prog = planner.analyze(step, *args)
     found = {}
-    for sizes in ({"pipe": 8}, {"pipe": 4, "data": 2}):
-        best = search_staged(prog, sizes, cal, None, "pipe")
-        gpipe = search_staged(prog, sizes, cal, None, "pipe", repeats=1)
-        found[len(sizes)] = best[0].stages[0].repeats, best[1].time_s / gpipe[1].time_s
-    assert found[1][0] == 2 and found[1][1] < 0.9, found
-    assert found[1][1] < found[2][1] <= 1.0, found  # fewer stages, a smaller bubble to win back
+    for stages in (8, 4):
+        best = search_staged(prog, {"pipe": stages}, cal, None, "pipe")
+        gpipe = search_staged(prog, {"pipe": stages}, cal, None, "pipe", repeats=1)
+        found[stages] = best[0].stages[0].repeats, best[1].time_s / gpipe[1].time_s
+    assert found[8][0] == 2 and found[8][1] < 0.9, found
+    assert found[8][1] < found[4][1] <= 1.0, found  # fewer stages, a smaller bubble to win back

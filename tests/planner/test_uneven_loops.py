@@ -231,13 +231,14 @@ def test_masked_lookups_compute_the_program(program):
 
 
 def test_a_gpt2_shaped_step_splits_its_vocabulary_exactly():
-    """GPT-2's vocabulary (50,257) and 12 heads at a smaller width (d 96, one layer) on 8
-    devices: the searched plan splits the vocabulary (the head's columns padded, the
+    """GPT-2's vocabulary (50,257) at a smaller width (d 32, 4 heads, one layer, 128 tokens) on
+    8 devices: the searched plan splits the vocabulary (the head's columns padded, the
     cross-entropy's lookup masked), predicted no slower than the plan searched without such
-    splits, and the step equals ``jax.jit(step)``."""
+    splits (18% faster), and the step equals ``jax.jit(step)``. On 4 devices the two plans are
+    as fast (within 2%), and the comparison would not discriminate."""
     from experiments.language_model import lm_step
 
-    step, args = lm_step(batch=8, seq=32, d=96, heads=12, layers=1, vocab=50257, scan=True)
+    step, args = lm_step(batch=8, seq=16, d=32, heads=4, layers=1, vocab=50257, scan=True)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     p = planner.plan(step, *args, mesh=mesh)
     even = planner.plan(step, *args, mesh=mesh, xla_only_splits=False)
