@@ -224,10 +224,10 @@ def rollout_tp(
     model: str,
     chips: int,
     hbm_bytes: float,
-    expert: int = 8,
-    hbm_utilization: float = 0.72,
-    sequences: int = 256,
-    tokens: int = 1280,
+    expert: int = TUNIX["expert"],
+    hbm_utilization: float = TUNIX["hbm_utilization"],
+    sequences: int = TUNIX["sequences"],
+    tokens: int = TUNIX["tokens"],
 ) -> int:
     """The sampler's tensor parallelism: the smallest power of two (dividing ``chips``, a
     multiple or divisor of ``expert``, and every dimension the sampler splits) at which its
@@ -348,9 +348,9 @@ def measure_tunix(
     topology: str,
     budget_gib: float,
     tp: int = 0,
-    sequences: int = 256,
-    tokens: int = 1280,
-    hbm_utilization: float = 0.72,
+    sequences: int = TUNIX["sequences"],
+    tokens: int = TUNIX["tokens"],
+    hbm_utilization: float = TUNIX["hbm_utilization"],
 ) -> list[dict]:
     """The rows of one case on the tunix layouts (see the module): ``redist`` within the
     budget (one program per bucket), ``device_put`` (one program per layer of each leaf, as
