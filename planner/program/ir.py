@@ -73,6 +73,31 @@ class Program:
         return {k: tuple(v) for k, v in out.items()}
 
     @functools.cached_property
+    def through_elementwise(self) -> dict[str, tuple[tuple[Op, Access], ...]]:
+        """Value name -> the ops reading it directly or at the end of a chain of up to four
+        elementwise ops (each reading the value as it writes its one result, reducing nothing),
+        and how they read that chain's last value, in the order found: where a sharding
+        constraint on a product's activation reaches back to the product, as Shardy
+        propagates through elementwise ops before products."""
+        out: dict[str, tuple[tuple[Op, Access], ...]] = {}
+        for name in self.uses:
+            found, frontier = [], [name]
+            for _ in range(5):
+                step = []
+                for v in frontier:
+                    for o, acc in self.uses.get(v, ()):
+                        found.append((o, acc))
+                        if (
+                            len(o.results) == 1
+                            and not o.reductions
+                            and acc.dims == o.results[0].dims
+                        ):
+                            step.append(o.results[0].value.name)
+                frontier = step
+            out[name] = tuple(found)
+        return out
+
+    @functools.cached_property
     def neighbours(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
         """Op name -> the names of the ops producing its operands and of those reading its
         results, each in program order."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from planner.program.halo import split
 from planner.program.ops import Access, Op
-from planner.program.rules import COMBINABLE
+from planner.program.rules import COMBINABLE, IDENTITIES
 from redist.types import MeshShape, padded_size
 
 if TYPE_CHECKING:  # Program.schedule makes schedules, so this module sees Program as a type only
@@ -552,9 +552,11 @@ def _refine(
 
 
 def _refinable(op: Op) -> bool:
-    """Whether an op may split further from its operands' layouts: one with no reduction, or
-    one reducing every loop (a norm's sum: its partial sums are one number each)."""
-    return not op.reductions or len(op.reductions) == len(op.loops)
+    """Whether an op may split further from its operands' layouts: one with no reduction, one
+    reducing every loop (a norm's sum: its partial sums are one number each), or one reducing
+    a single operand (a softmax's sum over a vocabulary the logits split: partial sums of the
+    smaller result, summed, as XLA partitions a reduce, rather than the logits gathered)."""
+    return not op.reductions or len(op.reductions) == len(op.loops) or len(op.operands) == 1
 
 
 def _refine_from(op: Op, mesh, result: dict, layout: dict, xla: bool, as_wanted: bool,
@@ -572,6 +574,24 @@ def _operands_want(op: Op, layout: dict, order: str, wanted: dict) -> None:
     """Add to ``wanted`` the loops of ``op`` its operands' ``layout``s split (:func:`want_loops`),
     the operands taken in ``order``'s order (:data:`ORDERS`)."""
     for wants in _each_operand(op, layout, order):
+        wants(wanted, None)
+
+
+def _largest_want(op: Op, layout: dict, consumers, result: dict, sched: Schedule,
+                  wanted: dict) -> None:  # fmt: skip
+    """Add to ``wanted`` the loops of ``op`` its operands' ``layout``s split and those its
+    results' partitioned users (a sharding constraint on the result) split as they read them,
+    the largest of these tensors first (:func:`want_loops`), as Shardy resolves a conflict
+    between factors: the factor of the larger source tensor wins. MaxText's MLP product reads
+    an activation split over ``tensor`` on its contraction, and its result is constrained over
+    ``tensor`` on the MLP dimension: the larger result wins, the activation is gathered, rather
+    than the result summed over ``tensor`` and scattered."""
+    each = [(math.prod(acc.value.shape), functools.partial(want_loops, acc, layout[acc.value.name]))
+            for acc in op.operands if acc.value.name in layout]  # fmt: skip
+    each += [(math.prod(res.value.shape), functools.partial(want_loops, res, sched.spec(c, acc)))
+             for res in op.results for c, acc in sched.program.through_elementwise.get(res.value.name, ())
+             if c.primitive in IDENTITIES and result.get(c.name)]  # fmt: skip
+    for _, wants in sorted(each, key=lambda e: -e[0]):
         wants(wanted, None)
 
 
@@ -716,7 +736,10 @@ def _propagate(
                 if o.name in returned:  # a carry the body returns as a constraint asks
                     p, acc = returned[o.name]
                     want_loops(o.results[0], sched.spec(p, acc), wanted)
-                _operands_want(o, layout, order, wanted)
+                if order == "largest":
+                    _largest_want(o, layout, consumers, result, sched, wanted)
+                else:
+                    _operands_want(o, layout, order, wanted)
                 new = _try(o, mesh, wanted, xla, as_wanted)
                 changed |= k > 0 and bool(new)
                 result[o.name] = new

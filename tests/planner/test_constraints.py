@@ -463,3 +463,45 @@ def test_a_gradient_takes_the_more_specific_split_its_update_asks(mesh):
     for o in gradient:
         assert mine.schedule.spec(o, o.results[0]) == state, o.name
     _close(mine.jit()(jax.tree.map(jnp.copy, args[0]), *args[1:]), step(*args), rtol=1e-4)
+
+
+def _product_then_constraint(mesh):
+    """An MLP's product whose activation a constraint splits after an elementwise op (its result
+    the largest tensor), and a vocabulary head whose logits are summed over the vocabulary the
+    weight splits, each with its inputs' layouts."""
+
+    def constrained(x, *spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    def mlp(x, w):
+        return constrained(jax.nn.silu(x @ w), "fsdp", "tensor")
+
+    def head(x, w):
+        logits = x @ w
+        return constrained(logits - jax.nn.logsumexp(logits, -1, keepdims=True), "fsdp", "tensor")
+
+    return [(mlp, (jnp.ones((512, 64)), jnp.ones((64, 128))), (P("fsdp", "tensor"),) * 2),
+            (head, (jnp.ones((512, 32)), jnp.ones((32, 64))),
+             (P("fsdp", "tensor"), P(None, "tensor")))]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["mlp", "head"])
+def test_xlas_rule_completes_the_users_layout_as_xla_compiles_it(mesh, case):
+    """XLA's rule for products (``order="largest"``): the largest tensor's split wins, a
+    result's constraint reaching back through elementwise ops, and a reduction of one operand
+    splits as that operand arrives (partial sums summed, not the logits gathered), so the
+    collectives priced are XLA's own, kind for kind (before: the product split over its
+    contraction, partial sums scattered, where XLA gathers the activation)."""
+    f, args, layout = _product_then_constraint(mesh)[case]
+    mine = planner.price(f, *args, mesh=mesh, in_shardings=layout)
+    prog, sizes = mine.program, dict(mesh.shape)
+    asked = requested_assignment(prog, MeshShape.of(sizes), True)[0]
+    stored = {v.name: mine.schedule.stored[v.name] for v in prog.inputs}
+    sched = make_schedule(prog, asked, sizes, stored=stored, xla=True, order="largest")
+    ours = collections.Counter({k.value: int(t.count) for k, t in
+                                planner.simulate(prog, sched, mine.calibration).traffic().items()
+                                if k != "copy"})  # fmt: skip
+    shardings = tuple(NamedSharding(mesh, s) for s in layout)
+    _, theirs = _compiled_traffic(jax.jit(f, in_shardings=shardings).lower(*args).compile())
+    assert ours == theirs
+    _close(planner.lower(prog, sched, mesh, "xla")(*args), f(*args), rtol=1e-4)
