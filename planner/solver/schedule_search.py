@@ -371,17 +371,19 @@ def search(
             again = evaluate(relabelled)
             if again[0] <= best[0][0] * (1 + 1e-9) and again[1] <= best[0][1]:
                 best = (again, relabelled)
-        results = [best[0], *scores, *_seeds(prog, shape, evaluate), *asked]
+        seeds = _seeds(prog, shape, evaluate)
+        results = [best[0], *scores, *seeds, *asked]
         # the fastest few, whatever their memory, with ZeRO
         fastest = sorted((r for r in scores if r[3] is not None), key=lambda r: r[3].time_s)
         results += _zero_where_due(prog, shape, fastest[:8], results, evaluate, memory_limit_bytes)
-        return _finish(results, asked, evaluate, shape, memory_limit_bytes)
+        return _finish(results, asked, evaluate, shape, memory_limit_bytes, seeds)
     per_axis = [tuple(shape.axis_factors(a)) for a in shape.axis_names]
     passes = [[tuple(names)], per_axis]
     if len(per_axis) < len(names) <= PER_FACTOR_MAX:  # some axis splits into several factors
         passes.append([(f,) for f in names])
     # never worse than replication, the experts or the user's own layout
-    results = [evaluate(empty), *_seeds(prog, shape, evaluate), *asked]
+    seeds = _seeds(prog, shape, evaluate)
+    results = [evaluate(empty), *seeds, *asked]
     if dp:
         tables = ChainDP(prog, grouped, shape.sizes, cal, xla)
         results += [_dynamic(empty, p, ops, sizes, evaluate, tables) for p in passes]
@@ -390,16 +392,18 @@ def search(
     if len(prog.ops) <= greedy_ops or over:
         results += [_greedy(empty, p, ops, sizes, evaluate, step_limit) for p in passes]
     results += _zero_where_due(prog, shape, results, results, evaluate, memory_limit_bytes)
-    return _finish(results, asked, evaluate, shape, memory_limit_bytes)
+    return _finish(results, asked, evaluate, shape, memory_limit_bytes, seeds)
 
 
-def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, limit):
+def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, limit,
+            seeds: list = ()):  # fmt: skip
     """The search's answer from its scored candidates: the best of them, refined, or the user's
     own layout where that ties (:func:`users_on_a_tie`); raises where nothing fits. Where the
     answer is the user's layout as given, the memo keeps what the search would have answered
     without it (:meth:`Evaluations.own_best`: ``explain()`` says it)."""
     first = best_of(results)
-    best = refine(first, evaluate, shape)
+    best = best_of([refine_products(refine(r, evaluate, shape), evaluate, shape)
+                    for r in _runners_up(first, seeds)])  # fmt: skip
     chosen = users_on_a_tie(best, asked)
     if chosen[2] is not None and any(chosen is a for a in asked):  # the user's layout as given
         # and what the search would have chosen without it
@@ -410,6 +414,25 @@ def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, 
         if mine is not None and mine[2] is not None and not math.isinf(mine[0]):
             evaluate.memo.keep_own_best(chosen[2], mine)
     return _result(chosen, evaluate, limit)
+
+
+RUNNERS_UP = 1.25  # the experts' strategies refined beside the search's best: those this near
+
+
+def _runners_up(first: tuple, seeds, within: float = RUNNERS_UP) -> list:
+    """``first`` (the search's best) and the experts' strategies (``seeds``, scored) that fit
+    and are predicted within ``within`` times its time, each schedule once: an expert splits
+    every layer alike, and refined layer by layer (:func:`refine_products`) one may overtake
+    the best (Llama 3.1 405B on two v6e-256 slices: FSDP over all 512 chips best, 62.4 s
+    predicted; FSDP x tensor with the residual stream over ``tensor`` 62.5 s, and 56.8 s with
+    its key and value projections split over their contraction, as MaxText's layout)."""
+    out = [first]
+    for r in seeds:
+        if math.isinf(r[0]) or r[2] is None or math.isinf(first[0]) or r[0] > first[0] * within:
+            continue
+        if all(o[2] is None or r[2].assign != o[2].assign for o in out):
+            out.append(r)
+    return out
 
 
 def users_on_a_tie(best: tuple, asked: list) -> tuple:
@@ -476,6 +499,71 @@ def refine(score, evaluate: _Evaluator, shape: MeshShape, ops: int = REFINED_OPS
             if tried[:2] != best[:2] and best_of([best, tried]) is tried:
                 best = tried
     return best
+
+
+REFINED_PRODUCTS = 64  # the products refine_products() tries at most, those communicating most
+
+
+def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
+                    ops: int = REFINED_PRODUCTS):  # fmt: skip
+    """``score`` (the search's best: time, peak, schedule, prediction) improved product by
+    product: the ``ops`` products (dense ops) whose communication is predicted dearest each try
+    every mesh axis they are split over moved to each other loop they may split (or dropped),
+    the other axes kept (:func:`axis_moves`), and a change is kept where :func:`best_of` prefers
+    it. The search chooses a product with the others of its group, and the experts' strategies
+    split every layer alike; a layer of its own wants its own split. Llama 3.1 405B's key and
+    value projections (8 heads) over ``tensor`` on two v6e-256 slices: split over their
+    contraction, partial sums reduce-scattered, rather than the activation gathered (62.5 s
+    predicted from FSDP x tensor with the residual stream over ``tensor``, 57.1 s so, as
+    MaxText's layout).
+
+    Example:
+        >>> refine_products(best, evaluate, MeshShape.of({"fsdp": 4, "tensor": 2}))  # doctest: +SKIP
+    """
+    time_s, _, sched, pred = score
+    if sched is None or math.isinf(time_s):
+        return score
+    by_op = {o.name: o for o in evaluate.prog.ops}
+    dear = sorted((c for c in pred.ops if c.comm_s > 0 and c.op in by_op and by_op[c.op].dense
+                   and by_op[c.op].how not in ("region", "manual")),
+                  key=lambda c: -c.comm_s)[:ops]  # fmt: skip
+    best = score
+    for cost in dear:
+        op = by_op[cost.op]
+        for loops in axis_moves(op, best[2].assign.get(op.name, {}), shape, evaluate.xla):
+            assign = {**best[2].assign, op.name: loops}
+            tried = evaluate.schedule(dataclasses.replace(best[2], assign=assign))
+            if tried[:2] != best[:2] and best_of([best, tried]) is tried:
+                best = tried
+    return best
+
+
+def axis_moves(op: Op, current: Mapping[str, tuple[str, ...]], shape: MeshShape,
+               xla: bool = False) -> list[dict]:  # fmt: skip
+    """``op``'s assignments with one mesh axis of ``current`` (its factors there) moved to each
+    other loop it may split, or dropped, the others kept; valid ones only, each once.
+
+    Example:
+        >>> axis_moves(dot, {"m": ("fsdp",), "n": ("tensor",)}, MeshShape.of({"fsdp": 2, "tensor": 2}))  # doctest: +SKIP
+        [{'m': ('fsdp',)}, {'m': ('fsdp',), 'k': ('tensor',)}, {'m': ('fsdp', 'tensor')}]
+    """
+    out: list[dict] = []
+    axes = dict.fromkeys(shape.factor_axis[f] for fs in current.values() for f in fs)
+    for axis in axes:
+        moved = tuple(f for fs in current.values() for f in fs if shape.factor_axis[f] == axis)
+        rest = {lp: tuple(f for f in fs if f not in moved) for lp, fs in current.items()}
+        rest = {lp: fs for lp, fs in rest.items() if fs}
+        for target in [None, *(lp.name for lp in op.loops)]:
+            loops = dict(rest)
+            if target is not None:
+                loops[target] = (*loops.get(target, ()), *moved)
+            if loops == dict(current) or loops in out:
+                continue
+            try:
+                out.append(check_assignment(shape, op, loops, xla))
+            except ValueError:
+                continue
+    return out
 
 
 def _dear_ops(evaluate: _Evaluator, sched: Schedule, pred: Prediction, ops: int) -> list[Op]:
