@@ -402,8 +402,7 @@ def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, 
     answer is the user's layout as given, the memo keeps what the search would have answered
     without it (:meth:`Evaluations.own_best`: ``explain()`` says it)."""
     first = best_of(results)
-    best = best_of([refine_products(refine(r, evaluate, shape), evaluate, shape)
-                    for r in _runners_up(first, seeds)])  # fmt: skip
+    best = best_of([_refined(r, evaluate, shape, asked) for r in _runners_up(first, seeds)])
     chosen = users_on_a_tie(best, asked)
     if chosen[2] is not None and any(chosen is a for a in asked):  # the user's layout as given
         # and what the search would have chosen without it
@@ -416,18 +415,31 @@ def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, 
     return _result(chosen, evaluate, limit)
 
 
+def _refined(score, evaluate: _Evaluator, shape: MeshShape, asked: list):
+    """``score`` refined (:func:`refine`), and its products too (:func:`refine_products`) unless
+    it is the user's own layout (``asked``): the search departs from the user's products only
+    for a layout of its own."""
+    mine = any(score is a for a in asked)
+    score = refine(score, evaluate, shape)
+    return score if mine else refine_products(score, evaluate, shape)
+
+
 RUNNERS_UP = 1.25  # the experts' strategies refined beside the search's best: those this near
+RUNNERS = 2  # and at most this many of them, the fastest
 
 
-def _runners_up(first: tuple, seeds, within: float = RUNNERS_UP) -> list:
-    """``first`` (the search's best) and the experts' strategies (``seeds``, scored) that fit
-    and are predicted within ``within`` times its time, each schedule once: an expert splits
+def _runners_up(first: tuple, seeds, within: float = RUNNERS_UP, most: int = RUNNERS) -> list:
+    """``first`` (the search's best) and the ``most`` fastest of the experts' strategies
+    (``seeds``, scored) that fit and are predicted within ``within`` times its time, each
+    schedule once: an expert splits
     every layer alike, and refined layer by layer (:func:`refine_products`) one may overtake
     the best (Llama 3.1 405B on two v6e-256 slices: FSDP over all 512 chips best, 62.4 s
     predicted; FSDP x tensor with the residual stream over ``tensor`` 62.5 s, and 56.8 s with
     its key and value projections split over their contraction, as MaxText's layout)."""
     out = [first]
-    for r in seeds:
+    for r in sorted(seeds, key=lambda r: r[:2]):
+        if len(out) > most:
+            break
         if math.isinf(r[0]) or r[2] is None or math.isinf(first[0]) or r[0] > first[0] * within:
             continue
         if all(o[2] is None or r[2].assign != o[2].assign for o in out):
@@ -501,16 +513,16 @@ def refine(score, evaluate: _Evaluator, shape: MeshShape, ops: int = REFINED_OPS
     return best
 
 
-REFINED_PRODUCTS = 64  # the products refine_products() tries at most, those communicating most
+REFINED_PRODUCTS = 24  # the products refine_products() tries, those communicating most
 
 
 def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
                     ops: int = REFINED_PRODUCTS):  # fmt: skip
     """``score`` (the search's best: time, peak, schedule, prediction) improved product by
     product: the ``ops`` products (dense ops) whose communication is predicted dearest each try
-    every mesh axis they are split over moved to each other loop they may split (or dropped),
-    the other axes kept (:func:`axis_moves`), and a change is kept where :func:`best_of` prefers
-    it. The search chooses a product with the others of its group, and the experts' strategies
+    every mesh axis they are split over dropped, or moved to a loop an operand that is moved
+    for them arrives split on by that axis (:func:`axis_moves`, :func:`arriving_layouts`), the
+    other axes kept, and a change is kept where :func:`best_of` prefers it. The search chooses a product with the others of its group, and the experts' strategies
     split every layer alike; a layer of its own wants its own split. Llama 3.1 405B's key and
     value projections (8 heads) over ``tensor`` on two v6e-256 slices: split over their
     contraction, partial sums reduce-scattered, rather than the activation gathered (62.5 s
@@ -530,7 +542,15 @@ def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
     best = score
     for cost in dear:
         op = by_op[cost.op]
-        for loops in axis_moves(op, best[2].assign.get(op.name, {}), shape, evaluate.xla):
+        current = best[2].assign.get(op.name, {})
+        (step,) = dataflow(evaluate.prog, best[2], only=(op.name,))
+        arriving = {(lp, shape.factor_axis[f]) for layout in arriving_layouts(op, step.moves)
+                    for lp, fs in layout.items() for f in fs}  # fmt: skip
+        for loops in axis_moves(op, current, shape, evaluate.xla):
+            landed = {(lp, shape.factor_axis[f]) for lp, fs in loops.items() for f in fs
+                      if f not in current.get(lp, ())}  # fmt: skip
+            if not landed <= arriving:  # an axis moved where no operand arrives split by it
+                continue
             assign = {**best[2].assign, op.name: loops}
             tried = evaluate.schedule(dataclasses.replace(best[2], assign=assign))
             if tried[:2] != best[:2] and best_of([best, tried]) is tried:
