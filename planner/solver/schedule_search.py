@@ -506,11 +506,17 @@ def refine(score, evaluate: _Evaluator, shape: MeshShape, ops: int = REFINED_OPS
                 loops = check_assignment(shape, op, loops, evaluate.xla)
             except ValueError:
                 continue
-            assign = {**best[2].assign, op.name: loops}
-            tried = evaluate.schedule(dataclasses.replace(best[2], assign=assign))
-            if tried[:2] != best[:2] and best_of([best, tried]) is tried:
-                best = tried
+            best = _kept_if_preferred(best, op, loops, evaluate)
     return best
+
+
+def _kept_if_preferred(best, op: Op, loops: dict, evaluate: _Evaluator):
+    """``best`` (a score) with ``op`` laid out as ``loops`` where :func:`best_of` prefers that
+    schedule (faster beyond :data:`TIME_TIE`, or as fast with a lower peak), else ``best``."""
+    tried = evaluate.schedule(
+        dataclasses.replace(best[2], assign={**best[2].assign, op.name: loops})
+    )
+    return tried if tried[:2] != best[:2] and best_of([best, tried]) is tried else best
 
 
 REFINED_PRODUCTS = 24  # the products refine_products() tries, those communicating most
@@ -522,8 +528,9 @@ def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
     product: the ``ops`` products (dense ops) whose communication is predicted dearest each try
     every mesh axis they are split over dropped, or moved to a loop an operand that is moved
     for them arrives split on by that axis (:func:`axis_moves`, :func:`arriving_layouts`), the
-    other axes kept, and a change is kept where :func:`best_of` prefers it. The search chooses a product with the others of its group, and the experts' strategies
-    split every layer alike; a layer of its own wants its own split. Llama 3.1 405B's key and
+    other axes kept, and a change is kept where :func:`best_of` prefers it. The search chooses
+    a product with the others of its group, and the experts' strategies split every layer
+    alike; a layer of its own wants its own split. Llama 3.1 405B's key and
     value projections (8 heads) over ``tensor`` on two v6e-256 slices: split over their
     contraction, partial sums reduce-scattered, rather than the activation gathered (62.5 s
     predicted from FSDP x tensor with the residual stream over ``tensor``, 57.1 s so, as
@@ -549,12 +556,8 @@ def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
         for loops in axis_moves(op, current, shape, evaluate.xla):
             landed = {(lp, shape.factor_axis[f]) for lp, fs in loops.items() for f in fs
                       if f not in current.get(lp, ())}  # fmt: skip
-            if not landed <= arriving:  # an axis moved where no operand arrives split by it
-                continue
-            assign = {**best[2].assign, op.name: loops}
-            tried = evaluate.schedule(dataclasses.replace(best[2], assign=assign))
-            if tried[:2] != best[:2] and best_of([best, tried]) is tried:
-                best = tried
+            if landed <= arriving:  # else an axis moved where no operand arrives split by it
+                best = _kept_if_preferred(best, op, loops, evaluate)
     return best
 
 
