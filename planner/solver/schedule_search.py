@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 import networkx as nx
 
 from planner.cost.memory import AUTO, MEMORY_RESERVE, MemoryLimitError, resolve_memory_limit
-from planner.cost.simulator import Prediction, peak_buffers, simulate
+from planner.cost.simulator import Prediction, op_seconds, peak_buffers, simulate
 from planner.layout.dataflow import dataflow, input_spec
 from planner.layout.donation import keep_state_layouts
 from planner.program.ir import Program
@@ -402,7 +402,10 @@ def _finish(results: list, asked: list, evaluate: _Evaluator, shape: MeshShape, 
     answer is the user's layout as given, the memo keeps what the search would have answered
     without it (:meth:`Evaluations.own_best`: ``explain()`` says it)."""
     first = best_of(results)
-    best = best_of([_refined(r, evaluate, shape, asked) for r in _runners_up(first, seeds)])
+    best = best_of(
+        [_refined(first, evaluate, shape, asked)]
+        + [refine_products(r, evaluate, shape) for r in _runners_up(first, seeds)[1:]]
+    )
     chosen = users_on_a_tie(best, asked)
     if chosen[2] is not None and any(chosen is a for a in asked):  # the user's layout as given
         # and what the search would have chosen without it
@@ -528,7 +531,9 @@ def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
     product: the ``ops`` products (dense ops) whose communication is predicted dearest each try
     every mesh axis they are split over dropped, or moved to a loop an operand that is moved
     for them arrives split on by that axis (:func:`axis_moves`, :func:`arriving_layouts`), the
-    other axes kept, and a change is kept where :func:`best_of` prefers it. The search chooses
+    other axes kept; a move that makes the product and its users faster alone
+    (:func:`planner.cost.simulator.op_seconds`) is priced whole, and kept where
+    :func:`best_of` prefers it. The search chooses
     a product with the others of its group, and the experts' strategies split every layer
     alike; a layer of its own wants its own split. Llama 3.1 405B's key and
     value projections (8 heads) over ``tensor`` on two v6e-256 slices: split over their
@@ -553,11 +558,16 @@ def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
         (step,) = dataflow(evaluate.prog, best[2], only=(op.name,))
         arriving = {(lp, shape.factor_axis[f]) for layout in arriving_layouts(op, step.moves)
                     for lp, fs in layout.items() for f in fs}  # fmt: skip
+        near = (op.name, *evaluate.prog.neighbours[op.name][1])  # its moves in and out
+        here = sum(op_seconds(evaluate.prog, best[2], near, evaluate.cal).values())
         for loops in axis_moves(op, current, shape, evaluate.xla):
             landed = {(lp, shape.factor_axis[f]) for lp, fs in loops.items() for f in fs
                       if f not in current.get(lp, ())}  # fmt: skip
-            if landed <= arriving:  # else an axis moved where no operand arrives split by it
-                best = _kept_if_preferred(best, op, loops, evaluate)
+            if not landed <= arriving:  # an axis moved where no operand arrives split by it
+                continue
+            trial = dataclasses.replace(best[2], assign={**best[2].assign, op.name: loops})
+            if sum(op_seconds(evaluate.prog, trial, near, evaluate.cal).values()) < here:
+                best = _kept_if_preferred(best, op, loops, evaluate)  # priced whole only then
     return best
 
 
