@@ -577,8 +577,7 @@ def _operands_want(op: Op, layout: dict, order: str, wanted: dict) -> None:
         wants(wanted, None)
 
 
-def _largest_want(op: Op, layout: dict, consumers, result: dict, sched: Schedule,
-                  wanted: dict) -> None:  # fmt: skip
+def _largest_want(op: Op, layout: dict, result: dict, sched: Schedule, wanted: dict) -> None:
     """Add to ``wanted`` the loops of ``op`` its operands' ``layout``s split and those its
     results' partitioned users (a sharding constraint on the result) split as they read them,
     the largest of these tensors first (:func:`want_loops`), as Shardy resolves a conflict
@@ -737,7 +736,7 @@ def _propagate(
                     p, acc = returned[o.name]
                     want_loops(o.results[0], sched.spec(p, acc), wanted)
                 if order == "largest":
-                    _largest_want(o, layout, consumers, result, sched, wanted)
+                    _largest_want(o, layout, result, sched, wanted)
                 else:
                     _operands_want(o, layout, order, wanted)
                 new = _try(o, mesh, wanted, xla, as_wanted)

@@ -434,9 +434,8 @@ RUNNERS = 2  # and at most this many of them, the fastest
 def _runners_up(first: tuple, seeds, within: float = RUNNERS_UP, most: int = RUNNERS) -> list:
     """``first`` (the search's best) and the ``most`` fastest of the experts' strategies
     (``seeds``, scored) that fit and are predicted within ``within`` times its time, each
-    schedule once: an expert splits
-    every layer alike, and refined layer by layer (:func:`refine_products`) one may overtake
-    the best (Llama 3.1 405B on two v6e-256 slices: FSDP over all 512 chips best, 62.4 s
+    schedule once: an expert splits every layer alike, and refined layer by layer
+    (:func:`refine_products`) one may overtake the best (Llama 3.1 405B on two v6e-256 slices: FSDP over all 512 chips best, 62.4 s
     predicted; FSDP x tensor with the residual stream over ``tensor`` 62.5 s, and 56.8 s with
     its key and value projections split over their contraction, as MaxText's layout)."""
     out = [first]
@@ -533,10 +532,9 @@ def refine_products(score, evaluate: _Evaluator, shape: MeshShape,
     for them arrives split on by that axis (:func:`axis_moves`, :func:`arriving_layouts`), the
     other axes kept; a move that makes the product and its users faster alone
     (:func:`planner.cost.simulator.op_seconds`) is priced whole, and kept where
-    :func:`best_of` prefers it. The search chooses
-    a product with the others of its group, and the experts' strategies split every layer
-    alike; a layer of its own wants its own split. Llama 3.1 405B's key and
-    value projections (8 heads) over ``tensor`` on two v6e-256 slices: split over their
+    :func:`best_of` prefers it. The search chooses a product with the others of its group,
+    and the experts' strategies split every layer alike; a layer of its own wants its own
+    split. Llama 3.1 405B's key and value projections (8 heads) over ``tensor`` on two v6e-256 slices: split over their
     contraction, partial sums reduce-scattered, rather than the activation gathered (62.5 s
     predicted from FSDP x tensor with the residual stream over ``tensor``, 57.1 s so, as
     MaxText's layout).
